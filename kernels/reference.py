@@ -1,0 +1,43 @@
+"""Plain-torch LoRA reference: the ground truth every kernel and every graph is tested against.
+
+It reads only each token's slot, never the launch count or the sorted metadata, so it computes
+what the batch *should* get whatever graph serves it. Math in float32.
+"""
+
+import torch
+
+from . import LoRAMeta
+
+NEEDS_ZEROED_SCRATCH = False
+
+
+def lora_delta(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_starts: tuple[int, ...],
+    token_slot: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The LoRA update of every token, float32 [T, N]; zero rows for base-model tokens.
+
+    x: [T, K] inputs; lora_a: [L, S·R, K]; lora_b: [L, N, R]; slice_starts: (0, ..., N), S+1 ints;
+    token_slot: [T] slot per token (-1 = base model); scale: LoRA scaling (alpha / rank).
+    """
+    rank = lora_b.shape[-1]
+    slot = token_slot[: x.shape[0]].long()
+    use = (slot >= 0).to(torch.float32)[:, None]
+    a = lora_a[slot.clamp(min=0)].float()  # [T, S·R, K]
+    b = lora_b[slot.clamp(min=0)].float()  # [T, N, R]
+    h = scale * torch.einsum("tk,trk->tr", x.float(), a) * use
+    delta = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(len(slice_starts) - 1):
+        n0, n1 = slice_starts[s], slice_starts[s + 1]
+        delta[:, n0:n1] = torch.einsum("tnr,tr->tn", b[:, n0:n1], h[:, s * rank : (s + 1) * rank])
+    return delta
+
+
+def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
+    """In-place reference update ``y += delta``; same signature as the kernel backends."""
+    del launch_count, scratch  # the reference serves every adapter token, whatever the grid
+    y += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale).to(y.dtype)

@@ -1,0 +1,249 @@
+"""Triton LoRA shrink and expand, grouped by adapter slot, grid sized by the launch count.
+
+Both kernels launch a grid whose last axis is the *launch count*: program ``i`` on that axis
+serves ``active_slots[i]`` and exits at once when that entry is -1 (fewer adapters active than
+launched) or when its tile lies past that adapter's tokens. Base-model tokens never appear in
+``sorted_tokens``, so they are never read or written.
+
+shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ      split over K; fp32 atomics when split
+expand: y[t, slice s] += scratch[t, s·R:(s+1)·R] @ B[slot][slice s]ᵀ
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import MAX_SLICES, LoRAMeta
+
+# Triton's CPU interpreter returns garbage from tl.dot on bf16 operands (exact on fp16 and fp32),
+# so under the interpreter bf16 tiles are upcast to fp32 before the dot. GPU code is unaffected.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The shrink splits K with fp32 atomics, so its output buffer must start at zero.
+NEEDS_ZEROED_SCRATCH = True
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [T, K] input activations
+    a_ptr,  # [L, N, K] stacked A weights, N = slices · rank
+    out_ptr,  # [T, N] float32 scratch; must be zero when SPLIT_K > 1
+    sorted_ptr,  # [T] adapter-token indices grouped by active slot
+    active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
+    start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
+    K,  # input features
+    N,  # slices · rank
+    stride_xm, stride_xk,
+    stride_al, stride_an, stride_ak,
+    stride_om, stride_on,
+    scale,  # LoRA scaling, folded into the shrink
+    BLOCK_M: tl.constexpr,  # tokens per tile
+    BLOCK_N: tl.constexpr,  # rank columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a strided part of K
+    UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
+):
+    pid = tl.program_id(0)
+    lora_idx = tl.program_id(2)
+    slot = tl.load(active_ptr + lora_idx)
+    if slot < 0:
+        return
+    start = tl.load(start_ptr + lora_idx)
+    count = tl.load(start_ptr + lora_idx + 1) - start
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_sk = pid % SPLIT_K
+    pid_m = (pid // SPLIT_K) // num_n
+    pid_n = (pid // SPLIT_K) % num_n
+    if pid_m * BLOCK_M >= count:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    a_base = a_ptr + slot.to(tl.int64) * stride_al
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_sk * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            a_base + offs_n[None, :] * stride_an + offs_k[:, None] * stride_ak,
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc += tl.dot(x, a)
+    acc *= scale
+
+    out = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr,  # [T, S·R] float32 shrink output
+    b_ptr,  # [L, N, R] stacked B weights
+    y_ptr,  # [T, N] output, updated in place
+    sorted_ptr, active_ptr, start_ptr,  # as in the shrink
+    R,  # rank
+    n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
+    stride_hm, stride_hn,
+    stride_bl, stride_bn, stride_br,
+    stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # >= R, at least 16 (tl.dot's minimum)
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    lora_idx = tl.program_id(2)
+    slot = tl.load(active_ptr + lora_idx)
+    if slot < 0:
+        return
+    start = tl.load(start_ptr + lora_idx)
+    count = tl.load(start_ptr + lora_idx + 1) - start
+    n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
+    n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
+    max_slice = tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
+    num_n = tl.cdiv(max_slice, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= count:
+        return
+    if pid_n * BLOCK_N >= n_hi - n_lo:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_hi
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+
+    h = tl.load(
+        h_ptr + rows[:, None] * stride_hm + (s * R + offs_r)[None, :] * stride_hn,
+        mask=m_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+        mask=n_mask[None, :] & r_mask[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        acc = tl.dot(h, b.to(tl.float32))
+    else:
+        acc = tl.dot(h.to(b.dtype), b)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _block_m(tokens: int) -> int:
+    return 16 if tokens <= 16 else 32 if tokens <= 64 else 64
+
+
+def shrink_config(tokens: int, k: int, n: int) -> ShrinkConfig:
+    """Default shrink tiling: split K wide for decode-sized batches (the A reads dominate)."""
+    block_k = 128
+    split_k = min(32, triton.next_power_of_2(max(1, k // (2 * block_k)))) if tokens <= 64 else 4
+    return ShrinkConfig(_block_m(tokens), min(64, max(16, triton.next_power_of_2(n))), block_k, split_k)
+
+
+def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
+    return ExpandConfig(_block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice))))
+
+
+def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float, config=None):
+    """out[t] (+)= scale · x[t] @ lora_a[slot(t)]ᵀ for adapter tokens of the first
+    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split."""
+    tokens, k = x.shape
+    n = lora_a.shape[1]
+    cfg = config or shrink_config(tokens, k, n)
+    grid = (cfg.split_k * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1, launch_count)
+    _shrink_kernel[grid](
+        x, lora_a, out, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        k, n,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        out.stride(0), out.stride(1),
+        scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, config=None):
+    """y[t, slice s] += h[t, s·R:(s+1)·R] @ lora_b[slot(t)][slice s]ᵀ, in place."""
+    num_slices = len(slice_starts) - 1
+    if not 1 <= num_slices <= MAX_SLICES:
+        raise ValueError(f"{num_slices} slices; the expand kernel takes 1 to {MAX_SLICES}")
+    bounds = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - num_slices)
+    widest = max(b - a for a, b in zip(slice_starts, slice_starts[1:]))
+    tokens = y.shape[0]
+    rank = lora_b.shape[2]
+    cfg = config or expand_config(tokens, widest)
+    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
+    _expand_kernel[grid](
+        h, lora_b, y, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        rank, *bounds,
+        h.stride(0), h.stride(1),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
+    """Shrink then expand into ``y`` in place. ``scratch`` is a float32 [>=T, >=S·R] buffer;
+    when the shrink splits K it must be zero on entry (the model zeroes all its scratch once per
+    step). Without one, a zeroed buffer is allocated (not allowed inside graph capture)."""
+    if launch_count <= 0:
+        return
+    tokens = x.shape[0]
+    n = lora_a.shape[1]
+    if scratch is None:
+        scratch = torch.zeros(tokens, n, dtype=torch.float32, device=x.device)
+    h = scratch[:tokens, :n]
+    lora_shrink(x, lora_a, h, meta, launch_count, scale)
+    lora_expand(h, lora_b, y, slice_starts, meta, launch_count)
