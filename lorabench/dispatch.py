@@ -143,12 +143,14 @@ class Dispatcher:
         packed, n = self.meta_buf.pack(slots)
         return Prepared(packed, n, len(slots), self.route(len(slots), n))
 
+    def run(self, route: Route) -> torch.Tensor:
+        """Replay the route's graph (or run it eagerly) over the metadata already loaded."""
+        return self.runners[(route.tokens, route.launch)]() if route.graphed else self.forward(route.tokens, route.launch)
+
     def launch(self, prep: Prepared) -> torch.Tensor:
         """Copy the metadata in and run the chosen graph; returns logits [batch tokens, vocab]."""
         self.meta_buf.load(prep.packed)
-        r = prep.route
-        out = self.runners[(r.tokens, r.launch)]() if r.graphed else self.forward(r.tokens, r.launch)
-        return out[: prep.batch_tokens]
+        return self.run(prep.route)[: prep.batch_tokens]
 
     def step(self, slots: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids is not None:

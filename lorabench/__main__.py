@@ -1,0 +1,5 @@
+import sys
+
+from lorabench.cli import main
+
+sys.exit(main())

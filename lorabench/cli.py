@@ -1,0 +1,115 @@
+"""The ``lorabench`` command line: ``sweep`` measures, ``report`` turns a run into plots, tables
+and a recommendation. Bad input ends in one line on stderr and exit status 2."""
+
+import importlib
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from lorabench.spec import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Benchmark and tune multi-LoRA CUDA-graph specialisation: which capture sets pay, at what memory and startup cost.",
+)
+console = Console()
+
+LIST = "comma-separated"
+
+
+@app.command()
+def sweep(
+    max_loras: str = typer.Option(None, "--max-loras", help=f"Resident adapter slots, {LIST} [default: 4]."),
+    concurrency: str = typer.Option(None, "--concurrency", help=f"Requests per decode step, {LIST} [default: 1,2,4,8]."),
+    strategy: str = typer.Option(None, "--strategy", help=f"Capture sets: max, pow2, dense or a list like [1,2,4], {LIST} [default: max,pow2,dense]."),
+    model: str = typer.Option(None, "--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU]."),
+    layers: str = typer.Option(None, "--layers", help="Shorten the model to this many layers [default: the preset's]."),
+    rank: str = typer.Option(None, "--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16]."),
+    context_len: str = typer.Option(None, "--context-len", help="KV-cache positions each request attends over [default: 1024]."),
+    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU]."),
+    kernels: str = typer.Option(None, "--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch [default: triton on a GPU, torch on the CPU]."),
+    device: str = typer.Option(None, "--device", help="auto, cuda, cpu [default: auto]."),
+    workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by + [default: uniform]."),
+    iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
+    warmup: str = typer.Option(None, "--warmup", help="Untimed steps before each point [default: 10]."),
+    seed: str = typer.Option(None, "--seed", help="Seed for weights and batches [default: 0]."),
+    out: str = typer.Option(None, "--out", help="Output root; the run goes to OUT/<run_id> [default: results]."),
+    capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),
+    spec: Path = typer.Option(None, "--spec", help="A TOML spec (e.g. sweeps/card.toml); flags override it."),
+):
+    """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
+    import torch
+
+    from lorabench.results import read_points
+    from lorabench.spec import build_spec
+    from lorabench.sweep import Sweep, summary_table
+
+    flags = {k: v for k, v in locals().items() if k not in ("spec", "torch", "build_spec", "Sweep", "summary_table", "read_points")}
+    the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
+    if notice:
+        console.print(notice)
+    run = Sweep(the_spec, shlex.join(["lorabench"] + sys.argv[1:]), console)
+    console.print(f"run {run.run_id}: {sum(len(j['points']) for j in run.jobs)} points in {len(run.jobs)} workers -> {run.run_dir}")
+    try:
+        run_dir = run.run()
+    except KeyboardInterrupt:
+        rows = len(run.writer.rows)
+        print(f"interrupted: {rows} finished rows kept in {run.writer.path}", file=sys.stderr)
+        raise typer.Exit(130)
+    df = read_points(run_dir)
+    console.print(summary_table(df, the_spec.device))
+    failed = int((df.status == "failed").sum())
+    console.print(f"{len(df)} points ({failed} failed) in {run.info['wall_s']:.1f} s -> {run_dir / 'points.parquet'}")
+    console.print(f"next: lorabench report {run_dir}")
+
+
+@app.command()
+def report(
+    runs: list[Path] = typer.Argument(None, help="Run folders [default: the newest run under --results]."),
+    results: Path = typer.Option(Path("results"), "--results", help="Where to look for the newest run."),
+):
+    """Plots, report.md and recommendation.json, written into each run's folder."""
+    from lorabench.report import find_newest_run, write_report
+
+    for run_dir in runs or [find_newest_run(results)]:
+        paths = write_report(run_dir)
+        console.print(f"{run_dir}: " + ", ".join(p.name for p in paths))
+
+
+def _usage_errors() -> tuple[type, ...]:
+    """Click's usage-error class: from click itself, or from the copy newer Typers vendor."""
+    found = []
+    for module in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            found.append(importlib.import_module(module).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one line and status 2 for bad input, never a traceback."""
+    try:
+        rv = app(args=argv, standalone_mode=False, prog_name="lorabench")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except _usage_errors() as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

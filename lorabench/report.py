@@ -1,0 +1,292 @@
+"""``lorabench report``: plots (PNG), ``report.md`` and ``recommendation.json`` in a run's folder."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from lorabench.analysis import configs, expected_steps, lora_overhead, ok_points  # noqa: E402
+from lorabench.recommend import recommend  # noqa: E402
+from lorabench.results import read_points  # noqa: E402
+from lorabench.spec import UserError  # noqa: E402
+
+STRATEGY_ORDER = {"max": 0, "pow2": 1, "dense": 2}
+
+
+def find_newest_run(results: Path) -> Path:
+    runs = sorted(p.parent for p in Path(results).glob("*/points.parquet"))
+    if not runs:
+        raise UserError(f"no runs with a points.parquet under {results}/ (run `lorabench sweep` first)")
+    return max(runs, key=lambda p: (p / "points.parquet").stat().st_mtime)
+
+
+def load_run(run_dir: Path) -> pd.DataFrame:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder")
+    if not (run_dir / "points.parquet").is_file():
+        raise UserError(f"{run_dir} has no points.parquet (is it a sweep's output folder?)")
+    try:
+        df = read_points(run_dir)
+    except Exception as e:  # noqa: BLE001 - a corrupt file is bad input, not a crash
+        raise UserError(f"{run_dir}/points.parquet cannot be read: {e}") from None
+    if not len(ok_points(df)):
+        raise UserError(f"{run_dir}/points.parquet holds no successful points to report on")
+    return df
+
+
+def strategies(df: pd.DataFrame) -> list[str]:
+    return sorted(df.strategy.unique(), key=lambda s: (STRATEGY_ORDER.get(s, 3), s))
+
+
+def unit(df: pd.DataFrame) -> str:
+    return "GPU ms" if (df.device == "cuda").all() else "CPU wall ms"
+
+
+def label(df: pd.DataFrame, kernels: str, strategy: str) -> str:
+    return strategy if df.kernels.nunique() == 1 else f"{kernels}/{strategy}"
+
+
+def _grid(nrows, ncols, w=4.2, h=3.2):
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False)
+    return fig, axes
+
+
+def _title(fig, df, what):
+    r = df.iloc[0]
+    where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
+    fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
+
+
+def plot_latency_vs_active(df: pd.DataFrame, path: Path) -> Path:
+    """Step time vs active count at each concurrency: the round-up steps of each capture set."""
+    fixed = ok_points(df)[lambda d: d["mode"] == "fixed"]
+    loras, conc = sorted(fixed.max_loras.unique()), sorted(fixed.concurrency.unique())
+    fig, axes = _grid(len(loras), len(conc))
+    for i, m in enumerate(loras):
+        for j, c in enumerate(conc):
+            ax = axes[i][j]
+            for (k, s), g in fixed[(fixed.max_loras == m) & (fixed.concurrency == c)].groupby(["kernels", "strategy"]):
+                g = g.sort_values("n_active")
+                err = [g.step_ms_median - g.step_ms_p10, g.step_ms_p90 - g.step_ms_median]
+                ax.errorbar(g.n_active, g.step_ms_median, yerr=err, marker="o", ms=3, capsize=2, label=label(df, k, s))
+            ax.set_title(f"max_loras={m}, c={c}", fontsize=9)
+            ax.set_xlabel("active adapters n")
+            ax.set_ylabel(f"step ({unit(df)}), p10-p90")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0][0].legend(fontsize=8)
+    _title(fig, df, "Decode step vs active adapters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_vs_concurrency(df: pd.DataFrame, exp: pd.DataFrame, path: Path) -> Path:
+    """Workload-weighted expected step time vs concurrency, measured workload runs as markers."""
+    loras, wls = sorted(exp.max_loras.unique()), sorted(exp.workload.unique())
+    fig, axes = _grid(len(loras), len(wls))
+    for i, m in enumerate(loras):
+        for j, w in enumerate(wls):
+            ax = axes[i][j]
+            sub = exp[(exp.max_loras == m) & (exp.workload == w)]
+            for (k, s), g in sub.groupby(["kernels", "strategy"]):
+                g = g.sort_values("concurrency")
+                line = ax.plot(g.concurrency, g.expected_ms, marker="o", ms=3, label=f"{label(df, k, s)} expected")[0]
+                ax.plot(g.concurrency, g.measured_mean_ms, ls="none", marker="x", color=line.get_color())
+            base = sub.groupby("concurrency").base_ms.min()
+            ax.plot(base.index, base.values, ls="--", color="grey", label="n = 0 (no LoRA)")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"max_loras={m}, workload {w}", fontsize=9)
+            ax.set_xlabel("concurrency (tokens per step)")
+            ax.set_ylabel(f"step ({unit(df)})")
+    axes[0][0].legend(fontsize=7, title="x = measured workload run", title_fontsize=7)
+    _title(fig, df, "Expected decode step under the workload")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup(df: pd.DataFrame, exp: pd.DataFrame, path: Path) -> Path:
+    loras = sorted(exp.max_loras.unique())
+    fig, axes = _grid(1, len(loras))
+    for i, m in enumerate(loras):
+        ax = axes[0][i]
+        for (k, s, w), g in exp[exp.max_loras == m].groupby(["kernels", "strategy", "workload"]):
+            if s == "max":
+                continue
+            g = g.sort_values("concurrency")
+            ax.plot(g.concurrency, g.speedup_vs_max, marker="o", ms=3, label=f"{label(df, k, s)}, {w}")
+        ax.axhline(1.0, color="grey", ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"max_loras={m}", fontsize=9)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("expected speed-up over max (x)")
+        ax.legend(fontsize=7)
+    _title(fig, df, "Speed-up of specialised capture sets over max")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_memory_startup(df: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path:
+    fig, axes = _grid(1, 2, w=5.5)
+    names = [f"{label(df, r.kernels, r.strategy)}\nL={r.max_loras}" for r in cfg.itertuples()]
+    x = np.arange(len(cfg))
+    mem = cfg.graph_mem_bytes.astype(float) / 2**20
+    axes[0][0].bar(x, mem.fillna(0))
+    axes[0][0].set_ylabel("graph memory (MiB, free-memory delta)")
+    if mem.isna().all():
+        axes[0][0].text(0.5, 0.5, "no graph memory on the CPU", ha="center", transform=axes[0][0].transAxes)
+    bottom = np.zeros(len(cfg))
+    for part in ("build_s", "compile_s", "capture_s"):
+        v = cfg[part].astype(float).to_numpy()
+        axes[0][1].bar(x, v, bottom=bottom, label=part.removesuffix("_s"))
+        bottom += v
+    axes[0][1].set_ylabel("startup (s)")
+    axes[0][1].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.set_xticks(x, names, fontsize=7)
+    _title(fig, df, "What each capture set costs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path:
+    fig, axes = _grid(1, 1, w=5.5, h=4)
+    ax = axes[0][0]
+    w = sorted(exp.workload.unique())[0]
+    mean = exp[exp.workload == w].groupby(["kernels", "max_loras", "strategy"]).expected_ms.mean()
+    for r in cfg.itertuples():
+        if (r.kernels, r.max_loras, r.strategy) not in mean:
+            continue
+        x = (r.graph_mem_bytes or 0) / 2**20 if pd.notna(r.graph_mem_bytes) else 0
+        y = mean[(r.kernels, r.max_loras, r.strategy)]
+        ax.scatter(x, y)
+        ax.annotate(f"{label(df, r.kernels, r.strategy)} L={r.max_loras}", (x, y), fontsize=7)
+    ax.set_xlabel("graph memory (MiB)")
+    ax.set_ylabel(f"expected step, mean over concurrency ({unit(df)})")
+    ax.set_title(f"workload {w}", fontsize=9)
+    _title(fig, df, "Latency vs graph memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if v is None or (isinstance(v, float) and np.isnan(v)):
+            return "-"
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _mib(v):
+    return None if v is None or pd.isna(v) else round(float(v) / 2**20, 1)
+
+
+def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
+    r = df.iloc[0]
+    where = f"{r.gpu_name} (driver {r.driver}, CUDA {r.cuda})" if r.device == "cuda" else "CPU: figures are CPU wall times, not GPU results"
+    u = unit(df)
+    out = [
+        f"# lorabench report: {r.run_id}",
+        "",
+        f"- machine: {where}",
+        f"- model: {r.model}, {int(r.layers)} layers, hidden {int(r.hidden)}, rank {int(r['rank'])}, {r['dtype']}, "
+        f"context {int(r.context_len) if pd.notna(r.context_len) else '-'}",
+        f"- torch {r.torch}, triton {r.triton}, git {r.git_sha}",
+        f"- command: `{run_info.get('argv', r.argv)}`",
+        f"- sweep wall time: {run_info.get('wall_s', float('nan')):.1f} s; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
+        f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %)",
+        f"- timing: {u}; median of {int(r.iters)} steps per point after {int(r.warmup)} warm-up steps",
+        "",
+        "## Capture sets and their cost",
+        "",
+        md_table(
+            ["kernels", "max_loras", "strategy", "launch counts", "graphs", "graph MiB", "pool MiB", "build s", "compile s", "capture s", "startup s"],
+            [[c.kernels, int(c.max_loras), c.strategy, c.captured_counts, int(c.num_graphs), _mib(c.graph_mem_bytes),
+              _mib(c.pool_bytes), c.build_s, c.compile_s, c.capture_s, c.startup_s] for c in cfg.itertuples()],
+        ),
+        "",
+        f"![memory and startup]({plots['memory_startup'].name})",
+        "",
+        f"## Step time by active count ({u}, median [launch count], overhead over n = 0)",
+        "",
+        f"![latency vs active]({plots['latency_vs_active'].name})",
+        "",
+    ]
+    strats = strategies(df)
+    for (k, m), g in over.groupby(["kernels", "max_loras"]):
+        out.append(f"**{k}, max_loras = {m}**\n")
+        rows = []
+        for (c, n), gg in g.groupby(["concurrency", "n_active"]):
+            cells = [int(c), int(n)]
+            for s in strats:
+                p = gg[gg.strategy == s]
+                cells.append(f"{p.step_ms_median.iloc[0]:.3f} [{int(p.graph_loras.iloc[0])}] {p.overhead_pct.iloc[0]:+.1f} %"
+                             if len(p) else "-")
+            rows.append(cells)
+        out += [md_table(["c", "n"] + strats, rows), ""]
+    if not exp.empty:
+        out += [f"## Expected step under each workload ({u})", "",
+                "expected = sum over n of P(n | c) x median(c, n); measured = the workload run's mean over its steps.", "",
+                f"![latency vs concurrency]({plots['latency_vs_concurrency'].name})", "",
+                f"![speed-up]({plots['speedup'].name})", ""]
+        rows = [[e.kernels, e.max_loras, e.workload, e.concurrency, e.strategy, e.expected_ms, e.measured_mean_ms,
+                 (e.measured_mean_ms / e.expected_ms - 1) * 100 if e.expected_ms else np.nan, e.speedup_vs_max]
+                for e in exp.sort_values(["kernels", "max_loras", "workload", "concurrency"]).itertuples()]
+        out += [md_table(["kernels", "max_loras", "workload", "c", "strategy", "expected", "measured", "meas/exp - 1 (%)", "speed-up vs max"], rows), ""]
+    ok = ok_points(df)
+    host = ok.groupby(["kernels", "concurrency"]).agg(host=("host_us_median", "median"), launch=("launch_us_median", "median"))
+    out += ["## Host overhead per step (us, median over points)", "",
+            "metadata build + graph choice + metadata copy call; `launch` is the replay call itself.", "",
+            md_table(["kernels", "c", "host us", "launch us"], [[k, int(c), h.host, h.launch] for (k, c), h in host.iterrows()]), "",
+            f"![latency vs memory]({plots['latency_vs_memory'].name})", "",
+            "## Recommendation", ""]
+    for x in rec["recommendations"]:
+        out.append(f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: `{x['strategy']}` "
+                   f"{x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "
+                   f"{x['num_graphs']} graphs ({x['num_graphs_max']} for max). {x['reason']}. vLLM: `{x['vllm']['flags']}`")
+    bad = df[(df.status == "failed") | df.noisy.fillna(False).astype(bool)]
+    if len(bad):
+        out += ["", "## Failed and noisy points", "",
+                md_table(["point", "kernels", "max_loras", "strategy", "c", "n", "mode", "status", "error / IQR"],
+                         [[int(b.point), b.kernels, b.max_loras, b.strategy, b.concurrency, b.n_active, b["mode"], b.status,
+                           (b.error or "")[:120] if b.status == "failed" else f"IQR {b.step_ms_iqr:.3f} ms"] for _, b in bad.iterrows()])]
+    return "\n".join(out) + "\n"
+
+
+def write_report(run_dir: Path) -> list[Path]:
+    run_dir = Path(run_dir)
+    df = load_run(run_dir)
+    info_path = run_dir / "run.json"
+    run_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    cfg, exp, over = configs(df), expected_steps(df), lora_overhead(df)
+    plots = {
+        "latency_vs_active": plot_latency_vs_active(df, run_dir / "latency_vs_active.png"),
+        "memory_startup": plot_memory_startup(df, cfg, run_dir / "memory_startup.png"),
+    }
+    if not exp.empty:
+        plots["latency_vs_concurrency"] = plot_latency_vs_concurrency(df, exp, run_dir / "latency_vs_concurrency.png")
+        plots["speedup"] = plot_speedup(df, exp, run_dir / "speedup_vs_max.png")
+        plots["latency_vs_memory"] = plot_latency_vs_memory(df, exp, cfg, run_dir / "latency_vs_memory.png")
+    rec = recommend(df)
+    rec_path = run_dir / "recommendation.json"
+    rec_path.write_text(json.dumps(rec, indent=2) + "\n")
+    md_path = run_dir / "report.md"
+    md_path.write_text(render_markdown(df, run_info, cfg, exp, over, rec, plots))
+    return list(plots.values()) + [md_path, rec_path]

@@ -1,0 +1,72 @@
+"""The Parquet rows: one per measured point, written as points finish.
+
+``points.parquet`` is rewritten whole (to a temporary file, then renamed over the old one)
+after every row, so at any moment, a Ctrl-C or a killed worker included, it is a complete,
+readable file holding every finished row. ``points.jsonl`` is the same rows, appended.
+Columns: DESIGN.md's list (extend, never rename) plus the extensions marked below.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
+
+SCHEMA = pa.schema(
+    [
+        ("run_id", STR), ("started_at", STR), ("git_sha", STR), ("device", STR), ("gpu_name", STR),
+        ("driver", STR), ("torch", STR), ("triton", STR), ("cuda", STR),
+        ("model", STR), ("layers", I64), ("hidden", I64), ("rank", I64), ("dtype", STR), ("kernels", STR),
+        ("max_loras", I64), ("strategy", STR), ("captured_counts", pa.list_(I64)), ("capture_sizes", pa.list_(I64)),
+        ("concurrency", I64), ("n_active", I64), ("base_tokens", I64), ("graph_tokens", I64), ("graph_loras", I64),
+        ("mode", STR), ("workload", STR), ("iters", I64),
+        ("step_ms_median", F64), ("step_ms_p10", F64), ("step_ms_p90", F64), ("step_ms_p99", F64),
+        ("step_ms_mean", F64), ("step_ms_std", F64), ("step_ms_iqr", F64),
+        ("host_us_median", F64), ("tokens_per_s", F64),
+        ("build_s", F64), ("compile_s", F64), ("capture_s", F64), ("startup_s", F64),
+        ("graph_mem_bytes", I64), ("pool_bytes", I64), ("num_graphs", I64), ("noisy", BOOL),
+        ("status", STR), ("error", STR),
+        # extensions
+        ("point", I64),  # index of the point in its run's plan
+        ("argv", STR), ("seed", I64), ("context_len", I64), ("warmup", I64),
+        ("timing", STR),  # "cuda_events" (GPU time) or "cpu_wall" (eager CPU wall time)
+        ("host_us_p90", F64),
+        ("launch_us_median", F64),  # host time of the replay call itself
+        ("n_active_mean", F64),  # workload runs: mean active count over the timed steps
+        ("graph_loras_mean", F64),  # workload runs: mean launch count
+        ("process_s", F64),  # worker start: interpreter, imports, device init
+        ("triton_cache", STR),  # "cold" when the compile step wrote new kernels, else "warm"
+        ("lora_bytes_per_slot", I64),
+    ]
+)
+COLUMNS = SCHEMA.names
+
+
+class PointsWriter:
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.rows: list[dict] = []
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "points.parquet"
+
+    def append(self, row: dict) -> None:
+        unknown = set(row) - set(COLUMNS)
+        if unknown:
+            raise KeyError(f"unknown columns {sorted(unknown)}")
+        full = {c: row.get(c) for c in COLUMNS}
+        self.rows.append(full)
+        with open(self.run_dir / "points.jsonl", "a") as f:
+            f.write(json.dumps(full) + "\n")
+        tmp = self.path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA), tmp)
+        os.replace(tmp, self.path)
+
+
+def read_points(run_dir: Path) -> pd.DataFrame:
+    return pq.read_table(Path(run_dir) / "points.parquet").to_pandas()

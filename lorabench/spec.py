@@ -1,0 +1,165 @@
+"""A sweep's specification: defaults, then a TOML spec file, then command-line flags, checked
+once up front so that bad input ends in one clear line (``UserError``) before anything runs."""
+
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lorabench.kernels import BACKENDS, SUPPORTED_DTYPES, SUPPORTED_RANKS
+from lorabench.model import PRESETS
+from lorabench.strategies import capture_counts, canonical
+from lorabench.workload import parse_workload
+
+MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
+
+
+class UserError(Exception):
+    """Bad input: the CLI prints the message as one line and exits with status 2."""
+
+
+@dataclass
+class SweepSpec:
+    max_loras: list[int] = field(default_factory=lambda: [4])
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    strategy: list[str] = field(default_factory=lambda: ["max", "pow2", "dense"])
+    model: str | None = None  # default: llama-2-7b on a GPU, tiny on the CPU
+    layers: int | None = None  # default: the preset's
+    rank: int = 16
+    context_len: int = 1024
+    dtype: str | None = None  # default: float16 on a GPU, float32 on the CPU
+    kernels: list[str] | None = None  # default: triton on a GPU, torch on the CPU
+    device: str = "auto"
+    workload: list[str] = field(default_factory=lambda: ["uniform"])
+    iters: int = 100
+    warmup: int = 10
+    seed: int = 0
+    out: str = "results"
+    capture_sizes: list[int] | None = None  # default: the concurrency values
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LIST_INT = {"max_loras", "concurrency", "capture_sizes"}
+LIST_STR = {"strategy", "kernels", "workload"}
+INTS = {"layers", "rank", "context_len", "iters", "warmup", "seed"}
+STRS = {"model", "dtype", "device", "out"}
+FIELDS = LIST_INT | LIST_STR | INTS | STRS
+
+
+def split_list(text: str) -> list[str]:
+    """Split on commas outside brackets: ``max,[1,2,4]`` -> ['max', '[1,2,4]']."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return parts
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _int(name: str, value, minimum: int) -> int:
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        v = int(str(value).strip())
+    except ValueError:
+        raise UserError(f"{_flag(name)}: {value!r} is not an integer") from None
+    if v < minimum:
+        raise UserError(f"{_flag(name)}: {v} must be at least {minimum}")
+    return v
+
+
+def _coerce(name: str, value):
+    """A flag's or spec file's raw value -> the field's type (comma strings become lists)."""
+    if name in LIST_INT or name in LIST_STR:
+        items = value if isinstance(value, list) else split_list(str(value))
+        if name in LIST_STR:
+            items = [str(i) if not isinstance(i, list) else "[" + ",".join(map(str, i)) + "]" for i in items]
+            if any(not i.strip() for i in items):
+                raise UserError(f"{_flag(name)}: empty entry in {value!r}")
+            return [i.strip() for i in items]
+        if any(str(i).strip() == "" for i in items):
+            raise UserError(f"{_flag(name)}: empty entry in {value!r}")
+        return [_int(name, i, 1) for i in items]
+    if name in INTS:
+        return _int(name, value, 0 if name in ("warmup", "seed") else 1)
+    return str(value)
+
+
+def load_spec_file(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"spec file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"spec file {path} is not valid TOML: {e}") from None
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise UserError(f"spec file {path}: unknown key {key!r} (known: {', '.join(sorted(FIELDS))})")
+        values[name] = value
+    return values
+
+
+def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tuple[SweepSpec, str | None]:
+    """Merge defaults < spec file < flags (None = not given), validate, resolve the automatic
+    defaults for this machine. Returns the spec and a one-line notice (CPU fallback) or None."""
+    given = load_spec_file(spec_file) if spec_file else {}
+    given.update({k: v for k, v in flags.items() if v is not None})
+    spec = SweepSpec()
+    for name, value in given.items():
+        setattr(spec, name, _coerce(name, value))
+
+    if spec.device not in ("auto", "cuda", "cpu"):
+        raise UserError(f"--device: {spec.device!r} is not one of auto, cuda, cpu")
+    if spec.device == "cuda" and not cuda_available:
+        raise UserError("--device cuda: no CUDA device is visible to torch on this machine")
+    device = spec.device if spec.device != "auto" else ("cuda" if cuda_available else "cpu")
+    notice = None
+    if device == "cpu" and spec.model is None:
+        notice = ("No GPU: running the tiny preset with eager steps and torch kernels on the CPU; "
+                  "its figures are CPU figures, not GPU results.")
+    spec.device = device
+    spec.model = spec.model or ("llama-2-7b" if device == "cuda" else "tiny")
+    spec.dtype = spec.dtype or ("float16" if device == "cuda" else "float32")
+    spec.kernels = spec.kernels or (["triton"] if device == "cuda" else ["torch"])
+    spec.capture_sizes = sorted(set(spec.capture_sizes or spec.concurrency))
+    spec.concurrency = sorted(set(spec.concurrency))
+    spec.max_loras = sorted(set(spec.max_loras))
+
+    if spec.model not in PRESETS:
+        raise UserError(f"--model: unknown preset {spec.model!r} (choose from {', '.join(PRESETS)})")
+    if spec.rank not in SUPPORTED_RANKS:
+        raise UserError(f"--rank: {spec.rank} is not supported (choose from {', '.join(map(str, SUPPORTED_RANKS))})")
+    if spec.dtype not in SUPPORTED_DTYPES:
+        raise UserError(f"--dtype: {spec.dtype!r} is not supported (choose from {', '.join(SUPPORTED_DTYPES)})")
+    for k in spec.kernels:
+        if k not in BACKENDS:
+            raise UserError(f"--kernels: unknown backend {k!r} (choose from {', '.join(BACKENDS)})")
+    if max(spec.concurrency + spec.capture_sizes) > MAX_TOKENS:
+        raise UserError(f"--concurrency/--capture-sizes: at most {MAX_TOKENS} tokens per step are supported")
+    for s in spec.strategy:
+        for m in spec.max_loras:
+            try:
+                capture_counts(s, m)
+            except ValueError as e:
+                raise UserError(f"--strategy: {e}") from None
+    spec.strategy = list(dict.fromkeys(canonical(s) for s in spec.strategy))
+    for w in spec.workload:
+        try:
+            parse_workload(w)
+        except ValueError as e:
+            raise UserError(f"--workload: {e}") from None
+    spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
+    return spec, notice

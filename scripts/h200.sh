@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What lorabench runs on the lent H200 (the `device` tool), stage by stage, logs under $OUT.
+# Usage there:  LORABENCH_GIT_SHA=<sha> scripts/h200.sh tests smoke card card report
+#   tests  - the test suite on the GPU (kernels in fp16/bf16, real CUDA graphs)
+#   smoke  - sweeps/smoke.toml (2 layers), to see the whole path run
+#   card   - sweeps/card.toml at llama-2-7b (32 layers), wall time recorded; repeatable
+#   wide   - sweeps/wide.toml
+#   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/stages.log"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+  | tee -a "$OUT/stages.log"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+  || { log "install failed"; tail -5 "$OUT/install.log"; exit 1; }
+for stage in "$@"; do
+  t0=$(date +%s.%N)
+  case "$stage" in
+    tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
+    smoke|card|wide) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
+    *) log "unknown stage $stage"; exit 2 ;;
+  esac
+  log "$stage: rc=${PIPESTATUS[0]} wall $(echo "$(date +%s.%N) - $t0" | bc) s"
+done
+tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true
