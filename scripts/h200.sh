@@ -16,13 +16,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
   || { log "install failed"; tail -5 "$OUT/install.log"; exit 1; }
 for stage in "$@"; do
-  t0=$(date +%s.%N)
+  t0=$SECONDS
   case "$stage" in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     smoke|card|wide) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
-  log "$stage: rc=${PIPESTATUS[0]} wall $(echo "$(date +%s.%N) - $t0" | bc) s"
+  log "$stage: rc=${PIPESTATUS[0]} wall $((SECONDS - t0)) s"
 done
 tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true
