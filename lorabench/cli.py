@@ -66,6 +66,8 @@ def sweep(
     failed = int((df.status == "failed").sum())
     console.print(f"{len(df)} points ({failed} failed) in {run.info['wall_s']:.1f} s -> {run_dir / 'points.parquet'}")
     console.print(f"next: lorabench report {run_dir}")
+    if failed == len(df):
+        raise typer.Exit(1)  # nothing was measured
 
 
 @app.command()

@@ -63,6 +63,13 @@ class MetaBuffer:
             active_slots=b[2 * t : 2 * t + m],
             slot_start=b[2 * t + m :],
         )
+        self.cuda = self.buffer.is_cuda
+        if self.cuda:
+            # Pinned staging: an asynchronous copy that does not wait for the stream. The event
+            # keeps the host from overwriting the staging buffer before its last copy has run.
+            self.staging = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self.staging_np = self.staging.numpy()
+            self.copied = torch.cuda.Event()
         self.load(pack_slots([], max_tokens, max_loras)[0])
 
     def pack(self, slots: list[int]) -> tuple[list[int], int]:
@@ -70,4 +77,10 @@ class MetaBuffer:
 
     def load(self, packed: list[int]) -> None:
         """Copy a packed batch in: one host-to-device copy, ordered on the current stream."""
-        self.buffer.copy_(torch.tensor(packed, dtype=torch.int32), non_blocking=True)
+        if self.cuda:
+            self.copied.synchronize()
+            self.staging_np[:] = packed
+            self.buffer.copy_(self.staging, non_blocking=True)
+            self.copied.record()
+        else:
+            self.buffer.copy_(torch.tensor(packed, dtype=torch.int32))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorabench.kernels import MAX_SLICES, LoRAMeta
+from lorabench.kernels.base_ops import add_rmsnorm, rope_and_cache, silu_mul
 
 
 @dataclass(frozen=True)
@@ -74,34 +75,16 @@ class LoRALinear(nn.Module):
         return y
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, dtype, device):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), False)
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def apply_rope(x, cos, sin):
-    """Rotary embedding, rotate-half form. x: [T, H, D]; cos, sin: [T, D/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, max_loras, rank, max_tokens, context_len, dtype, device, gen):
         super().__init__()
         h, d, kvh = cfg.heads, cfg.head_dim, cfg.kv_heads
         args = (max_loras, rank, dtype, device, gen)
         self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype, device)
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
         self.qkv = LoRALinear(cfg.hidden, (h * d, kvh * d, kvh * d), *args)
         self.o = LoRALinear(h * d, (cfg.hidden,), *args)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype, device)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
         self.gate_up = LoRALinear(cfg.hidden, (cfg.intermediate, cfg.intermediate), *args)
         self.down = LoRALinear(cfg.intermediate, (cfg.hidden,), *args)
         # Static KV cache; random, not zero, so attention reads real-looking data.
@@ -109,20 +92,19 @@ class Block(nn.Module):
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
         self.register_buffer("cache_v", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
 
-    def forward(self, x, token_idx, pos, cos, sin, lora, scratch):
+    def forward(self, x, delta, pos, rope, lora, scratch, fused):
+        """x: residual stream [T, hidden]; delta: the previous block's output still to be added
+        (fused into this block's first norm). Returns (residual stream, this block's delta)."""
         cfg, t = self.cfg, x.shape[0]
-        q_size, kv_size = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        q, k, v = self.qkv(self.attn_norm(x), lora, scratch[0]).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(t, cfg.heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.kv_heads, cfg.head_dim), cos, sin)
-        self.cache_k[token_idx, :, pos] = k
-        self.cache_v[token_idx, :, pos] = v.view(t, cfg.kv_heads, cfg.head_dim)
+        h, x = add_rmsnorm(x, delta, self.attn_norm, cfg.norm_eps, fused)
+        qkv = self.qkv(h, lora, scratch[0])
+        q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
         )
-        x = x + self.o(attn.reshape(t, q_size), lora, scratch[1])
-        gate, up = self.gate_up(self.mlp_norm(x), lora, scratch[2]).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up, lora, scratch[3])
+        attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
+        h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused)
+        return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused), lora, scratch[3])
 
 
 class LlamaLoRA(nn.Module):
@@ -139,13 +121,13 @@ class LlamaLoRA(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, max_loras, rank, max_tokens, context_len, dtype, device, gen) for _ in range(cfg.layers)
         )
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype, device)
+        self.norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
+        self.fused = torch.device(device).type == "cuda"  # fused Triton ops on the GPU, torch twins elsewhere
         self.lm_head = nn.Parameter(_randn((cfg.vocab, cfg.hidden), cfg.hidden**-0.5, dtype, device, gen), False)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
         angles = torch.outer(torch.arange(context_len, device=device).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        self.register_buffer("token_idx", torch.arange(max_tokens, device=device), persistent=False)
         # One float32 shrink-output slab per LoRA linear, zeroed once per step (split-K atomics).
         widest = MAX_SLICES * rank
         shape = (cfg.layers, self.LORA_LINEARS_PER_LAYER, max_tokens, widest)
@@ -155,11 +137,12 @@ class LlamaLoRA(nn.Module):
         t = input_ids.shape[0]
         if lora is not None and lora.backend.NEEDS_ZEROED_SCRATCH:
             self.scratch[:, :, :t].zero_()
-        x = self.embed[input_ids]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x, delta = self.embed[input_ids], None
+        rope = (self.rope_cos, self.rope_sin)
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.token_idx[:t], positions, cos, sin, lora, self.scratch[i])
-        return F.linear(self.norm(x), self.lm_head)
+            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused)
+        h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused)
+        return F.linear(h, self.lm_head)
 
     def lora_bytes_per_slot(self) -> int:
         return sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in self.modules() if isinstance(m, LoRALinear))

@@ -13,7 +13,8 @@ from lorabench.lora_meta import MetaBuffer
 
 # bf16 dots are broken in Triton's CPU interpreter (see REFERENCES.md): bf16 is tested on the GPU.
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
-TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 1e-3}
+# float32 dots run as tf32 on the GPU
+TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3 if HAS_CUDA else 1e-4}
 
 
 def make_case(tokens, k, slice_sizes, rank, max_loras, dtype, base_frac, seed):

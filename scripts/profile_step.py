@@ -1,0 +1,103 @@
+"""Where a decode step's time goes, on a GPU: the floor, graph replays, a kernel breakdown, host cost.
+
+    python scripts/profile_step.py [--model llama-2-7b] [--layers 32] [--max-loras 4]
+
+Prints: the device-to-device copy bandwidth (the ceiling the floor uses) and the step's byte
+floor; graph replay medians at (c, n) with the stream synced per step and back to back; the top
+kernels of an eager step by GPU time (torch.profiler); the host cost of building and loading the
+batch metadata in a tight loop.
+"""
+
+import argparse
+import random
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lorabench.batches import fixed_batch
+from lorabench.dispatch import Dispatcher
+from lorabench.kernels import get_backend
+from lorabench.model import PRESETS, LlamaLoRA
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--kernels", default="triton")
+    args = ap.parse_args()
+    cfg = PRESETS[args.model]
+    if args.layers:
+        cfg = cfg.__class__(**{**cfg.__dict__, "layers": args.layers})
+
+    src = torch.randn(2**30, device="cuda", dtype=torch.float32)  # 4 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 2 * src.nbytes * 10 / (time.perf_counter() - t0)
+    del src, dst
+    print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
+
+    m = args.max_loras
+    model = LlamaLoRA(cfg, max_loras=m, rank=16, max_tokens=8, context_len=1024, dtype=torch.float16, device="cuda")
+    base_bytes = sum(p.nbytes for n, p in model.named_parameters() if "lora" not in n and n != "embed")
+    print(f"{cfg.name} x{cfg.layers}: base weights read per step {base_bytes / 1e9:.2f} GB -> floor {base_bytes / bw * 2e3:.3f} ms"
+          f"; LoRA bytes per slot {model.lora_bytes_per_slot() / 1e6:.1f} MB")
+    d = Dispatcher(model, get_backend(args.kernels), max_loras=m, capture_sizes=[1, 8], counts=[m], use_graphs=True)
+    d.warm_up()
+    d.capture()
+    rng = random.Random(0)
+    for c, n in [(1, 0), (1, 1), (8, 0), (8, 4)]:
+        prep = d.prepare(fixed_batch(c, n, m, rng, base_tokens=c if n == 0 else 0))
+        d.meta_buf.load(prep.packed)
+        synced, ev = [], [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(100)]
+        for s, e in ev:
+            s.record()
+            d.run(prep.route)
+            e.record()
+            e.synchronize()
+        synced = [s.elapsed_time(e) for s, e in ev]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(100):
+            d.run(prep.route)
+        e.record()
+        e.synchronize()
+        print(f"c={c} n={n} launch={prep.route.launch}: synced median {np.median(synced):.3f} ms "
+              f"(p10 {np.percentile(synced, 10):.3f}, p90 {np.percentile(synced, 90):.3f}); back-to-back {s.elapsed_time(e) / 100:.3f} ms")
+
+    prep = d.prepare(fixed_batch(8, 4, m, rng))
+    d.meta_buf.load(prep.packed)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            d.forward(8, m)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+    batches = [fixed_batch(8, 4, m, rng) for _ in range(16)]
+    host = []
+    for i in range(3000):
+        t0 = time.perf_counter_ns()
+        p = d.prepare(batches[i % 16])
+        d.meta_buf.load(p.packed)
+        host.append((time.perf_counter_ns() - t0) / 1e3)
+    host = np.array(host[500:])
+    print(f"host prepare+load, tight loop, c=8: median {np.median(host):.1f} us, p10 {np.percentile(host, 10):.1f}, p90 {np.percentile(host, 90):.1f}")
+    t = []
+    for i in range(2000):
+        t0 = time.perf_counter_ns()
+        d.prepare(batches[i % 16])
+        t.append((time.perf_counter_ns() - t0) / 1e3)
+    print(f"  of which prepare (pack + route): median {np.median(t[200:]):.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""End to end on the CPU: a small sweep through real worker processes, its Parquet rows, failures
+that become rows, an interrupted sweep, the report, the recommendation and the notebook."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from lorabench.cli import main
+from lorabench.dispatch import choose_launch
+from lorabench.results import SCHEMA
+from lorabench.strategies import capture_counts
+
+SMALL = ["--max-loras", "4", "--concurrency", "1,4", "--strategy", "max,pow2", "--iters", "5", "--warmup", "1",
+         "--context-len", "16", "--workload", "uniform,base:0.5", "--device", "cpu"]
+POINTS = 2 * ((2 + 2) + (5 + 2))  # per worker: c=1 -> n 0..1 + 2 workloads; c=4 -> n 0..4 + 2 workloads
+
+
+def sweep(tmp: Path, *extra: str, env: dict | None = None) -> tuple[int, Path | None]:
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        code = main(["sweep", "--out", str(tmp)] + SMALL + list(extra))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    runs = sorted(tmp.glob("*/points.parquet"))
+    return code, runs[-1].parent if runs else None
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    code, run = sweep(tmp_path_factory.mktemp("sweep"))
+    assert code == 0
+    return run
+
+
+def test_rows_schema_and_plan(run_dir):
+    table = pq.read_table(run_dir / "points.parquet")
+    assert table.schema.equals(SCHEMA)
+    df = table.to_pandas()
+    assert len(df) == POINTS and (df.status == "ok").all()
+    assert sorted(df.point) == list(range(POINTS))
+    assert (df.device == "cpu").all() and (df.timing == "cpu_wall").all() and df.graph_mem_bytes.isna().all()
+    assert (df.model == "tiny").all() and (df.iters == 5).all()
+    for col in ["step_ms_median", "step_ms_p10", "step_ms_p99", "host_us_median", "startup_s", "tokens_per_s"]:
+        assert (df[col] > 0).all(), col
+    assert (df.step_ms_p10 <= df.step_ms_median).all() and (df.step_ms_median <= df.step_ms_p99).all()
+    for col in ["run_id", "started_at", "torch", "triton", "argv"]:
+        assert df[col].notna().all(), col
+
+
+def test_fixed_rows_record_the_dispatched_graph(run_dir):
+    df = pd.read_parquet(run_dir / "points.parquet")
+    fixed = df[df["mode"] == "fixed"]
+    for r in fixed.itertuples():
+        assert r.graph_loras == choose_launch(r.n_active, capture_counts(r.strategy, 4))
+        assert r.graph_tokens == r.concurrency
+        assert r.base_tokens == (r.concurrency if r.n_active == 0 else 0)
+    wl = df[df["mode"] == "workload"]
+    assert set(wl.workload) == {"uniform", "base:0.5"} and wl.n_active.isna().all()
+    assert (wl[wl.concurrency == 1].n_active_mean <= 1).all()
+
+
+def test_run_json(run_dir):
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "finished" and info["wall_s"] > 0
+    assert info["spec"]["concurrency"] == [1, 4] and info["spec"]["device"] == "cpu"
+    assert len(info["jobs"]) == 2
+
+
+def test_a_failing_point_becomes_a_failed_row(tmp_path):
+    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "point:3"})
+    df = pd.read_parquet(run / "points.parquet")
+    assert code == 0 and len(df) == POINTS
+    bad = df[df.status == "failed"]
+    assert list(bad.point) == [3] and "injected failure" in bad.error.iloc[0]
+
+
+def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
+    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "capture"})
+    df = pd.read_parquet(run / "points.parquet")
+    assert len(df) == POINTS and (df.status == "failed").all()
+    assert code == 1  # nothing measured at all
+    assert df.error.str.contains("injected failure at capture").all()
+
+
+def test_a_killed_worker_keeps_finished_rows(tmp_path):
+    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "kill:2"})
+    df = pd.read_parquet(run / "points.parquet").sort_values("point")
+    assert code == 0 and len(df) == POINTS
+    first = df[df.point < POINTS // 2]
+    assert list(first[first.status == "ok"].point) == [0, 1]
+    assert first[first.point >= 2].error.str.contains("worker exited with status -9").all()
+    assert (df[df.point >= POINTS // 2].status == "ok").all(), "the next worker runs normally"
+
+
+def test_interrupted_sweep_leaves_readable_rows(tmp_path):
+    cmd = [sys.executable, "-m", "lorabench", "sweep", "--out", str(tmp_path)] + SMALL + ["--iters", "400"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("*/points.parquet")):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "interrupted" in err
+    run = next(tmp_path.glob("*/points.parquet")).parent
+    df = pd.read_parquet(run / "points.parquet")
+    assert 1 <= len(df) < POINTS and (df.status == "ok").all()
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_report_writes_plots_markdown_and_recommendation(run_dir, capsys):
+    assert main(["report", str(run_dir)]) == 0
+    for name in ["latency_vs_active.png", "latency_vs_concurrency.png", "speedup_vs_max.png", "memory_startup.png",
+                 "latency_vs_memory.png", "report.md", "recommendation.json"]:
+        assert (run_dir / name).stat().st_size > 0, name
+    md = (run_dir / "report.md").read_text()
+    assert "CPU wall" in md and "not GPU results" in md
+    rec = json.loads((run_dir / "recommendation.json").read_text())
+    assert {r["workload"] for r in rec["recommendations"]} == {"uniform", "base:0.5"}
+    for r in rec["recommendations"]:
+        assert r["strategy"] in ("max", "pow2") and r["max_loras"] == 4
+        assert r["vllm"]["flags"].startswith("--enable-lora --max-loras 4 --max-lora-rank 16")
+        assert ("--specialize-active-lora" in r["vllm"]["flags"]) == (r["vllm"]["realises"] == "pow2")
+        assert r["captured_counts"] == capture_counts(r["strategy"], 4)
+
+
+def test_report_defaults_to_the_newest_run(run_dir, capsys):
+    assert main(["report", "--results", str(run_dir.parent)]) == 0
+    assert str(run_dir) in capsys.readouterr().out
+
+
+def test_notebook_executes_on_a_cpu_run(run_dir):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / "explore.ipynb", as_version=4)
+    os.environ["LORABENCH_RUN"] = str(run_dir)
+    try:
+        nbclient.NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(run_dir)}}).execute()
+    finally:
+        del os.environ["LORABENCH_RUN"]
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 2
