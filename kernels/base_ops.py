@@ -79,17 +79,17 @@ def _rope_cache_kernel(
     r1 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)
     r2 = (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
     if head < HQ:
-        dst = q_ptr + (t * HQ + head) * D
-        tl.store(dst + half, r1)
-        tl.store(dst + D // 2 + half, r2)
+        q_dst = q_ptr + (t * HQ + head) * D
+        tl.store(q_dst + half, r1)
+        tl.store(q_dst + D // 2 + half, r2)
     else:
         kv = head - HQ
-        dst = t * stride_c0 + kv * stride_c1 + pos * stride_c2
-        tl.store(ck_ptr + dst + half, r1)
-        tl.store(ck_ptr + dst + D // 2 + half, r2)
-        v = qkv_ptr + t * stride_qkv + (HQ + HKV + kv) * D
-        tl.store(cv_ptr + dst + half, tl.load(v + half))
-        tl.store(cv_ptr + dst + D // 2 + half, tl.load(v + D // 2 + half))
+        c_off = t * stride_c0 + kv * stride_c1 + pos * stride_c2
+        tl.store(ck_ptr + c_off + half, r1)
+        tl.store(ck_ptr + c_off + D // 2 + half, r2)
+        v_src = qkv_ptr + t * stride_qkv + (HQ + HKV + kv) * D
+        tl.store(cv_ptr + c_off + half, tl.load(v_src + half))
+        tl.store(cv_ptr + c_off + D // 2 + half, tl.load(v_src + D // 2 + half))
 
 
 def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads, kv_heads, fused=True):

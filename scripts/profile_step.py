@@ -49,7 +49,7 @@ def main():
     m = args.max_loras
     model = LlamaLoRA(cfg, max_loras=m, rank=16, max_tokens=8, context_len=1024, dtype=torch.float16, device="cuda")
     base_bytes = sum(p.nbytes for n, p in model.named_parameters() if "lora" not in n and n != "embed")
-    print(f"{cfg.name} x{cfg.layers}: base weights read per step {base_bytes / 1e9:.2f} GB -> floor {base_bytes / bw * 2e3:.3f} ms"
+    print(f"{cfg.name} x{cfg.layers}: base weights read per step {base_bytes / 1e9:.2f} GB -> floor {base_bytes / bw * 1e3:.3f} ms"
           f"; LoRA bytes per slot {model.lora_bytes_per_slot() / 1e6:.1f} MB")
     d = Dispatcher(model, get_backend(args.kernels), max_loras=m, capture_sizes=[1, 8], counts=[m], use_graphs=True)
     d.warm_up()

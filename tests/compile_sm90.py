@@ -1,0 +1,111 @@
+"""Compile every Triton kernel, called through its real launcher, to an sm_90 (Hopper) cubin.
+
+Triton's CPU interpreter accepts code the GPU compiler rejects (e.g. a variable that is a pointer
+in one branch and an integer in the other). Compiling ahead of time with the ptxas that Triton
+ships catches those without a GPU. The launchers are recorded, not run: their argument lists
+give each kernel's signature at Llama-2-7B shapes, in every dtype and config the sweeps use.
+"""
+
+import sys
+
+import torch
+import triton
+
+from lorabench.kernels import base_ops, triton_lora
+from lorabench.lora_meta import MetaBuffer
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    HOPPER = GPUTarget("cuda", 90, 32)
+except ImportError:  # very old Triton
+    HOPPER = None
+
+TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def compile_call(fn, args, kwargs):
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    signature, constexprs = {}, {}
+    for name, value in zip(fn.arg_names, list(args) + [kwargs[n] for n in fn.arg_names[len(args):]]):
+        if isinstance(value, torch.Tensor):
+            signature[name] = TYPES[value.dtype]
+        elif name in kwargs:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if abs(value) < 2**31 else "i64"
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER, options=options)
+
+
+def record_launches():
+    """Replace every kernel with a Recorder; returns them by name."""
+    triton_lora._INTERPRET = False  # compile what the GPU runs
+    recs = {}
+    for module, name in [(triton_lora, "_shrink_kernel"), (triton_lora, "_expand_kernel"),
+                         (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel")]:
+        recs[name] = Recorder(getattr(module, name))
+        setattr(module, name, recs[name])
+    return recs
+
+
+def launch_everything(dtype, tokens):
+    """Call every launcher at Llama-2-7B shapes (tensors on the CPU; nothing runs)."""
+    hidden, inter, rank, loras = 4096, 11008, 16, 4
+    meta = MetaBuffer(tokens, loras, "cpu").meta
+    linears = [(hidden, (4096, 4096, 4096)), (hidden, (4096,)), (hidden, (inter, inter)), (inter, (hidden,))]
+    for k, slices in linears:
+        starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
+        x = torch.empty(tokens, k, dtype=dtype)
+        a = torch.empty(loras, len(slices) * rank, k, dtype=dtype)
+        b = torch.empty(loras, sum(slices), rank, dtype=dtype)
+        y = torch.empty(tokens, sum(slices), dtype=dtype)
+        scratch = torch.empty(tokens, 3 * rank, dtype=torch.float32)
+        triton_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0, scratch)
+    x = torch.empty(tokens, hidden, dtype=dtype)
+    base_ops.add_rmsnorm(x, x, torch.empty(hidden, dtype=dtype), 1e-5)
+    base_ops.add_rmsnorm(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
+    cache = torch.empty(tokens, 8, 64, 128, dtype=dtype)
+    base_ops.rope_and_cache(torch.empty(tokens, (32 + 16) * 128, dtype=dtype), torch.empty(64, 64), torch.empty(64, 64),
+                            torch.empty(tokens, dtype=torch.int64), cache, cache, 32, 8)
+    base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype))
+
+
+def main() -> int:
+    if HOPPER is None:
+        print("this Triton cannot compile ahead of time")
+        return 3
+    recorders = record_launches()
+    for dtype in (torch.float16, torch.bfloat16):
+        for tokens in (1, 8, 128):
+            launch_everything(dtype, tokens)
+    compiled, seen = 0, set()
+    for name, rec in recorders.items():
+        if not rec.calls:
+            print(f"{name} was never launched")
+            return 1
+        for args, kwargs in rec.calls:
+            key = name + repr([(a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a for a in args]) + repr(sorted(kwargs.items()))
+            if key not in seen:
+                seen.add(key)
+                kernel = compile_call(rec.fn, args, dict(kwargs))
+                print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory")
+                compiled += 1
+    print(f"compiled {compiled} kernel variants for sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
