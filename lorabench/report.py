@@ -251,10 +251,13 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
                 for e in exp.sort_values(["kernels", "max_loras", "workload", "concurrency"]).itertuples()]
         out += [md_table(["kernels", "max_loras", "workload", "c", "strategy", "expected", "measured", "meas/exp - 1 (%)", "speed-up vs max"], rows), ""]
     ok = ok_points(df)
-    host = ok.groupby(["kernels", "concurrency"]).agg(host=("host_us_median", "median"), launch=("launch_us_median", "median"))
+    host = ok.groupby(["kernels", "concurrency"]).agg(
+        host=("host_us_median", "median"), copy=("copy_us_median", "median"), launch=("launch_us_median", "median"))
     out += ["## Host overhead per step (us, median over points)", "",
-            "metadata build + graph choice + metadata copy call; `launch` is the replay call itself.", "",
-            md_table(["kernels", "c", "host us", "launch us"], [[k, int(c), h.host, h.launch] for (k, c), h in host.iterrows()]), "",
+            "`host` = building the batch metadata + choosing the graph; `copy` = the call queueing the metadata's "
+            "copy to the device; `launch` = the graph replay call (on the CPU: the eager step itself).", "",
+            md_table(["kernels", "c", "host us", "copy us", "launch us"],
+                     [[k, int(c), h.host, h.copy, h.launch] for (k, c), h in host.iterrows()]), "",
             f"![latency vs memory]({plots['latency_vs_memory'].name})", "",
             "## Recommendation", ""]
     for x in rec["recommendations"]:

@@ -26,7 +26,8 @@ SCHEMA = pa.schema(
         ("mode", STR), ("workload", STR), ("iters", I64),
         ("step_ms_median", F64), ("step_ms_p10", F64), ("step_ms_p90", F64), ("step_ms_p99", F64),
         ("step_ms_mean", F64), ("step_ms_std", F64), ("step_ms_iqr", F64),
-        ("host_us_median", F64), ("tokens_per_s", F64),
+        ("host_us_median", F64),  # building the batch metadata + choosing the graph (host CPU)
+        ("tokens_per_s", F64),
         ("build_s", F64), ("compile_s", F64), ("capture_s", F64), ("startup_s", F64),
         ("graph_mem_bytes", I64), ("pool_bytes", I64), ("num_graphs", I64), ("noisy", BOOL),
         ("status", STR), ("error", STR),
@@ -35,6 +36,7 @@ SCHEMA = pa.schema(
         ("argv", STR), ("seed", I64), ("context_len", I64), ("warmup", I64),
         ("timing", STR),  # "cuda_events" (GPU time) or "cpu_wall" (eager CPU wall time)
         ("host_us_p90", F64),
+        ("copy_us_median", F64),  # host time of the call queueing the metadata copy
         ("launch_us_median", F64),  # host time of the replay call itself
         ("n_active_mean", F64),  # workload runs: mean active count over the timed steps
         ("graph_loras_mean", F64),  # workload runs: mean launch count

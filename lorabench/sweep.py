@@ -143,10 +143,10 @@ def summary_table(df: pd.DataFrame, device: str) -> Table:
     conc = sorted(df.concurrency.dropna().unique())
     unit = "ms GPU" if device == "cuda" else "ms CPU wall"
     table = Table(title=f"median step ({unit}), workload {wl}" if wl else "median step")
-    for col in ["kernels", "max_loras", "strategy", "graphs", "graph MiB", "startup s"]:
-        table.add_column(col, justify="right" if col not in ("kernels", "strategy") else "left")
+    for col in ["kernels", "L", "strategy", "graphs", "MiB", "start s"]:
+        table.add_column(col, justify="right" if col not in ("kernels", "strategy") else "left", no_wrap=True)
     for c in conc:
-        table.add_column(f"c={c}", justify="right")
+        table.add_column(f"c={c}", justify="right", no_wrap=True)
     table.add_column("failed", justify="right")
     for (k, m, s), g in df.groupby(["kernels", "max_loras", "strategy"], sort=False):
         good = g[g.status == "ok"]

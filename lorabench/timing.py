@@ -2,9 +2,9 @@
 
 GPU time: a CUDA event before and after each launch, the stream synchronised after every step
 (as a server that reads back sampled tokens does), so each sample is one step's device time
-including its graph launch latency. Host time: the CPU work a server pays per step before the
-launch: building the batch metadata, choosing the graph and the metadata copy call.
-On the CPU the step time is the eager step's wall time.
+including its graph launch latency. Host time, per step, in three parts: ``host`` = building the
+batch metadata and choosing the graph; ``copy`` = the call that queues the metadata's copy to the
+device; ``launch`` = the graph replay call. On the CPU the step time is the eager step's wall time.
 """
 
 import time
@@ -22,6 +22,7 @@ NOISY_IQR = 0.10  # IQR / median at or above this flags a point as noisy
 class StepSamples:
     step_ms: np.ndarray
     host_us: np.ndarray
+    copy_us: np.ndarray
     launch_us: np.ndarray
     n_active: np.ndarray
     launch_counts: np.ndarray
@@ -35,13 +36,14 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int)
     if cuda:
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    step_ms, host_us, launch_us = np.empty(iters), np.empty(iters), np.empty(iters)
+    step_ms, host_us, copy_us, launch_us = (np.empty(iters) for _ in range(4))
     n_active, launches = np.empty(iters, dtype=np.int64), np.empty(iters, dtype=np.int64)
     clock = time.perf_counter_ns
     for i in range(iters):
         slots = batches[i % len(batches)]
         t0 = clock()
         prep = d.prepare(slots)
+        tc = clock()
         d.meta_buf.load(prep.packed)
         t1 = clock()
         if cuda:
@@ -55,11 +57,11 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int)
             d.run(prep.route)
             t2 = clock()
             step_ms[i] = (t2 - t1) / 1e6
-        host_us[i], launch_us[i] = (t1 - t0) / 1e3, (t2 - t1) / 1e3
+        host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
         n_active[i], launches[i] = prep.n_active, prep.route.launch
     if cuda:
         step_ms[:] = [s.elapsed_time(e) for s, e in events]
-    return StepSamples(step_ms, host_us, launch_us, n_active, launches)
+    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches)
 
 
 def summarize(step_ms: np.ndarray) -> dict:

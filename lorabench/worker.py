@@ -141,6 +141,7 @@ class Worker:
                "graph_tokens": d.route(c, 0).tokens,
                "host_us_median": float(np.median(s.host_us)),
                "host_us_p90": float(np.percentile(s.host_us, 90)),
+               "copy_us_median": float(np.median(s.copy_us)),
                "launch_us_median": float(np.median(s.launch_us)),
                "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
                "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}

@@ -97,6 +97,17 @@ def main():
         d.prepare(batches[i % 16])
         t.append((time.perf_counter_ns() - t0) / 1e3)
     print(f"  of which prepare (pack + route): median {np.median(t[200:]):.1f} us")
+    mb, packed = d.meta_buf, d.prepare(batches[0]).packed
+    parts = {"event sync": lambda: mb.copied.synchronize(), "numpy fill": lambda: mb.staging_np.__setitem__(slice(None), packed),
+             "copy_ call": lambda: mb.buffer.copy_(mb.staging, non_blocking=True), "event record": lambda: mb.copied.record()}
+    for name, fn in parts.items():
+        ts = []
+        for _ in range(2000):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+        print(f"  load part {name}: median {np.median(ts[200:]):.1f} us")
 
 
 if __name__ == "__main__":
