@@ -4,7 +4,7 @@
 #   tests  - the test suite on the GPU (kernels in fp16/bf16, real CUDA graphs)
 #   smoke  - sweeps/smoke.toml (2 layers), to see the whole path run
 #   card   - sweeps/card.toml at llama-2-7b (32 layers), wall time recorded; repeatable
-#   wide   - sweeps/wide.toml
+#   wide, slots - sweeps/wide.toml, sweeps/slots.toml
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 set -uo pipefail
@@ -21,7 +21,7 @@ for stage in "$@"; do
   case "$stage" in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
-    smoke|card|wide) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    smoke|card|wide|slots) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
