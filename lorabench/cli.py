@@ -49,7 +49,9 @@ def sweep(
     from lorabench.spec import build_spec
     from lorabench.sweep import Sweep, summary_table
 
-    flags = {k: v for k, v in locals().items() if k not in ("spec", "torch", "build_spec", "Sweep", "summary_table", "read_points")}
+    flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers,
+                 rank=rank, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
+                 iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes)
     the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
     if notice:
         console.print(notice)

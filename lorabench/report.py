@@ -57,10 +57,15 @@ def _grid(nrows, ncols, w=4.2, h=3.2):
     return fig, axes
 
 
-def _title(fig, df, what):
+def _save(fig, df, what, path: Path) -> Path:
+    """Title the figure with what was measured where, write it, free it."""
     r = df.iloc[0]
     where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
     fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_latency_vs_active(df: pd.DataFrame, path: Path) -> Path:
@@ -80,11 +85,7 @@ def plot_latency_vs_active(df: pd.DataFrame, path: Path) -> Path:
             ax.set_ylabel(f"step ({unit(df)}), p10-p90")
             ax.xaxis.get_major_locator().set_params(integer=True)
     axes[0][0].legend(fontsize=8)
-    _title(fig, df, "Decode step vs active adapters")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, df, "Decode step vs active adapters", path)
 
 
 def plot_latency_vs_concurrency(df: pd.DataFrame, exp: pd.DataFrame, path: Path) -> Path:
@@ -106,11 +107,7 @@ def plot_latency_vs_concurrency(df: pd.DataFrame, exp: pd.DataFrame, path: Path)
             ax.set_xlabel("concurrency (tokens per step)")
             ax.set_ylabel(f"step ({unit(df)})")
     axes[0][0].legend(fontsize=7, title="x = measured workload run", title_fontsize=7)
-    _title(fig, df, "Expected decode step under the workload")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, df, "Expected decode step under the workload", path)
 
 
 def plot_speedup(df: pd.DataFrame, exp: pd.DataFrame, path: Path) -> Path:
@@ -129,11 +126,7 @@ def plot_speedup(df: pd.DataFrame, exp: pd.DataFrame, path: Path) -> Path:
         ax.set_xlabel("concurrency")
         ax.set_ylabel("expected speed-up over max (x)")
         ax.legend(fontsize=7)
-    _title(fig, df, "Speed-up of specialised capture sets over max")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, df, "Speed-up of specialised capture sets over max", path)
 
 
 def plot_memory_startup(df: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path:
@@ -154,11 +147,7 @@ def plot_memory_startup(df: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path
     axes[0][1].legend(fontsize=8)
     for ax in axes[0]:
         ax.set_xticks(x, names, fontsize=7)
-    _title(fig, df, "What each capture set costs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, df, "What each capture set costs", path)
 
 
 def plot_latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path:
@@ -176,11 +165,7 @@ def plot_latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFram
     ax.set_xlabel("graph memory (MiB)")
     ax.set_ylabel(f"expected step, mean over concurrency ({unit(df)})")
     ax.set_title(f"workload {w}", fontsize=9)
-    _title(fig, df, "Latency vs graph memory")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, df, "Latency vs graph memory", path)
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
@@ -195,7 +180,7 @@ def md_table(headers: list[str], rows: list[list]) -> str:
 
 
 def _mib(v):
-    return None if v is None or pd.isna(v) else round(float(v) / 2**20, 1)
+    return None if v is None or pd.isna(v) else f"{float(v) / 2**20:.0f}"
 
 
 def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
