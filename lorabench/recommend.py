@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis import configs, expected_steps
+from lorabench.analysis import configs, expected_steps, ok_points
 
 PAYS = 0.02  # a strategy must be >= 2 % faster than max to be worth its graphs
 VLLM_STRATEGIES = ("max", "pow2")
@@ -27,7 +27,7 @@ def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
 def recommend(df: pd.DataFrame) -> dict:
     exp = expected_steps(df)
     cfg = configs(df).set_index(["kernels", "max_loras", "strategy"])
-    first = df.iloc[0]
+    first = ok_points(df).iloc[0]  # failed rows may lack the model's columns
     recs = []
     if not exp.empty:
         for (k, m, w), g in exp.groupby(["kernels", "max_loras", "workload"]):

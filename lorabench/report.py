@@ -59,7 +59,7 @@ def _grid(nrows, ncols, w=4.2, h=3.2):
 
 def _save(fig, df, what, path: Path) -> Path:
     """Title the figure with what was measured where, write it, free it."""
-    r = df.iloc[0]
+    r = ok_points(df).iloc[0]
     where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
     fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
     fig.tight_layout()
@@ -115,17 +115,19 @@ def plot_speedup(df: pd.DataFrame, exp: pd.DataFrame, path: Path) -> Path:
     fig, axes = _grid(1, len(loras))
     for i, m in enumerate(loras):
         ax = axes[0][i]
-        for (k, s, w), g in exp[exp.max_loras == m].groupby(["kernels", "strategy", "workload"]):
-            if s == "max":
-                continue
+        sub = exp[(exp.max_loras == m) & (exp.strategy != "max") & exp.speedup_vs_max.notna()]
+        for (k, s, w), g in sub.groupby(["kernels", "strategy", "workload"]):
             g = g.sort_values("concurrency")
             ax.plot(g.concurrency, g.speedup_vs_max, marker="o", ms=3, label=f"{label(df, k, s)}, {w}")
         ax.axhline(1.0, color="grey", ls="--")
-        ax.set_xscale("log", base=2)
+        if sub.empty:
+            ax.text(0.5, 0.6, "no measured max baseline\nor no other strategy", ha="center", transform=ax.transAxes)
+        else:
+            ax.set_xscale("log", base=2)
+            ax.legend(fontsize=7)
         ax.set_title(f"max_loras={m}", fontsize=9)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("expected speed-up over max (x)")
-        ax.legend(fontsize=7)
     return _save(fig, df, "Speed-up of specialised capture sets over max", path)
 
 
@@ -184,7 +186,7 @@ def _mib(v):
 
 
 def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
-    r = df.iloc[0]
+    r = ok_points(df).iloc[0]
     where = f"{r.gpu_name} (driver {r.driver}, CUDA {r.cuda})" if r.device == "cuda" else "CPU: figures are CPU wall times, not GPU results"
     u = unit(df)
     out = [
@@ -242,9 +244,10 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
             "`host` = building the batch metadata + choosing the graph; `copy` = the call queueing the metadata's "
             "copy to the device; `launch` = the graph replay call (on the CPU: the eager step itself).", "",
             md_table(["kernels", "c", "host us", "copy us", "launch us"],
-                     [[k, int(c), h.host, h.copy, h.launch] for (k, c), h in host.iterrows()]), "",
-            f"![latency vs memory]({plots['latency_vs_memory'].name})", "",
-            "## Recommendation", ""]
+                     [[k, int(c), h.host, h.copy, h.launch] for (k, c), h in host.iterrows()]), ""]
+    if "latency_vs_memory" in plots:
+        out += [f"![latency vs memory]({plots['latency_vs_memory'].name})", ""]
+    out += ["## Recommendation", ""]
     for x in rec["recommendations"]:
         out.append(f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: `{x['strategy']}` "
                    f"{x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "

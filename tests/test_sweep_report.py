@@ -92,14 +92,25 @@ def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
     assert df.error.str.contains("injected failure at capture").all()
 
 
-def test_a_killed_worker_keeps_finished_rows(tmp_path):
+def test_a_killed_worker_keeps_finished_rows(tmp_path, capsys):
+    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "kill:0"})
+    df = pd.read_parquet(run / "points.parquet").sort_values("point")
+    assert code == 0 and len(df) == POINTS
+    first = df[df.point < POINTS // 2]
+    assert (first.status == "failed").all()
+    assert first.error.str.contains("worker exited with status -9").all()
+    assert (df[df.point >= POINTS // 2].status == "ok").all(), "the next worker runs normally"
+    assert main(["report", str(run)]) == 0, "failed rows first in the file must not break the report"
+    assert "| 0 | torch | 4 | max |" in (run / "report.md").read_text()
+
+
+def test_a_worker_killed_mid_run_keeps_its_earlier_rows(tmp_path):
     code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "kill:2"})
     df = pd.read_parquet(run / "points.parquet").sort_values("point")
     assert code == 0 and len(df) == POINTS
     first = df[df.point < POINTS // 2]
     assert list(first[first.status == "ok"].point) == [0, 1]
     assert first[first.point >= 2].error.str.contains("worker exited with status -9").all()
-    assert (df[df.point >= POINTS // 2].status == "ok").all(), "the next worker runs normally"
 
 
 def test_interrupted_sweep_leaves_readable_rows(tmp_path):
