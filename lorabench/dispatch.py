@@ -152,11 +152,6 @@ class Dispatcher:
         self.meta_buf.load(prep.packed)
         return self.run(prep.route)[: prep.batch_tokens]
 
-    def step(self, slots: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if input_ids is not None:
-            self.input_ids[: len(slots)].copy_(input_ids)
-        return self.launch(self.prepare(slots))
-
     def reference(self, slots: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The eager plain-torch answer for exactly this batch (no padding, no launch count)."""
         if input_ids is not None:
