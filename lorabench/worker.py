@@ -104,19 +104,21 @@ class Worker:
         d = Dispatcher(model, get_backend(self.job["kernels"]), max_loras=self.max_loras,
                        capture_sizes=spec["capture_sizes"], counts=self.counts, use_graphs=self.cuda, seed=spec["seed"])
         self.sync()
+        build_s = time.perf_counter() - t0
+        cache_before = _triton_cache_files()  # outside the timers: it walks the cache folder
         t1 = time.perf_counter()
-        cache_before = _triton_cache_files()
         d.warm_up()
-        t2 = time.perf_counter()
+        compile_s = time.perf_counter() - t1
         compiled = self.job["kernels"] == "triton" and not os.environ.get("TRITON_INTERPRET")
         if self.cuda:
             torch.cuda.empty_cache()
             free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         _inject("capture")
+        t2 = time.perf_counter()
         d.capture()
-        t3 = time.perf_counter()
+        capture_s = time.perf_counter() - t2
         self.startup.update(
-            build_s=t1 - t0, compile_s=t2 - t1, capture_s=t3 - t2, startup_s=t3 - t0,
+            build_s=build_s, compile_s=compile_s, capture_s=capture_s, startup_s=build_s + compile_s + capture_s,
             num_graphs=d.num_graphs, lora_bytes_per_slot=model.lora_bytes_per_slot(),
             triton_cache=("cold" if _triton_cache_files() > cache_before else "warm") if compiled else None,
         )
