@@ -19,7 +19,7 @@ def configs(df: pd.DataFrame) -> pd.DataFrame:
     cols = CONFIG + ["captured_counts", "num_graphs", "graph_mem_bytes", "pool_bytes", "build_s", "compile_s",
                      "capture_s", "startup_s", "process_s", "triton_cache"]
     first = ok_points(df).drop_duplicates(CONFIG)[cols].copy()
-    first["captured_counts"] = first["captured_counts"].map(lambda c: "[" + ",".join(str(int(x)) for x in c) + "]")
+    first["captured_counts"] = first["captured_counts"].map(lambda c: [int(x) for x in c])
     return first.reset_index(drop=True)
 
 

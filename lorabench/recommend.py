@@ -8,8 +8,6 @@ nothing. vLLM can realise ``max`` (its default) and ``pow2`` (``--specialize-act
 ``dense`` and explicit lists are lorabench's own, so the vLLM flags follow the better of those two.
 """
 
-import json
-
 import numpy as np
 import pandas as pd
 
@@ -47,7 +45,7 @@ def recommend(df: pd.DataFrame) -> dict:
                       + ("(>= the 2 % that pays for extra graphs)" if pays else "(< 2 %: within noise, extra graphs do not pay)"))
             recs.append({
                 "kernels": k, "max_loras": int(m), "workload": w,
-                "strategy": chosen, "fastest_measured": best, "captured_counts": json.loads(c_row.captured_counts),
+                "strategy": chosen, "fastest_measured": best, "captured_counts": c_row.captured_counts,
                 "capture_sizes": [int(x) for x in first.capture_sizes],
                 "expected_step_ms": by_c[chosen], "expected_step_ms_max": by_c["max"],
                 "gain_over_max_pct": round(100 * float(gain[chosen]), 2),
@@ -83,4 +81,4 @@ def _clean(obj):
 
 
 def _int(v):
-    return None if v is None or (isinstance(v, float) and np.isnan(v)) or pd.isna(v) else int(v)
+    return None if v is None or pd.isna(v) else int(v)

@@ -205,7 +205,7 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
         "",
         md_table(
             ["kernels", "max_loras", "strategy", "launch counts", "graphs", "graph MiB", "pool MiB", "build s", "compile s", "capture s", "startup s"],
-            [[c.kernels, int(c.max_loras), c.strategy, c.captured_counts, int(c.num_graphs), _mib(c.graph_mem_bytes),
+            [[c.kernels, int(c.max_loras), c.strategy, "[" + ",".join(map(str, c.captured_counts)) + "]", int(c.num_graphs), _mib(c.graph_mem_bytes),
               _mib(c.pool_bytes), c.build_s, c.compile_s, c.capture_s, c.startup_s] for c in cfg.itertuples()],
         ),
         "",
