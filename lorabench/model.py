@@ -6,7 +6,7 @@ needs shapes and bytes, not a checkpoint). LoRA linears are fused the way server
 qkv (3 slices), o (1), gate_up (2), down (1), each one shrink + expand per step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,12 @@ PRESETS = {
     "llama-3-8b": ModelConfig("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, rope_theta=500000.0),
     "tiny": ModelConfig("tiny", 2, 128, 4, 2, 256, 512),
 }
+
+
+def preset(name: str, layers: int | None = None) -> ModelConfig:
+    """A preset's shapes, optionally shortened to ``layers`` layers."""
+    cfg = PRESETS[name]
+    return replace(cfg, layers=layers) if layers else cfg
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lorabench import env
+from lorabench.analysis import CONFIG, configs, ok_points
 from lorabench.results import PointsWriter
 from lorabench.spec import SweepSpec
 
@@ -137,7 +138,7 @@ class Sweep:
 
 def summary_table(df: pd.DataFrame, device: str) -> Table:
     """Per (kernels, max_loras, strategy): capture set, cost, and the first workload's median step."""
-    ok = df[df.status == "ok"]
+    ok = ok_points(df)
     workload = ok[ok["mode"] == "workload"]["workload"].dropna().unique()
     wl = workload[0] if len(workload) else None
     conc = sorted(df.concurrency.dropna().unique())
@@ -148,14 +149,14 @@ def summary_table(df: pd.DataFrame, device: str) -> Table:
     for c in conc:
         table.add_column(f"c={c}", justify="right", no_wrap=True)
     table.add_column("failed", justify="right")
-    for (k, m, s), g in df.groupby(["kernels", "max_loras", "strategy"], sort=False):
-        good = g[g.status == "ok"]
-        first = good.iloc[0] if len(good) else None
-        mem = first["graph_mem_bytes"] if first is not None else None
-        cells = [k, str(m), s,
-                 str(int(first["num_graphs"])) if first is not None else "-",
-                 f"{mem / 2**20:.0f}" if mem is not None and pd.notna(mem) else "-",
-                 f"{first['startup_s']:.1f}" if first is not None else "-"]
+    cost = configs(df).set_index(CONFIG)
+    for (k, m, s), g in df.groupby(CONFIG, sort=False):
+        cells = [k, str(m), s, "-", "-", "-"]
+        if (k, m, s) in cost.index:
+            c_row = cost.loc[(k, m, s)]
+            mem = c_row.graph_mem_bytes
+            cells[3:] = [str(int(c_row.num_graphs)), f"{mem / 2**20:.0f}" if pd.notna(mem) else "-", f"{c_row.startup_s:.1f}"]
+        good = ok_points(g)
         for c in conc:
             pt = good[(good.concurrency == c) & (good["mode"] == "workload") & (good.workload == wl)]
             cells.append(f"{pt.step_ms_median.iloc[0]:.3f}" if len(pt) else "-")

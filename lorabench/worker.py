@@ -22,7 +22,7 @@ from lorabench import env
 from lorabench.batches import fixed_batch
 from lorabench.dispatch import Dispatcher
 from lorabench.kernels import SUPPORTED_DTYPES, get_backend
-from lorabench.model import PRESETS, LlamaLoRA
+from lorabench.model import LlamaLoRA, preset
 from lorabench.strategies import capture_counts
 from lorabench.timing import summarize, time_steps
 from lorabench.workload import parse_workload
@@ -60,10 +60,7 @@ class Worker:
         self.job = job
         self.spec = job["spec"]
         self.cuda = self.spec["device"] == "cuda"
-        cfg = PRESETS[self.spec["model"]]
-        if self.spec["layers"]:
-            cfg = cfg.__class__(**{**cfg.__dict__, "layers": self.spec["layers"]})
-        self.cfg = cfg
+        self.cfg = cfg = preset(self.spec["model"], self.spec["layers"])
         self.max_loras = job["max_loras"]
         self.counts = capture_counts(job["strategy"], self.max_loras)
         self.env = env.collect(self.spec["device"])

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from lorabench.batches import fixed_batch
 from lorabench.dispatch import Dispatcher
 from lorabench.kernels import get_backend
-from lorabench.model import PRESETS, LlamaLoRA
+from lorabench.model import LlamaLoRA, preset
 
 
 def main():
@@ -29,9 +29,7 @@ def main():
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--kernels", default="triton")
     args = ap.parse_args()
-    cfg = PRESETS[args.model]
-    if args.layers:
-        cfg = cfg.__class__(**{**cfg.__dict__, "layers": args.layers})
+    cfg = preset(args.model, args.layers)
 
     src = torch.randn(2**30, device="cuda", dtype=torch.float32)  # 4 GiB
     dst = torch.empty_like(src)
