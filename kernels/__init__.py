@@ -45,10 +45,11 @@ MAX_SLICES = 3
 def get_backend(name: str):
     """A kernel backend: one module with ``lora_apply(y, x, lora_a, lora_b, slice_starts, meta,
     launch_count, scale, scratch)`` and ``NEEDS_ZEROED_SCRATCH``. ``reference`` is the ground
-    truth (it ignores the launch count), the others are what sweeps measure."""
+    truth (it ignores the launch count), the others are what sweeps measure. ``vllm`` wraps
+    vLLM's own ops and takes vLLM's metadata (``lorabench.vllm_rules``) instead of ``LoRAMeta``."""
     if name not in BACKENDS + ("reference",):
         raise ValueError(f"unknown kernel backend {name!r} (choose from {', '.join(BACKENDS)})")
     return importlib.import_module(f".{name}_lora" if name != "reference" else ".reference", __name__)
 
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "vllm")

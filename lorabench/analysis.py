@@ -8,19 +8,32 @@ import pandas as pd
 from lorabench.workload import parse_workload
 
 CONFIG = ["kernels", "max_loras", "strategy"]
+VERDICT = ["correct", "check_detail"]
 
 
 def ok_points(df: pd.DataFrame) -> pd.DataFrame:
     return df[df.status == "ok"]
 
 
+def verdicts(df: pd.DataFrame) -> pd.DataFrame:
+    """Every configuration of the run, failed-only ones included, with its check verdict: the first
+    non-null value over its rows, ok rows first. ``correct`` is True, False or None (not checked,
+    inconclusive, or a run from before the check, whose rows lack the columns)."""
+    rows = df.reindex(columns=CONFIG + VERDICT).assign(_failed=df.status != "ok")
+    first = rows.sort_values("_failed", kind="stable").groupby(CONFIG)[VERDICT].first().reset_index()
+    first["correct"] = first.correct.map(lambda v: None if pd.isna(v) else bool(v)).astype(object)
+    first["check_detail"] = first.check_detail.astype(object).where(first.check_detail.notna(), None)
+    return first
+
+
 def configs(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (kernels, max_loras, strategy): capture set and startup/memory costs."""
+    """One row per measured (kernels, max_loras, strategy): capture set, startup/memory costs and
+    the check's verdict (``verdicts``)."""
     cols = CONFIG + ["captured_counts", "num_graphs", "graph_mem_bytes", "pool_bytes", "build_s", "compile_s",
                      "capture_s", "startup_s", "process_s", "triton_cache"]
     first = ok_points(df).drop_duplicates(CONFIG)[cols].copy()
     first["captured_counts"] = first["captured_counts"].map(lambda c: [int(x) for x in c])
-    return first.reset_index(drop=True)
+    return first.merge(verdicts(df), on=CONFIG, how="left").reset_index(drop=True)
 
 
 def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.DataFrame:

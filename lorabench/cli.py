@@ -1,5 +1,6 @@
-"""The ``lorabench`` command line: ``sweep`` measures, ``report`` turns a run into plots, tables
-and a recommendation. Bad input ends in one line on stderr and exit status 2."""
+"""The ``lorabench`` command line: ``sweep`` measures, ``check`` verifies every captured graph
+against the reference, ``report`` turns a run into plots, tables and a recommendation. Bad input
+ends in one line on stderr and exit status 2."""
 
 import importlib
 import shlex
@@ -32,7 +33,7 @@ def sweep(
     rank: str = typer.Option(None, "--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16]."),
     context_len: str = typer.Option(None, "--context-len", help="KV-cache positions each request attends over [default: 1024]."),
     dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU]."),
-    kernels: str = typer.Option(None, "--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch [default: triton on a GPU, torch on the CPU]."),
+    kernels: str = typer.Option(None, "--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch, vllm [default: triton on a GPU, torch on the CPU]."),
     device: str = typer.Option(None, "--device", help="auto, cuda, cpu [default: auto]."),
     workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by + [default: uniform]."),
     iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
@@ -41,6 +42,7 @@ def sweep(
     out: str = typer.Option(None, "--out", help="Output root; the run goes to OUT/<run_id> [default: results]."),
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),
     spec: Path = typer.Option(None, "--spec", help="A TOML spec (e.g. sweeps/card.toml); flags override it."),
+    no_check: bool = typer.Option(False, "--no-check", help="Skip the correctness check of each configuration (the `correct` column)."),
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
     import torch
@@ -51,7 +53,8 @@ def sweep(
 
     flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers,
                  rank=rank, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
-                 iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes)
+                 iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
+                 check=False if no_check else None)
     the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
     if notice:
         console.print(notice)
@@ -70,6 +73,48 @@ def sweep(
     console.print(f"next: lorabench report {run_dir}")
     if failed == len(df):
         raise typer.Exit(1)  # nothing was measured
+
+
+@app.command()
+def check(
+    max_loras: str = typer.Option(None, "--max-loras", help=f"Resident adapter slots, {LIST} [default: 4]."),
+    strategy: str = typer.Option(None, "--strategy", help=f"Capture sets, {LIST} [default: max,pow2,dense]."),
+    kernels: str = typer.Option(None, "--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch, vllm [default: triton on a GPU, torch on the CPU]."),
+    capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: 1,2,4,8]."),
+    model: str = typer.Option(None, "--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU]."),
+    layers: str = typer.Option(None, "--layers", help="Shorten the model to this many layers [default: the preset's]."),
+    rank: str = typer.Option(None, "--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16]."),
+    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU]."),
+    device: str = typer.Option(None, "--device", help="auto, cuda, cpu [default: auto]."),
+    seed: str = typer.Option(None, "--seed", help="Seed for weights and batches [default: 0]."),
+    out: str = typer.Option(None, "--out", help="Output root; checks.json goes to OUT/<run_id> [default: results]."),
+    spec: Path = typer.Option(None, "--spec", help="A TOML spec; its configurations are checked, nothing is timed."),
+):
+    """Replay every captured graph of each configuration on all-adapter, all-base and mixed
+    batches at every active count, against the plain-torch reference. Exit 1 if any is wrong."""
+    import torch
+
+    from lorabench.spec import build_spec
+    from lorabench.sweep import Sweep, check_table
+
+    flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
+                 layers=layers, rank=rank, dtype=dtype, device=device, seed=seed, out=out, check=True)
+    the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
+    if notice:
+        console.print(notice)
+    run = Sweep(the_spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
+    console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
+    try:
+        run.run()
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(run.checks)} verdicts kept in {run.run_dir / 'checks.json'}", file=sys.stderr)
+        raise typer.Exit(130)
+    console.print(check_table(run.checks))
+    wrong = sum(c.get("correct") is False for c in run.checks)
+    unknown = sum(c.get("correct") is None for c in run.checks)
+    console.print(f"{len(run.checks)} configurations: {len(run.checks) - wrong - unknown} correct, {wrong} wrong, {unknown} without a verdict")
+    if wrong or unknown:
+        raise typer.Exit(1)
 
 
 @app.command()

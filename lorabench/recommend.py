@@ -5,16 +5,22 @@ costs in graph memory and startup, and the vLLM flags that realise it.
 A strategy is only recommended over ``max`` when it is at least ``PAYS`` faster: below that the
 difference is within run-to-run noise, and specialisation would spend memory and startup for
 nothing. vLLM can realise ``max`` (its default) and ``pow2`` (``--specialize-active-lora``);
-``dense`` and explicit lists are lorabench's own, so the vLLM flags follow the better of those two.
+``dense`` and explicit lists are lorabench's own, so the vLLM flags follow the better of those two
+(for ``--kernels vllm``, the chosen strategy itself).
+
+A configuration whose correctness check failed (``correct`` False) is never proposed; it is listed
+under ``rejected`` with the check's detail, and a failed vLLM ``pow2`` anywhere in the run vetoes
+``--specialize-active-lora``. Gains stay relative to ``max``'s timing, measured even when wrong.
 """
 
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis import configs, expected_steps, ok_points
+from lorabench.analysis import configs, expected_steps, ok_points, verdicts
 
 PAYS = 0.02  # a strategy must be >= 2 % faster than max to be worth its graphs
 VLLM_STRATEGIES = ("max", "pow2")
+VLLM_NOTE = "vLLM captures max_loras+1 (and powers of two with --specialize-active-lora): it counts the base slot too"
 
 
 def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
@@ -25,7 +31,11 @@ def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
 def recommend(df: pd.DataFrame) -> dict:
     exp = expected_steps(df)
     cfg = configs(df).set_index(["kernels", "max_loras", "strategy"])
+    checked = verdicts(df)
+    wrong = checked[checked.correct.map(lambda v: v is False)]
     first = ok_points(df).iloc[0]  # failed rows may lack the model's columns
+    rank = int(first["rank"])
+    broken_pow2 = wrong[(wrong.kernels == "vllm") & (wrong.strategy == "pow2")]
     recs = []
     if not exp.empty:
         for (k, m, w), g in exp.groupby(["kernels", "max_loras", "workload"]):
@@ -34,35 +44,60 @@ def recommend(df: pd.DataFrame) -> dict:
                 continue
             by_c = {s: {str(c): round(float(v), 4) for c, v in zip(gs.concurrency, gs.expected_ms)}
                     for s, gs in g.groupby("strategy")}
-            gain = 1 - score / score["max"]
+            gain = 1 - score / score["max"]  # relative to max's timing, even when max itself is rejected
             best = score.idxmin()
-            pays = bool(gain[best] >= PAYS)
-            chosen = best if pays else "max"
-            vllm_best = max((s for s in VLLM_STRATEGIES if s in score), key=lambda s: gain[s])
-            specialise = vllm_best == "pow2" and gain["pow2"] >= PAYS
-            c_row, c_max = cfg.loc[(k, m, chosen)], cfg.loc[(k, m, "max")]
-            reason = (f"{best} is {100 * gain[best]:.1f} % faster than max on average over concurrency "
-                      + ("(>= the 2 % that pays for extra graphs)" if pays else "(< 2 %: within noise, extra graphs do not pay)"))
-            recs.append({
-                "kernels": k, "max_loras": int(m), "workload": w,
-                "strategy": chosen, "fastest_measured": best, "captured_counts": c_row.captured_counts,
-                "capture_sizes": [int(x) for x in first.capture_sizes],
-                "expected_step_ms": by_c[chosen], "expected_step_ms_max": by_c["max"],
-                "gain_over_max_pct": round(100 * float(gain[chosen]), 2),
+            bad = wrong[(wrong.kernels == k) & (wrong.max_loras == m)]
+            rejected = [{"strategy": r.strategy, "reason": r.check_detail} for r in bad.itertuples()]
+            passing = score.drop(bad.strategy, errors="ignore")
+            c_max = cfg.loc[(k, m, "max")]
+            rec = {
+                "kernels": k, "max_loras": int(m), "workload": w, "strategy": None, "fastest_measured": best,
+                "captured_counts": None, "capture_sizes": [int(x) for x in first.capture_sizes],
+                "expected_step_ms": None, "expected_step_ms_max": by_c["max"], "gain_over_max_pct": None,
                 "gain_by_strategy_pct": {s: round(100 * float(v), 2) for s, v in gain.items()},
-                "graph_mem_bytes": _int(c_row.graph_mem_bytes), "graph_mem_bytes_max": _int(c_max.graph_mem_bytes),
-                "startup_s": round(float(c_row.startup_s), 3), "startup_s_max": round(float(c_max.startup_s), 3),
-                "num_graphs": int(c_row.num_graphs), "num_graphs_max": int(c_max.num_graphs),
-                "reason": reason,
-                "vllm": {
-                    "flags": vllm_flags(int(m), int(first["rank"]), specialise),
-                    "realises": "pow2" if specialise else "max",
-                    "note": "vLLM captures max_loras+1 (and powers of two with --specialize-active-lora): it counts the base slot too",
-                },
+                "graph_mem_bytes": None, "graph_mem_bytes_max": _int(c_max.graph_mem_bytes),
+                "startup_s": None, "startup_s_max": round(float(c_max.startup_s), 3),
+                "num_graphs": None, "num_graphs_max": int(c_max.num_graphs),
+                "rejected": rejected,
+            }
+            if passing.empty:
+                recs.append({**rec, "reason": "no configuration passed its correctness check (see rejected)",
+                             "vllm": {"flags": None, "realises": None, "note": "nothing to realise: every measured strategy is wrong"}})
+                continue
+            fastest_ok = passing.idxmin()
+            pays = bool(gain[fastest_ok] >= PAYS)
+            chosen = fastest_ok if pays or "max" not in passing else "max"
+            reason = (f"{fastest_ok} is {100 * gain[fastest_ok]:.1f} % faster than max on average over concurrency "
+                      + ("(>= the 2 % that pays for extra graphs)" if pays else "(< 2 %: within noise, extra graphs do not pay)"))
+            if fastest_ok == "max":
+                reason = "max is the fastest" + (" strategy that passed its correctness check" if rejected else "")
+            if best != fastest_ok:
+                reason = f"{best} measured fastest but failed its correctness check, so it is not proposed; " + reason
+            if chosen != "max" and not pays:
+                reason += "; max failed its correctness check"
+            c_row = cfg.loc[(k, m, chosen)]
+            if k == "vllm" and chosen in VLLM_STRATEGIES:
+                realises = chosen
+            else:
+                vllm_best = max((s for s in VLLM_STRATEGIES if s in passing), key=lambda s: gain[s], default="max")
+                realises = "pow2" if vllm_best == "pow2" and gain["pow2"] >= PAYS else "max"
+            note = VLLM_NOTE
+            if len(broken_pow2):
+                same = broken_pow2[broken_pow2.max_loras == m]
+                b = (same if len(same) else broken_pow2).iloc[0]
+                note = (f"--specialize-active-lora is not proposed: vLLM's own pow2 at max_loras {int(b.max_loras)} "
+                        f"failed its correctness check in this run: {b.check_detail}")
+                realises = "max" if realises == "pow2" else realises
+            recs.append({
+                **rec, "strategy": chosen, "captured_counts": c_row.captured_counts,
+                "expected_step_ms": by_c[chosen], "gain_over_max_pct": round(100 * float(gain[chosen]), 2),
+                "graph_mem_bytes": _int(c_row.graph_mem_bytes), "startup_s": round(float(c_row.startup_s), 3),
+                "num_graphs": int(c_row.num_graphs), "reason": reason,
+                "vllm": {"flags": vllm_flags(int(m), rank, realises == "pow2"), "realises": realises, "note": note},
             })
     return _clean({
         "run_id": first.run_id, "device": first.device, "gpu_name": first.gpu_name, "model": first.model,
-        "layers": _int(first.layers), "rank": _int(first["rank"]), "dtype": first["dtype"],
+        "layers": _int(first.layers), "rank": rank, "dtype": first["dtype"],
         "pays_threshold_pct": 100 * PAYS,
         "basis": "expected step time = sum_n P(n|c) * median step(c, n), averaged over the swept concurrencies",
         "recommendations": recs,

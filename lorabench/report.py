@@ -1,6 +1,7 @@
 """``lorabench report``: plots (PNG), ``report.md`` and ``recommendation.json`` in a run's folder."""
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -10,12 +11,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from lorabench.analysis import configs, expected_steps, lora_overhead, ok_points  # noqa: E402
-from lorabench.recommend import recommend  # noqa: E402
+from lorabench.analysis import configs, expected_steps, lora_overhead, ok_points, verdicts  # noqa: E402
+from lorabench.recommend import VLLM_NOTE, recommend  # noqa: E402
 from lorabench.results import read_points  # noqa: E402
 from lorabench.spec import UserError  # noqa: E402
 
 STRATEGY_ORDER = {"max": 0, "pow2": 1, "dense": 2}
+BACKEND_ORDER = {"triton": 0, "torch": 1, "vllm": 2}
+VERDICT_WORD = {True: "ok", False: "WRONG", None: "not checked"}
+HYPOTHESIS = ("Hypothesis: with `--specialize-active-lora` (kernels vllm, strategy pow2), a batch mixing base-model "
+              "requests with adapters replays a graph whose grid is one slot short, so some adapter tokens get no LoRA update.")
 
 
 def find_newest_run(results: Path) -> Path:
@@ -42,6 +47,17 @@ def load_run(run_dir: Path) -> pd.DataFrame:
 
 def strategies(df: pd.DataFrame) -> list[str]:
     return sorted(df.strategy.unique(), key=lambda s: (STRATEGY_ORDER.get(s, 3), s))
+
+
+def backends(df: pd.DataFrame) -> list[str]:
+    return sorted(df.kernels.unique(), key=lambda k: (BACKEND_ORDER.get(k, 3), k))
+
+
+def _order(cfg: pd.DataFrame, by=("kernels", "max_loras", "strategy")) -> pd.DataFrame:
+    """Configurations in report order: backends and strategies in their usual order, not alphabetical."""
+    rank = {"kernels": BACKEND_ORDER, "strategy": STRATEGY_ORDER}
+    return cfg.sort_values(list(by), key=lambda col: col.map(lambda v: (rank[col.name].get(v, 3), v))
+                           if col.name in rank else col)
 
 
 def unit(df: pd.DataFrame) -> str:
@@ -170,6 +186,25 @@ def plot_latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFram
     return _save(fig, df, "Latency vs graph memory", path)
 
 
+def plot_backends(df: pd.DataFrame, over: pd.DataFrame, path: Path) -> Path:
+    """LoRA overhead over the n = 0 step vs active count, one line per backend and strategy."""
+    loras, conc = sorted(over.max_loras.unique()), sorted(over.concurrency.unique())
+    fig, axes = _grid(len(loras), len(conc))
+    for i, m in enumerate(loras):
+        for j, c in enumerate(conc):
+            ax = axes[i][j]
+            for (k, s), g in over[(over.max_loras == m) & (over.concurrency == c)].groupby(["kernels", "strategy"]):
+                g = g.sort_values("n_active")
+                ax.plot(g.n_active, g.overhead_pct, marker="o", ms=3, ls=["-", "--", ":"][BACKEND_ORDER.get(k, 0)], label=f"{k}/{s}")
+            ax.axhline(0, color="grey", ls="--")
+            ax.set_title(f"max_loras={m}, c={c}", fontsize=9)
+            ax.set_xlabel("active adapters n")
+            ax.set_ylabel("LoRA overhead over n = 0 (%)")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0][0].legend(fontsize=7)
+    return _save(fig, df, "LoRA overhead by backend", path)
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if v is None or (isinstance(v, float) and np.isnan(v)):
@@ -181,8 +216,83 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _fmt(v, spec: str):
+    return None if pd.isna(v) else spec.format(v)
+
+
 def _mib(v):
     return None if v is None or pd.isna(v) else f"{float(v) / 2**20:.0f}"
+
+
+def hypothesis_verdict(pow2: pd.DataFrame) -> str:
+    """What the vllm/pow2 verdicts say about HYPOTHESIS: a failure whose smallest batch mixes base
+    requests with adapters confirms it; every configuration correct refutes it."""
+    wrong = pow2[pow2.correct.map(lambda v: v is False)]
+    if len(wrong):
+        r = wrong.iloc[0]
+        smallest = (r.check_detail or "").partition("smallest: ")[2] or r.check_detail or "no detail recorded"
+        where = f"max_loras {', '.join(str(int(m)) for m in wrong.max_loras)}"
+        if re.search(r"n=[1-9]\d*, [1-9]\d* base", smallest):
+            return f"This run **confirms** it: vllm/pow2 is WRONG at {where}; smallest failing batch: {smallest}."
+        return (f"vllm/pow2 is WRONG at {where}, but its smallest failing batch does not mix base requests with "
+                f"adapters, so this run does not single out the hypothesised failure: {smallest}.")
+    if pow2.correct.map(lambda v: v is True).all():
+        return ("This run **refutes** it: every vllm/pow2 configuration (max_loras "
+                f"{', '.join(str(int(m)) for m in pow2.max_loras)}) matched the reference, mixed batches included.")
+    return "This run cannot tell: a vllm/pow2 configuration has no verdict (not checked, or the check was inconclusive)."
+
+
+def correctness_md(df: pd.DataFrame) -> list[str]:
+    v = _order(verdicts(df))
+    out = ["## Correctness", "",
+           "Each configuration's graphs replayed on all-adapter, all-base and mixed batches against the plain-torch "
+           "reference before timing (`correct`, `check_detail`); a WRONG configuration is never recommended.", "",
+           md_table(["kernels", "max_loras", "strategy", "verdict", "detail"],
+                    [[r.kernels, int(r.max_loras), r.strategy, VERDICT_WORD[r.correct], r.check_detail] for r in v.itertuples()]),
+           ""]
+    if v.correct.isna().all():
+        out += ["No configuration of this run has a verdict: it ran with `--no-check`, or before the check existed.", ""]
+    pow2 = v[(v.kernels == "vllm") & (v.strategy == "pow2")]
+    if len(pow2):
+        out += [f"{HYPOTHESIS} {hypothesis_verdict(pow2)}", ""]
+    return out
+
+
+def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path) -> list[str]:
+    """Per (max_loras, strategy) measured with several backends: step times, ratios to the first
+    backend and each backend's LoRA overhead; then what each backend's graphs cost."""
+    out = ["## Backends side by side", "", f"![backends]({plot.name})", ""]
+    for (m, s), g in over.groupby(["max_loras", "strategy"]):
+        ks = backends(g)
+        if len(ks) < 2:
+            continue
+        t = g.pivot(index=["concurrency", "n_active"], columns="kernels", values=["step_ms_median", "overhead_pct"])
+        rows = [[int(c), int(n)] + [r.step_ms_median[k] for k in ks]
+                + [_fmt(r.step_ms_median[k] / r.step_ms_median[ks[0]], "{:.2f}x") for k in ks[1:]]
+                + [_fmt(r.overhead_pct[k], "{:+.1f} %") for k in ks] for (c, n), r in t.iterrows()]
+        out += [f"**max_loras = {m}, {s}**: median step ({u}), ratio to {ks[0]}, LoRA overhead over n = 0\n",
+                md_table(["c", "n"] + [f"{k} ms" for k in ks] + [f"{k}/{ks[0]}" for k in ks[1:]] + [f"{k} overhead" for k in ks], rows),
+                ""]
+    cost = _order(cfg, by=("max_loras", "strategy", "kernels"))
+    out += [md_table(["max_loras", "strategy", "kernels", "graph MiB", "graphs", "startup s"],
+                     [[int(c.max_loras), c.strategy, c.kernels, _mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
+                      for c in cost.itertuples()]), ""]
+    return out
+
+
+def recommendation_md(rec: dict) -> list[str]:
+    out = ["## Recommendation", ""]
+    for x in rec["recommendations"]:
+        head = f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: "
+        if x["strategy"] is None:
+            out.append(head + f"nothing proposed: {x['reason']}.")
+        else:
+            out.append(head + f"`{x['strategy']}` {x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "
+                       f"{x['num_graphs']} graphs ({x['num_graphs_max']} for max). {x['reason']}. vLLM: `{x['vllm']['flags']}`")
+        out += [f"  - rejected `{r['strategy']}`: {r['reason']}" for r in x.get("rejected", [])]
+    notes = dict.fromkeys(x["vllm"]["note"] for x in rec["recommendations"] if x["strategy"] is not None)
+    out += [f"\nvLLM: {n}" for n in notes if n != VLLM_NOTE]
+    return out
 
 
 def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
@@ -201,6 +311,7 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
         f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %)",
         f"- timing: {u}; median of {int(r.iters)} steps per point after {int(r.warmup)} warm-up steps",
         "",
+        *correctness_md(df),
         "## Capture sets and their cost",
         "",
         md_table(
@@ -228,6 +339,8 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
                              if len(p) else "-")
             rows.append(cells)
         out += [md_table(["c", "n"] + strats, rows), ""]
+    if "backends" in plots:
+        out += backends_md(over, cfg, u, plots["backends"])
     if not exp.empty:
         out += [f"## Expected step under each workload ({u})", "",
                 "expected = sum over n of P(n | c) x median(c, n); measured = the workload run's mean over its steps.", "",
@@ -247,11 +360,7 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
                      [[k, int(c), h.host, h.copy, h.launch] for (k, c), h in host.iterrows()]), ""]
     if "latency_vs_memory" in plots:
         out += [f"![latency vs memory]({plots['latency_vs_memory'].name})", ""]
-    out += ["## Recommendation", ""]
-    for x in rec["recommendations"]:
-        out.append(f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: `{x['strategy']}` "
-                   f"{x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "
-                   f"{x['num_graphs']} graphs ({x['num_graphs_max']} for max). {x['reason']}. vLLM: `{x['vllm']['flags']}`")
+    out += recommendation_md(rec)
     bad = df[(df.status == "failed") | df.noisy.fillna(False).astype(bool)]
     if len(bad):
         out += ["", "## Failed and noisy points", "",
@@ -275,6 +384,8 @@ def write_report(run_dir: Path) -> list[Path]:
         plots["latency_vs_concurrency"] = plot_latency_vs_concurrency(df, exp, run_dir / "latency_vs_concurrency.png")
         plots["speedup"] = plot_speedup(df, exp, run_dir / "speedup_vs_max.png")
         plots["latency_vs_memory"] = plot_latency_vs_memory(df, exp, cfg, run_dir / "latency_vs_memory.png")
+    if ok_points(df).kernels.nunique() > 1:
+        plots["backends"] = plot_backends(df, over, run_dir / "backends.png")
     rec = recommend(df)
     rec_path = run_dir / "recommendation.json"
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")

@@ -43,6 +43,12 @@ SCHEMA = pa.schema(
         ("process_s", F64),  # worker start: interpreter, imports, device init
         ("triton_cache", STR),  # "cold" when the compile step wrote new kernels, else "warm"
         ("lora_bytes_per_slot", I64),
+        ("vllm", STR),  # vLLM's version, on rows of its kernels (--kernels vllm)
+        ("correct", BOOL),  # the configuration's check: every served graph equals the reference (null: not checked)
+        ("check_detail", STR),  # the verdict in words; the smallest failing batch, its graph and error
+        ("check_max_err", F64),  # worst relative logit error over the check's batches
+        ("check_batches", I64),
+        ("check_s", F64),
     ]
 )
 COLUMNS = SCHEMA.names

@@ -35,6 +35,7 @@ class SweepSpec:
     seed: int = 0
     out: str = "results"
     capture_sizes: list[int] | None = None  # default: the concurrency values
+    check: bool = True  # replay every graph against the reference before timing (the `correct` column)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,7 +45,8 @@ LIST_INT = {"max_loras", "concurrency", "capture_sizes"}
 LIST_STR = {"strategy", "kernels", "workload"}
 INTS = {"layers", "rank", "context_len", "iters", "warmup", "seed"}
 STRS = {"model", "dtype", "device", "out"}
-FIELDS = LIST_INT | LIST_STR | INTS | STRS
+BOOLS = {"check"}
+FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS
 
 
 def split_list(text: str) -> list[str]:
@@ -92,6 +94,12 @@ def _coerce(name: str, value):
         return [_int(name, i, 1) for i in items]
     if name in INTS:
         return _int(name, value, 0 if name in ("warmup", "seed") else 1)
+    if name in BOOLS:
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in ("true", "false"):
+            return str(value).strip().lower() == "true"
+        raise UserError(f"{_flag(name)}: {value!r} is not true or false")
     return str(value)
 
 
@@ -128,7 +136,8 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     device = spec.device if spec.device != "auto" else ("cuda" if cuda_available else "cpu")
     notice = None
     if device == "cpu" and spec.model is None:
-        notice = ("No GPU: running the tiny preset with eager steps and torch kernels on the CPU; "
+        kernels = "torch kernels" if spec.kernels is None else "the " + ",".join(spec.kernels) + " kernels"
+        notice = (f"No GPU: running the tiny preset with eager steps and {kernels} on the CPU; "
                   "its figures are CPU figures, not GPU results.")
     spec.device = device
     spec.model = spec.model or ("llama-2-7b" if device == "cuda" else "tiny")
@@ -147,6 +156,16 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     for k in spec.kernels:
         if k not in BACKENDS:
             raise UserError(f"--kernels: unknown backend {k!r} (choose from {', '.join(BACKENDS)})")
+    spec.kernels = list(dict.fromkeys(spec.kernels))
+    if "vllm" in spec.kernels:
+        from lorabench.kernels import vllm_lora
+
+        if spec.dtype == "float32":
+            raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
+        try:
+            vllm_lora.load_ops()
+        except vllm_lora.VllmUnavailable as e:
+            raise UserError(str(e)) from None
     if max(spec.concurrency + spec.capture_sizes) > MAX_TOKENS:
         raise UserError(f"--concurrency/--capture-sizes: at most {MAX_TOKENS} tokens per step are supported")
     for s in spec.strategy:

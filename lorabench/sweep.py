@@ -2,7 +2,8 @@
 strategy), writes each row the moment it arrives, and ends with a summary table.
 
 Output: ``<out>/<run_id>/points.parquet`` (+ ``points.jsonl``), ``run.json`` (the spec, argv and
-environment) and one ``worker-<i>.log`` per worker.
+environment), ``checks.json`` (each configuration's correctness verdict) and one
+``worker-<i>.log`` per worker.
 """
 
 import json
@@ -54,12 +55,18 @@ def new_run_dir(out: Path, device: str) -> tuple[str, Path]:
 
 
 class Sweep:
-    def __init__(self, spec: SweepSpec, argv: str, console: Console):
-        self.spec, self.argv, self.console = spec, argv, console
+    """A run: ``check_only`` builds and checks every configuration and times nothing."""
+
+    def __init__(self, spec: SweepSpec, argv: str, console: Console, check_only: bool = False):
+        self.spec, self.argv, self.console, self.check_only = spec, argv, console, check_only
         self.run_id, self.run_dir = new_run_dir(Path(spec.out), spec.device)
         self.writer = PointsWriter(self.run_dir)
         self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.jobs = plan(spec)
+        if check_only:
+            for job in self.jobs:
+                job["points"] = []
+        self.checks: list[dict] = []  # one verdict per configuration, also in checks.json
         self.info = {
             "run_id": self.run_id, "started_at": self.started_at, "argv": argv, "status": "running",
             "spec": spec.to_dict(), "env": env.collect("cpu"), "jobs": [
@@ -75,7 +82,7 @@ class Sweep:
 
     def run(self) -> Path:
         t0 = time.perf_counter()
-        total = sum(len(j["points"]) for j in self.jobs)
+        total = len(self.jobs) if self.check_only else sum(len(j["points"]) for j in self.jobs)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         try:
             with Progress(*columns, console=self.console, transient=False) as progress:
@@ -97,10 +104,11 @@ class Sweep:
         payload = {**job, "spec": self.spec.to_dict(), "run_id": self.run_id, "started_at": self.started_at,
                    "argv": self.argv, "spawned_at": time.time()}
         child_env = dict(os.environ)
-        if self.spec.device == "cpu" and job["kernels"] == "triton":
+        if self.spec.device == "cpu" and job["kernels"] in ("triton", "vllm"):
             child_env["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU run in its interpreter
         log_path = self.run_dir / f"worker-{index}.log"
         done: set[int] = set()
+        checks_before = len(self.checks)
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "lorabench.worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, text=True, env=child_env)
@@ -114,6 +122,11 @@ class Sweep:
                         self.writer.append(row)
                         done.add(row["point"])
                         advance()
+                    elif kind == "@@check":
+                        self.checks.append(json.loads(body))
+                        (self.run_dir / "checks.json").write_text(json.dumps(self.checks, indent=2) + "\n")
+                        if self.check_only:
+                            advance()
                     elif kind == "@@env":
                         self.info["env"] = json.loads(body)
                         self.write_info()
@@ -123,8 +136,14 @@ class Sweep:
                 proc.wait()
                 raise
         missing = [p for p in job["points"] if p["point"] not in done]
+        tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
+        if self.spec.check and len(self.checks) == checks_before:
+            self.checks.append({**{k: job[k] for k in ("kernels", "max_loras", "strategy")}, "correct": None,
+                                "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"})
+            (self.run_dir / "checks.json").write_text(json.dumps(self.checks, indent=2) + "\n")
+            if self.check_only:
+                advance()
         if missing:
-            tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
             error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
             base = {"run_id": self.run_id, "started_at": self.started_at, "argv": self.argv,
                     "kernels": job["kernels"], "max_loras": job["max_loras"], "strategy": job["strategy"],
@@ -149,6 +168,7 @@ def summary_table(df: pd.DataFrame, device: str) -> Table:
     for c in conc:
         table.add_column(f"c={c}", justify="right", no_wrap=True)
     table.add_column("failed", justify="right")
+    table.add_column("check", justify="left")
     cost = configs(df).set_index(CONFIG)
     for (k, m, s), g in df.groupby(CONFIG, sort=False):
         cells = [k, str(m), s, "-", "-", "-"]
@@ -161,5 +181,23 @@ def summary_table(df: pd.DataFrame, device: str) -> Table:
             pt = good[(good.concurrency == c) & (good["mode"] == "workload") & (good.workload == wl)]
             cells.append(f"{pt.step_ms_median.iloc[0]:.3f}" if len(pt) else "-")
         cells.append(str(int((g.status == "failed").sum())))
+        verdict = g["correct"].dropna() if "correct" in g else g.status.iloc[:0]
+        cells.append("-" if verdict.empty else ("ok" if verdict.iloc[0] else "[red]WRONG[/]"))
         table.add_row(*cells)
+    return table
+
+
+def check_table(checks: list[dict]) -> Table:
+    """One line per configuration: its verdict and, when wrong, the smallest batch that shows it."""
+    table = Table(title="correctness: every served graph vs the plain-torch reference")
+    for col in ["kernels", "L", "strategy", "graphs", "batches", "verdict", "detail"]:
+        table.add_column(col, justify="right" if col in ("L", "graphs", "batches") else "left",
+                         no_wrap=col != "detail", overflow="fold")
+    for c in checks:
+        verdict = {True: "[green]ok[/]", False: "[red]WRONG[/]", None: "[yellow]none[/]"}[c.get("correct")]
+        graphs = f"{c['graphs_checked']}/{c['graphs_total']}" if "graphs_checked" in c else "-"
+        detail = c.get("detail", "")
+        if c.get("correct") is True:
+            detail = f"max error {c['max_err']:.2g} (tolerance {c['tolerance']:g})"
+        table.add_row(c["kernels"], str(c["max_loras"]), c["strategy"], graphs, str(c.get("batches", "-")), verdict, detail)
     return table

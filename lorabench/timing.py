@@ -44,7 +44,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int)
         t0 = clock()
         prep = d.prepare(slots)
         tc = clock()
-        d.meta_buf.load(prep.packed)
+        d.load(prep)
         t1 = clock()
         if cuda:
             start, end = events[i]
@@ -58,7 +58,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int)
             t2 = clock()
             step_ms[i] = (t2 - t1) / 1e6
         host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
-        n_active[i], launches[i] = prep.n_active, prep.route.launch
+        n_active[i], launches[i] = prep.n_active, d.grid_of(prep.route)
     if cuda:
         step_ms[:] = [s.elapsed_time(e) for s, e in events]
     return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches)

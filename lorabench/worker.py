@@ -20,11 +20,13 @@ import torch
 
 from lorabench import env
 from lorabench.batches import fixed_batch
+from lorabench.check import check
 from lorabench.dispatch import Dispatcher
-from lorabench.kernels import SUPPORTED_DTYPES, get_backend
+from lorabench.kernels import SUPPORTED_DTYPES, get_backend, vllm_lora
 from lorabench.model import LlamaLoRA, preset
 from lorabench.strategies import capture_counts
 from lorabench.timing import summarize, time_steps
+from lorabench.vllm_rules import VllmRules, vllm_counts
 from lorabench.workload import parse_workload
 
 FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
@@ -38,7 +40,7 @@ def emit(kind: str, payload: dict) -> None:
 
 
 def _inject(stage: str) -> None:
-    """Test-only fault injection: LORABENCH_FAIL=build|capture|point:I|kill:I."""
+    """Test-only fault injection: LORABENCH_FAIL=build|capture|check|point:I|kill:I."""
     want = os.environ.get("LORABENCH_FAIL", "")
     if want == stage:
         raise RuntimeError(f"injected failure at {stage}")
@@ -62,7 +64,8 @@ class Worker:
         self.cuda = self.spec["device"] == "cuda"
         self.cfg = cfg = preset(self.spec["model"], self.spec["layers"])
         self.max_loras = job["max_loras"]
-        self.counts = capture_counts(job["strategy"], self.max_loras)
+        self.vllm = job["kernels"] == "vllm"
+        self.counts = vllm_counts(job["strategy"], self.max_loras) if self.vllm else capture_counts(job["strategy"], self.max_loras)
         self.env = env.collect(self.spec["device"])
         self.common = {
             "run_id": job["run_id"], "started_at": job["started_at"], "argv": job["argv"],
@@ -73,6 +76,7 @@ class Worker:
             "capture_sizes": self.spec["capture_sizes"], "context_len": self.spec["context_len"],
             "iters": self.spec["iters"], "warmup": self.spec["warmup"],
             "timing": "cuda_events" if self.cuda else "cpu_wall",
+            "vllm": vllm_lora.version() if self.vllm else None,
         }
         self.startup: dict = {}
 
@@ -98,15 +102,16 @@ class Worker:
             self.cfg, max_loras=self.max_loras, rank=spec["rank"], max_tokens=max(spec["capture_sizes"] + spec["concurrency"]),
             context_len=spec["context_len"], dtype=SUPPORTED_DTYPES[spec["dtype"]], device=device, seed=spec["seed"],
         )
-        d = Dispatcher(model, get_backend(self.job["kernels"]), max_loras=self.max_loras,
-                       capture_sizes=spec["capture_sizes"], counts=self.counts, use_graphs=self.cuda, seed=spec["seed"])
+        rules = VllmRules(self.job["strategy"], self.max_loras, model.max_tokens, device) if self.vllm else None
+        d = Dispatcher(model, get_backend(self.job["kernels"]), max_loras=self.max_loras, capture_sizes=spec["capture_sizes"],
+                       counts=self.counts, use_graphs=self.cuda, seed=spec["seed"], rules=rules)
         self.sync()
         build_s = time.perf_counter() - t0
         cache_before = _triton_cache_files()  # outside the timers: it walks the cache folder
         t1 = time.perf_counter()
         d.warm_up()
         compile_s = time.perf_counter() - t1
-        compiled = self.job["kernels"] == "triton" and not os.environ.get("TRITON_INTERPRET")
+        compiled = self.job["kernels"] in ("triton", "vllm") and not os.environ.get("TRITON_INTERPRET")
         if self.cuda:
             torch.cuda.empty_cache()
             free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
@@ -123,6 +128,22 @@ class Worker:
             self.startup["graph_mem_bytes"] = free0 - torch.cuda.mem_get_info()[0]
             self.startup["pool_bytes"] = torch.cuda.memory_reserved() - reserved0
         return d
+
+    def check(self, d: Dispatcher) -> None:
+        """The configuration's correctness verdict, carried by every row; emitted on its own too."""
+        try:
+            _inject("check")
+            v = check(d, self.spec["dtype"], self.spec["seed"])
+            verdict = {"correct": v.correct, "check_detail": v.detail, "check_max_err": v.max_err,
+                       "check_batches": v.batches, "check_s": v.seconds}
+            emit("check", {**{k: self.job[k] for k in ("kernels", "max_loras", "strategy")}, **v.to_dict(),
+                           "num_graphs": d.num_graphs, "captured_counts": self.counts})
+        except Exception as e:  # noqa: BLE001 - a check that cannot run is no verdict, not a lost sweep
+            traceback.print_exc()
+            verdict = {"correct": None, "check_detail": f"check did not run: {_error(e)}"}
+            emit("check", {**{k: self.job[k] for k in ("kernels", "max_loras", "strategy")}, "correct": None,
+                           "detail": verdict["check_detail"]})
+        self.startup.update(verdict)
 
     def measure(self, d: Dispatcher, point: dict) -> dict:
         spec, c = self.spec, point["concurrency"]
@@ -158,6 +179,8 @@ class Worker:
             traceback.print_exc()
             self.fail_all(points, e)
             return
+        if self.spec.get("check", True):
+            self.check(d)
         for p in points:
             try:
                 _inject(f"point:{p['point']}")

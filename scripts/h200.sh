@@ -4,9 +4,13 @@
 #   tests  - the test suite on the GPU (kernels in fp16/bf16, real CUDA graphs)
 #   smoke  - sweeps/smoke.toml (2 layers), to see the whole path run
 #   card   - sweeps/card.toml at llama-2-7b (32 layers), wall time recorded; repeatable
-#   wide, slots - sweeps/wide.toml, sweeps/slots.toml
+#   wide, slots, backends - sweeps/wide.toml, sweeps/slots.toml, sweeps/backends.toml
+#   card-vllm - sweeps/card.toml with both backends (--kernels triton,vllm)
+#   backends-4-32, backends-128 - sweeps/backends.toml split by max_loras (one call's time limit)
+#   parity - scripts/vllm_parity.py: vLLM's kernels in the harness vs its ops timed alone
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
+# vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,12 +20,21 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
   | tee -a "$OUT/stages.log"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
   || { log "install failed"; tail -5 "$OUT/install.log"; exit 1; }
+if [ -d .vllm-bundle ]; then  # unpack as the bundle's header says
+  mkdir -p /tmp/vllm-site && tar xzf .vllm-bundle/vllm-py.tgz -C /tmp/vllm-site \
+    && python3 -m pip install -q --no-index --no-deps --target /tmp/vllm-site .vllm-bundle/*.whl >>"$OUT/install.log" 2>&1
+  export PYTHONPATH=/tmp/vllm-site:$PWD/.vllm-bundle${PYTHONPATH:+:$PYTHONPATH}
+fi
 for stage in "$@"; do
   t0=$SECONDS
   case "$stage" in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
-    smoke|card|wide|slots) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    smoke|card|wide|slots|backends) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    card-vllm) lorabench sweep --spec sweeps/card.toml --kernels triton,vllm --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    backends-4-32) lorabench sweep --spec sweeps/backends.toml --max-loras 4,32 --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    backends-128) lorabench sweep --spec sweeps/backends.toml --max-loras 128 --out results 2>&1 | tee -a "$OUT/stages.log" ;;
+    parity) python3 scripts/vllm_parity.py --json "$OUT/parity.json" 2>&1 | tee -a "$OUT/parity.log" ;;
     report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

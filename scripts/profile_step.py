@@ -55,7 +55,7 @@ def main():
     rng = random.Random(0)
     for c, n in [(1, 0), (1, 1), (8, 0), (8, 4)]:
         prep = d.prepare(fixed_batch(c, n, m, rng, base_tokens=c if n == 0 else 0))
-        d.meta_buf.load(prep.packed)
+        d.load(prep)
         synced, ev = [], [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(100)]
         for s, e in ev:
             s.record()
@@ -73,7 +73,7 @@ def main():
               f"(p10 {np.percentile(synced, 10):.3f}, p90 {np.percentile(synced, 90):.3f}); back-to-back {s.elapsed_time(e) / 100:.3f} ms")
 
     prep = d.prepare(fixed_batch(8, 4, m, rng))
-    d.meta_buf.load(prep.packed)
+    d.load(prep)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             d.forward(8, m)
@@ -85,7 +85,7 @@ def main():
     for i in range(3000):
         t0 = time.perf_counter_ns()
         p = d.prepare(batches[i % 16])
-        d.meta_buf.load(p.packed)
+        d.load(p)
         host.append((time.perf_counter_ns() - t0) / 1e3)
     host = np.array(host[500:])
     print(f"host prepare+load, tight loop, c=8: median {np.median(host):.1f} us, p10 {np.percentile(host, 10):.1f}, p90 {np.percentile(host, 90):.1f}")
@@ -95,7 +95,7 @@ def main():
         d.prepare(batches[i % 16])
         t.append((time.perf_counter_ns() - t0) / 1e3)
     print(f"  of which prepare (pack + route): median {np.median(t[200:]):.1f} us")
-    mb, packed = d.meta_buf, d.prepare(batches[0]).packed
+    mb, packed = d.rules.meta_buf, d.prepare(batches[0]).packed
     parts = {"event sync": lambda: mb.copied.synchronize(), "numpy fill": lambda: mb.staging_np.__setitem__(slice(None), packed),
              "copy_ call": lambda: mb.buffer.copy_(mb.staging, non_blocking=True), "event record": lambda: mb.copied.record()}
     for name, fn in parts.items():

@@ -3,6 +3,7 @@ that become rows, an interrupted sweep, the report, the recommendation and the n
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from lorabench.cli import main
 from lorabench.dispatch import choose_launch
+from lorabench.report import hypothesis_verdict, write_report
 from lorabench.results import SCHEMA
 from lorabench.strategies import capture_counts
 
@@ -162,3 +164,130 @@ def test_notebook_executes_on_a_cpu_run(run_dir):
         del os.environ["LORABENCH_RUN"]
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 2
+
+
+# Synthetic runs: the committed reference run's rows (GPU timings, triton, max_loras 4, max/pow2/dense),
+# copied per backend, with chosen verdicts and timings; no GPU and no sweep needed.
+REFERENCE = Path(__file__).parent.parent / "results" / "reference"
+WRONG = ("WRONG in 3 of 9 graphs served; smallest: batch [0, -1] (2 tokens, n=1, 1 base) -> graph (bucket 2, key 1, "
+         "grid 1): 1 token(s) of slot 0 off by 1.12 relative (tolerance 0.03)")
+OK = "ok: 42 batches, 9 of 9 graphs served, max error 0.004 (tolerance 0.03, LoRA moves logits by 1.1)"
+
+
+def synthetic_run(tmp_path: Path, backends=("triton",), wrong=(), speed=None, failed=()) -> Path:
+    """A run folder holding the reference rows once per backend (vllm: max and pow2 only). Every
+    configuration passes its check except the (kernels, strategy) pairs in ``wrong``; ``speed``
+    scales a (kernels, strategy)'s step times, e.g. {("triton", "pow2"): 0.9} makes it 10 % faster;
+    every point of the pairs in ``failed`` is a failed row (verdict kept, as the worker writes them)."""
+    ref = pd.read_parquet(REFERENCE / "points.parquet")
+    df = pd.concat([ref.assign(kernels=k, vllm="0.33.0" if k == "vllm" else None) for k in backends], ignore_index=True)
+    df = df[(df.kernels != "vllm") | df.strategy.isin(["max", "pow2"])].reset_index(drop=True).reindex(columns=SCHEMA.names)
+    bad = pd.Series(list(zip(df.kernels, df.strategy))).isin(list(wrong)).to_numpy()
+    df["correct"] = ~bad
+    df["check_detail"] = [WRONG if b else OK for b in bad]
+    for (k, s), f in (speed or {}).items():
+        sel = (df.kernels == k) & (df.strategy == s)
+        for col in ["step_ms_median", "step_ms_mean", "step_ms_p10", "step_ms_p90"]:
+            df.loc[sel, col] *= f
+    down = pd.Series(list(zip(df.kernels, df.strategy))).isin(list(failed)).to_numpy()
+    df.loc[down, "status"], df.loc[down, "error"] = "failed", "RuntimeError: injected"
+    run = tmp_path / "run"
+    run.mkdir()
+    df.to_parquet(run / "points.parquet", schema=SCHEMA)
+    return run
+
+
+def report(run: Path) -> tuple[dict, str]:
+    assert main(["report", str(run)]) == 0
+    return json.loads((run / "recommendation.json").read_text()), (run / "report.md").read_text()
+
+
+def section(md: str, title: str) -> str:
+    return md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("bad", ["pow2", "dense", "max"])
+def test_a_wrong_configuration_is_never_recommended(tmp_path, bad, capsys):
+    rec, md = report(synthetic_run(tmp_path, wrong=[("triton", bad)], speed={("triton", bad): 0.8}))
+    [r] = rec["recommendations"]
+    assert r["fastest_measured"] == bad and r["strategy"] not in (None, bad)
+    assert r["rejected"] == [{"strategy": bad, "reason": WRONG}]
+    assert f"{bad} measured fastest but failed its correctness check" in r["reason"]
+    assert (r["gain_over_max_pct"] < 0) == (bad == "max"), "gains stay relative to max's timing, wrong or not"
+    assert f"| triton | 4 | {bad} | WRONG | {WRONG} |" in section(md, "Correctness")
+    assert f"  - rejected `{bad}`: {WRONG}" in section(md, "Recommendation")
+
+
+def test_every_strategy_wrong_proposes_nothing(tmp_path, capsys):
+    rec, md = report(synthetic_run(tmp_path, wrong=[("triton", s) for s in ("max", "pow2", "dense")]))
+    [r] = rec["recommendations"]
+    assert r["strategy"] is None and "no configuration passed" in r["reason"]
+    assert {x["strategy"] for x in r["rejected"]} == {"max", "pow2", "dense"}
+    assert "nothing proposed: no configuration passed" in section(md, "Recommendation")
+
+
+@pytest.mark.parametrize("pow2_correct, pow2_points_failed", [(False, False), (False, True), (True, False)])
+def test_vllm_pow2_verdict_decides_specialize_active_lora(tmp_path, pow2_correct, pow2_points_failed, capsys):
+    """pow2 is 10 % faster for both backends: only a passing vllm/pow2 lets the flag through. A
+    configuration whose every point failed still has its verdict."""
+    run = synthetic_run(tmp_path, backends=("triton", "vllm"), wrong=[] if pow2_correct else [("vllm", "pow2")],
+                        speed={("triton", "pow2"): 0.9, ("vllm", "pow2"): 0.9},
+                        failed=[("vllm", "pow2")] if pow2_points_failed else [])
+    rec, md = report(run)
+    flags = [r["vllm"]["flags"] for r in rec["recommendations"]]
+    assert len(flags) == 2 and all(f.startswith("--enable-lora --max-loras 4") for f in flags)
+    assert any("--specialize-active-lora" in f for f in flags) == pow2_correct
+    vllm = next(r for r in rec["recommendations"] if r["kernels"] == "vllm")
+    assert vllm["strategy"] == ("pow2" if pow2_correct else "max")
+    assert vllm["vllm"]["realises"] == vllm["strategy"]
+    correctness = section(md, "Correctness")
+    assert "Hypothesis: with `--specialize-active-lora`" in correctness
+    if pow2_correct:
+        assert "**refutes** it" in correctness and "rejected" not in section(md, "Recommendation")
+    else:
+        assert "**confirms** it" in correctness and "smallest failing batch: batch [0, -1] (2 tokens, n=1, 1 base)" in correctness
+        for r in rec["recommendations"]:
+            assert "not proposed" in r["vllm"]["note"] and WRONG in r["vllm"]["note"]
+        assert vllm["rejected"] == [{"strategy": "pow2", "reason": WRONG}]
+
+
+@pytest.mark.parametrize("backends", [("triton", "vllm"), ("triton", "torch", "vllm")])
+def test_several_backends_side_by_side(tmp_path, backends, capsys):
+    run = synthetic_run(tmp_path, backends=backends, speed={(backends[-1], "max"): 1.5})
+    written = write_report(run)
+    assert run / "backends.png" in written and (run / "backends.png").stat().st_size > 0
+    side = section((run / "report.md").read_text(), "Backends side by side")
+    assert "![backends](backends.png)" in side
+    ks = " | ".join(f"{k} ms" for k in backends)
+    assert "**max_loras = 4, max**" in side and f"| c | n | {ks} |" in side
+    assert f"{backends[-1]}/triton" in side and "1.50x" in side and f"{backends[-1]} overhead" in side
+    assert "| 4 | pow2 | vllm |" in side  # the cost table
+
+
+def test_one_backend_has_no_side_by_side(tmp_path, capsys):
+    run = synthetic_run(tmp_path)
+    assert run / "backends.png" not in write_report(run) and not (run / "backends.png").exists()
+    assert "Backends side by side" not in (run / "report.md").read_text()
+
+
+def test_a_run_from_before_the_check_still_reports(tmp_path, capsys):
+    run = tmp_path / "reference"
+    shutil.copytree(REFERENCE, run)
+    assert "correct" not in pd.read_parquet(run / "points.parquet").columns
+    rec, md = report(run)
+    [r] = rec["recommendations"]
+    assert r["strategy"] == "max" and r["rejected"] == [] and "--specialize-active-lora" not in r["vllm"]["flags"]
+    assert "| triton | 4 | pow2 | not checked | - |" in section(md, "Correctness")
+    assert "Hypothesis" not in md
+
+
+@pytest.mark.parametrize("correct, detail, says", [
+    ([False, True], [WRONG, OK], "**confirms** it: vllm/pow2 is WRONG at max_loras 4; smallest failing batch: batch [0, -1]"),
+    ([False], [WRONG.replace("n=1, 1 base", "n=2, 0 base")], "does not mix base requests with adapters"),
+    ([True, True], [OK, OK], "**refutes** it: every vllm/pow2 configuration (max_loras 4, 8)"),
+    ([True, None], [OK, None], "cannot tell"),
+])
+def test_hypothesis_verdict(correct, detail, says):
+    pow2 = pd.DataFrame({"kernels": "vllm", "max_loras": [4, 8][:len(correct)], "strategy": "pow2",
+                         "correct": pd.Series(correct, dtype=object), "check_detail": detail})
+    assert says in hypothesis_verdict(pow2)

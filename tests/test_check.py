@@ -1,0 +1,114 @@
+"""The correctness check: it passes lorabench's dispatch, catches a launch count one short with
+the smallest batch that shows it, says when it cannot tell, and reaches every sweep row."""
+
+import os
+import random
+
+import pandas as pd
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA
+
+from lorabench.check import Case, cases, check
+from lorabench.cli import main
+from lorabench.dispatch import Dispatcher, Route
+from lorabench.kernels import get_backend
+from lorabench.model import PRESETS, LlamaLoRA
+from lorabench.strategies import capture_counts
+
+DTYPE = "float16" if HAS_CUDA else "float32"
+
+
+def build(kernels="torch", strategy="pow2", max_loras=4, sizes=(1, 2, 4, 8), scale=1.0):
+    model = LlamaLoRA(PRESETS["tiny"], max_loras=max_loras, rank=16, max_tokens=max(sizes), context_len=16,
+                      dtype=getattr(torch, DTYPE), device=DEVICE)
+    d = Dispatcher(model, get_backend(kernels), max_loras=max_loras, capture_sizes=list(sizes),
+                   counts=capture_counts(strategy, max_loras), use_graphs=HAS_CUDA, lora_scale=scale)
+    d.warm_up()
+    d.capture()
+    return d
+
+
+def test_cases_cover_every_servable_graph_smallest_first():
+    d = build(strategy="dense")
+    cs = cases(d, random.Random(0))
+    sizes = [(c.tokens, c.n_active, c.base) for c in cs]
+    assert sizes == sorted(sizes)
+    assert {(d.route(c.tokens, c.n_active).tokens, d.route(c.tokens, c.n_active).launch) for c in cs} == set(d.keys)
+    # every n at every batch length, with and without base requests
+    assert any(c.n_active == 3 and c.base == 0 for c in cs) and any(c.n_active == 3 and c.base > 0 for c in cs)
+
+
+@pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("torch", "[3,4]"), ("triton", "pow2")])
+def test_lorabench_dispatch_is_correct(kernels, strategy):
+    v = check(build(kernels, strategy), DTYPE)
+    assert v.correct is True, v.detail
+    assert v.graphs_checked == v.graphs_total and v.max_err < v.tolerance
+    assert v.sensitivity > 10 * v.tolerance
+    assert v.detail.startswith("ok:")
+
+
+def test_one_short_is_caught_with_the_smallest_batch(monkeypatch):
+    """A dispatcher that rounds a mixed batch's count one short (the class of bug DESIGN.md warns
+    about) fails, and the verdict names the smallest batch, its graph and the error."""
+    d = build("torch", "pow2")
+    good = Dispatcher.route
+
+    def one_short(self, tokens, n):
+        r = good(self, tokens, n)
+        return Route(r.tokens, r.launch - 1, r.graphed) if r.launch > 1 and r.graphed else r
+
+    monkeypatch.setattr(Dispatcher, "route", one_short)
+    for key in [(b, c) for b in (2, 4, 8) for c in (1, 3) if c <= b]:  # the keys the short routes land on
+        d.runners[key] = lambda key=key: d.forward(*key)
+        d.grid[key] = key[1]
+    v = check(d, DTYPE)
+    assert v.correct is False
+    f = v.first
+    assert Case(f.slots).tokens == 2 and Case(f.slots).n_active == 2, f  # n=2 -> key 1: the smallest such batch
+    assert (f.graph_tokens, f.key, f.grid) == (2, 1, 1) and f.max_err > v.tolerance
+    assert "WRONG" in v.detail and "grid 1" in v.detail and str(f.slots) in v.detail
+
+
+def test_a_check_that_cannot_tell_says_so():
+    """With a LoRA update too small to see, a dropped update would go unnoticed: no verdict."""
+    v = check(build("torch", "max", scale=1e-7), DTYPE)
+    assert v.correct is None and "inconclusive" in v.detail
+
+
+def _cli(argv, env=None):
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_sweep_rows_carry_the_verdict(tmp_path):
+    argv = ["sweep", "--out", str(tmp_path), "--max-loras", "2", "--concurrency", "1,2", "--strategy", "max,pow2",
+            "--iters", "3", "--warmup", "1", "--context-len", "16", "--device", "cpu"]
+    assert _cli(argv) == 0
+    run = next(tmp_path.glob("*/points.parquet")).parent
+    df = pd.read_parquet(run / "points.parquet")
+    assert df.correct.all() and df.check_detail.str.startswith("ok:").all() and (df.check_batches > 0).all()
+    import json
+
+    checks = json.loads((run / "checks.json").read_text())
+    assert [(c["strategy"], c["correct"]) for c in checks] == [("max", True), ("pow2", True)]
+
+
+def test_check_command(tmp_path, capsys):
+    argv = ["check", "--out", str(tmp_path), "--max-loras", "2", "--capture-sizes", "1,2", "--strategy", "max,dense",
+            "--device", "cpu"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 correct, 0 wrong" in out and "ok" in out
+    assert not list(tmp_path.glob("*/points.parquet")) or pd.read_parquet(next(tmp_path.glob("*/points.parquet"))).empty
+
+
+def test_check_command_fails_without_a_verdict(tmp_path, capsys):
+    argv = ["check", "--out", str(tmp_path), "--max-loras", "2", "--capture-sizes", "1,2", "--strategy", "max", "--device", "cpu"]
+    assert _cli(argv, {"LORABENCH_FAIL": "check"}) == 1
+    assert "1 without a verdict" in capsys.readouterr().out
