@@ -6,7 +6,7 @@ Inside the harness: the decode-step graph of the vllm backend is replayed under 
 and every vLLM LoRA kernel is attributed, by launch order, to its (linear, op). Outside it: the
 same shapes are run by calling ``vllm.lora.ops.triton_ops.lora_shrink`` / ``lora_expand``
 directly with their own ``LoRAKernelMeta``, with the caches as a decode step leaves them: L2
-flushed before each call (in the step, a base GEMM streaming far more than L2 holds runs
+flushed by a 256 MB read before each call (in the step, a base GEMM streaming far more than L2 holds runs
 before each LoRA op, so adapter weights are cold), then the call's activations touched (the
 step's base GEMM has just read x and written y, and the shrink has just written the buffer the
 expand reads). A second variant leaves the activations cold too. Both sides are CUPTI kernel
@@ -72,7 +72,14 @@ def standalone(model: LlamaLoRA, slots: list[int], max_loras: int, specialize: b
     meta.prepare_tensors(torch.tensor(slots, dtype=torch.int32, device="cuda"))
     t = len(slots)
     args = meta.meta_args(t, specialize)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    # The flush reads (does not write) 256 MB, so L2 is left holding clean lines, as after the
+    # step's base GEMM, which reads its weights: evicting dirty lines would slow the next kernel.
+    flush_buf = torch.ones(128 * 2**20, dtype=torch.float16, device="cuda")
+    flush_out = torch.empty((), dtype=torch.float32, device="cuda")
+
+    def flush():
+        torch.sum(flush_buf, dtype=torch.float32, out=flush_out)
+
     out = {}
     for lin in LINEARS:
         m = getattr(layer, lin)
@@ -92,11 +99,11 @@ def standalone(model: LlamaLoRA, slots: list[int], max_loras: int, specialize: b
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(STEPS):
-                flush.zero_()
+                flush()
                 if warm_activations:
                     x.mul_(1)
                 lora_shrink(x, a, buf, *args, 1.0)
-                flush.zero_()
+                flush()
                 if warm_activations:
                     buf.mul_(1)
                     y.mul_(1)
