@@ -78,7 +78,7 @@ def standalone(model: LlamaLoRA, slots: list[int], max_loras: int, specialize: b
     flush_out = torch.empty((), dtype=torch.float32, device="cuda")
 
     def flush():
-        torch.sum(flush_buf, dtype=torch.float32, out=flush_out)
+        torch.sum(flush_buf, dim=0, dtype=torch.float32, out=flush_out)
 
     out = {}
     for lin in LINEARS:
