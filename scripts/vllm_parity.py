@@ -9,8 +9,9 @@ directly with their own ``LoRAKernelMeta``, with the caches as a decode step lea
 flushed by a 256 MB read before each call (in the step, a base GEMM streaming far more than L2 holds runs
 before each LoRA op, so adapter weights are cold), then the call's activations touched (the
 step's base GEMM has just read x and written y, and the shrink has just written the buffer the
-expand reads). A second variant leaves the activations cold too. Both sides are CUPTI kernel
-durations, medians over steps; the script prints them per shape and the largest difference.
+expand reads). A second variant leaves the activations cold too. Both sides are launched from
+CUDA graphs, as vLLM launches them, and timed as CUPTI kernel durations, medians over steps;
+the script prints them per shape and the largest difference.
 """
 
 import argparse
@@ -97,17 +98,27 @@ def standalone(model: LlamaLoRA, slots: list[int], max_loras: int, specialize: b
             lora_shrink(x, a, buf, *args, 1.0)
             lora_expand(buf, b, y, *args, offset_start=0, add_inputs=True)
         torch.cuda.synchronize()
+
+        def one_call_each():
+            flush()
+            if warm_activations:
+                x.mul_(1)
+            lora_shrink(x, a, buf, *args, 1.0)
+            flush()
+            if warm_activations:
+                buf.mul_(1)
+                y.mul_(1)
+            lora_expand(buf, b, y, *args, offset_start=0, add_inputs=True)
+
+        # Launched from a CUDA graph, as vLLM (and the harness) launch them.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_call_each()
+        graph.replay()
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(STEPS):
-                flush()
-                if warm_activations:
-                    x.mul_(1)
-                lora_shrink(x, a, buf, *args, 1.0)
-                flush()
-                if warm_activations:
-                    buf.mul_(1)
-                    y.mul_(1)
-                lora_expand(buf, b, y, *args, offset_start=0, add_inputs=True)
+                graph.replay()
             torch.cuda.synchronize()
         ks = lora_kernels(prof)
         for op in OPS:
