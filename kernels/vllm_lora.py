@@ -48,6 +48,7 @@ def load_ops():
     global _OPS
     if _OPS is not None:
         return _OPS
+    flags = _torch_flags()
     try:
         if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
             from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
@@ -56,8 +57,33 @@ def load_ops():
         import vllm
     except ImportError as e:  # vllm missing, or a dependency of its import chain missing
         raise VllmUnavailable(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
+    finally:
+        _restore_torch_flags(flags)
     _OPS = (lora_shrink, lora_expand, LoRAKernelMeta, getattr(vllm, "__version__", None))
     return _OPS
+
+
+# Process-wide torch switches that importing vLLM may flip: vLLM 0.33's CUDA platform module
+# turns cuDNN's attention backend off, which changed the base model's attention kernel (and
+# step time) in vllm workers only. The backend must differ from the others in its LoRA ops
+# and metadata alone, so these are restored after the import.
+_SWITCHES = {
+    "cudnn_sdp": (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp),
+    "flash_sdp": (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
+    "mem_efficient_sdp": (torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.enable_mem_efficient_sdp),
+    "math_sdp": (torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.enable_math_sdp),
+    "float32_matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+}
+
+
+def _torch_flags() -> dict:
+    return {name: get() for name, (get, _) in _SWITCHES.items()}
+
+
+def _restore_torch_flags(flags: dict) -> None:
+    for name, value in flags.items():
+        if _SWITCHES[name][0]() != value:
+            _SWITCHES[name][1](value)
 
 
 def _import_for_interpreter():

@@ -7,6 +7,7 @@ run vLLM's kernels: in Triton's interpreter on the CPU, as real CUDA graphs on a
 
 import ast
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,3 +132,15 @@ def test_check_verdicts_on_vllm_rules():
     assert v.correct is False
     assert sorted(v.first.slots) == [-1, 0] or sorted(v.first.slots) == [-1, 1], v.detail
     assert (v.first.graph_tokens, v.first.key, v.first.grid) == (2, 1, 1)
+
+
+@needs_vllm
+def test_importing_vllm_leaves_torch_switches_alone():
+    """vLLM's import turns cuDNN attention off process-wide (its CUDA platform module); the
+    backend puts it back, so only the LoRA ops differ between backends. A fresh process: vLLM
+    cannot be imported twice in one."""
+    code = ("import torch; from lorabench.kernels import vllm_lora as v; b = v._torch_flags(); v.load_ops()\n"
+            "if torch.cuda.is_available(): import vllm.platforms.cuda  # the module that flips the switch\n"
+            "print(b == v._torch_flags())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == ["True"], out.stderr[-2000:]
