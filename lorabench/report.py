@@ -262,7 +262,8 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path) -> li
     """Per (max_loras, strategy) measured with several backends: step times, ratios to the first
     backend and each backend's LoRA overhead; then what each backend's graphs cost."""
     out = ["## Backends side by side", "", f"![backends]({plot.name})", ""]
-    for (m, s), g in over.groupby(["max_loras", "strategy"]):
+    groups = sorted(over.groupby(["max_loras", "strategy"]), key=lambda kv: (kv[0][0], STRATEGY_ORDER.get(kv[0][1], 3), kv[0][1]))
+    for (m, s), g in groups:
         ks = backends(g)
         if len(ks) < 2:
             continue
@@ -390,5 +391,9 @@ def write_report(run_dir: Path) -> list[Path]:
     rec_path = run_dir / "recommendation.json"
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
-    md_path.write_text(render_markdown(df, run_info, cfg, exp, over, rec, plots))
+    md = render_markdown(df, run_info, cfg, exp, over, rec, plots)
+    if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
+        head, _, rest = md.partition("\n")
+        md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"
+    md_path.write_text(md)
     return list(plots.values()) + [md_path, rec_path]

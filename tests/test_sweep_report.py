@@ -281,6 +281,14 @@ def test_a_run_from_before_the_check_still_reports(tmp_path, capsys):
     assert "Hypothesis" not in md
 
 
+def test_a_note_beside_the_data_is_pointed_to(tmp_path, capsys):
+    run = tmp_path / "reference"
+    shutil.copytree(REFERENCE, run)
+    (run / "NOTE.md").write_text("caveat\n")
+    _, md = report(run)
+    assert md.splitlines()[2].startswith("> **Read [NOTE.md](NOTE.md) first:**")
+
+
 @pytest.mark.parametrize("correct, detail, says", [
     ([False, True], [WRONG, OK], "**confirms** it: vllm/pow2 is WRONG at max_loras 4; smallest failing batch: batch [0, -1]"),
     ([False], [WRONG.replace("n=1, 1 base", "n=2, 0 base")], "does not mix base requests with adapters"),
