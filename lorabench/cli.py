@@ -6,6 +6,7 @@ import importlib
 import shlex
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -16,29 +17,41 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts show "[default: ...]" literally
     help="Benchmark and tune multi-LoRA CUDA-graph specialisation: which capture sets pay, at what memory and startup cost.",
 )
 console = Console()
 
 LIST = "comma-separated"
 
+# Options that sweep and check share, declared once.
+MaxLoras = Annotated[str, typer.Option("--max-loras", help=f"Resident adapter slots, {LIST} [default: 4].")]
+Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: max, pow2, dense or a list like [1,2,4], {LIST} [default: max,pow2,dense].")]
+Model = Annotated[str, typer.Option("--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU].")]
+Layers = Annotated[str, typer.Option("--layers", help="Shorten the model to this many layers [default: the preset's].")]
+Rank = Annotated[str, typer.Option("--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16].")]
+Dtype = Annotated[str, typer.Option("--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU].")]
+Kernels = Annotated[str, typer.Option("--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch, vllm [default: triton on a GPU, torch on the CPU].")]
+Device = Annotated[str, typer.Option("--device", help="auto, cuda, cpu [default: auto].")]
+Seed = Annotated[str, typer.Option("--seed", help="Seed for weights and batches [default: 0].")]
+
 
 @app.command()
 def sweep(
-    max_loras: str = typer.Option(None, "--max-loras", help=f"Resident adapter slots, {LIST} [default: 4]."),
+    max_loras: MaxLoras = None,
     concurrency: str = typer.Option(None, "--concurrency", help=f"Requests per decode step, {LIST} [default: 1,2,4,8]."),
-    strategy: str = typer.Option(None, "--strategy", help=f"Capture sets: max, pow2, dense or a list like [1,2,4], {LIST} [default: max,pow2,dense]."),
-    model: str = typer.Option(None, "--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU]."),
-    layers: str = typer.Option(None, "--layers", help="Shorten the model to this many layers [default: the preset's]."),
-    rank: str = typer.Option(None, "--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16]."),
+    strategy: Strategy = None,
+    model: Model = None,
+    layers: Layers = None,
+    rank: Rank = None,
     context_len: str = typer.Option(None, "--context-len", help="KV-cache positions each request attends over [default: 1024]."),
-    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU]."),
-    kernels: str = typer.Option(None, "--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch, vllm [default: triton on a GPU, torch on the CPU]."),
-    device: str = typer.Option(None, "--device", help="auto, cuda, cpu [default: auto]."),
+    dtype: Dtype = None,
+    kernels: Kernels = None,
+    device: Device = None,
     workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by + [default: uniform]."),
     iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
     warmup: str = typer.Option(None, "--warmup", help="Untimed steps before each point [default: 10]."),
-    seed: str = typer.Option(None, "--seed", help="Seed for weights and batches [default: 0]."),
+    seed: Seed = None,
     out: str = typer.Option(None, "--out", help="Output root; the run goes to OUT/<run_id> [default: results]."),
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),
     spec: Path = typer.Option(None, "--spec", help="A TOML spec (e.g. sweeps/card.toml); flags override it."),
@@ -77,16 +90,16 @@ def sweep(
 
 @app.command()
 def check(
-    max_loras: str = typer.Option(None, "--max-loras", help=f"Resident adapter slots, {LIST} [default: 4]."),
-    strategy: str = typer.Option(None, "--strategy", help=f"Capture sets, {LIST} [default: max,pow2,dense]."),
-    kernels: str = typer.Option(None, "--kernels", help=f"LoRA kernel backends, {LIST}: triton, torch, vllm [default: triton on a GPU, torch on the CPU]."),
+    max_loras: MaxLoras = None,
+    strategy: Strategy = None,
+    kernels: Kernels = None,
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: 1,2,4,8]."),
-    model: str = typer.Option(None, "--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU]."),
-    layers: str = typer.Option(None, "--layers", help="Shorten the model to this many layers [default: the preset's]."),
-    rank: str = typer.Option(None, "--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16]."),
-    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU]."),
-    device: str = typer.Option(None, "--device", help="auto, cuda, cpu [default: auto]."),
-    seed: str = typer.Option(None, "--seed", help="Seed for weights and batches [default: 0]."),
+    model: Model = None,
+    layers: Layers = None,
+    rank: Rank = None,
+    dtype: Dtype = None,
+    device: Device = None,
+    seed: Seed = None,
     out: str = typer.Option(None, "--out", help="Output root; checks.json goes to OUT/<run_id> [default: results]."),
     spec: Path = typer.Option(None, "--spec", help="A TOML spec; its configurations are checked, nothing is timed."),
 ):
