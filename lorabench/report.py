@@ -84,22 +84,30 @@ def _save(fig, df, what, path: Path) -> Path:
     return path
 
 
-def plot_latency_vs_active(df: pd.DataFrame, path: Path) -> Path:
-    """Step time vs active count at each concurrency: the round-up steps of each capture set."""
-    fixed = ok_points(df)[lambda d: d["mode"] == "fixed"]
-    loras, conc = sorted(fixed.max_loras.unique()), sorted(fixed.concurrency.unique())
+def _by_active(points: pd.DataFrame, ylabel: str, draw):
+    """One panel per (max_loras row, concurrency column) with the active count on x; ``draw(ax,
+    kernels, strategy, rows sorted by n)`` draws each (kernels, strategy). Returns (fig, axes)."""
+    loras, conc = sorted(points.max_loras.unique()), sorted(points.concurrency.unique())
     fig, axes = _grid(len(loras), len(conc))
     for i, m in enumerate(loras):
         for j, c in enumerate(conc):
             ax = axes[i][j]
-            for (k, s), g in fixed[(fixed.max_loras == m) & (fixed.concurrency == c)].groupby(["kernels", "strategy"]):
-                g = g.sort_values("n_active")
-                err = [g.step_ms_median - g.step_ms_p10, g.step_ms_p90 - g.step_ms_median]
-                ax.errorbar(g.n_active, g.step_ms_median, yerr=err, marker="o", ms=3, capsize=2, label=label(df, k, s))
+            for (k, s), g in points[(points.max_loras == m) & (points.concurrency == c)].groupby(["kernels", "strategy"]):
+                draw(ax, k, s, g.sort_values("n_active"))
             ax.set_title(f"max_loras={m}, c={c}", fontsize=9)
             ax.set_xlabel("active adapters n")
-            ax.set_ylabel(f"step ({unit(df)}), p10-p90")
+            ax.set_ylabel(ylabel)
             ax.xaxis.get_major_locator().set_params(integer=True)
+    return fig, axes
+
+
+def plot_latency_vs_active(df: pd.DataFrame, path: Path) -> Path:
+    """Step time vs active count at each concurrency: the round-up steps of each capture set."""
+    def draw(ax, k, s, g):
+        err = [g.step_ms_median - g.step_ms_p10, g.step_ms_p90 - g.step_ms_median]
+        ax.errorbar(g.n_active, g.step_ms_median, yerr=err, marker="o", ms=3, capsize=2, label=label(df, k, s))
+
+    fig, axes = _by_active(ok_points(df)[lambda d: d["mode"] == "fixed"], f"step ({unit(df)}), p10-p90", draw)
     axes[0][0].legend(fontsize=8)
     return _save(fig, df, "Decode step vs active adapters", path)
 
@@ -188,19 +196,12 @@ def plot_latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFram
 
 def plot_backends(df: pd.DataFrame, over: pd.DataFrame, path: Path) -> Path:
     """LoRA overhead over the n = 0 step vs active count, one line per backend and strategy."""
-    loras, conc = sorted(over.max_loras.unique()), sorted(over.concurrency.unique())
-    fig, axes = _grid(len(loras), len(conc))
-    for i, m in enumerate(loras):
-        for j, c in enumerate(conc):
-            ax = axes[i][j]
-            for (k, s), g in over[(over.max_loras == m) & (over.concurrency == c)].groupby(["kernels", "strategy"]):
-                g = g.sort_values("n_active")
-                ax.plot(g.n_active, g.overhead_pct, marker="o", ms=3, ls=["-", "--", ":"][BACKEND_ORDER.get(k, 0)], label=f"{k}/{s}")
-            ax.axhline(0, color="grey", ls="--")
-            ax.set_title(f"max_loras={m}, c={c}", fontsize=9)
-            ax.set_xlabel("active adapters n")
-            ax.set_ylabel("LoRA overhead over n = 0 (%)")
-            ax.xaxis.get_major_locator().set_params(integer=True)
+    def draw(ax, k, s, g):
+        ax.plot(g.n_active, g.overhead_pct, marker="o", ms=3, ls=["-", "--", ":"][BACKEND_ORDER.get(k, 0)], label=f"{k}/{s}")
+
+    fig, axes = _by_active(over, "LoRA overhead over n = 0 (%)", draw)
+    for ax in axes.flat:
+        ax.axhline(0, color="grey", ls="--")
     axes[0][0].legend(fontsize=7)
     return _save(fig, df, "LoRA overhead by backend", path)
 
