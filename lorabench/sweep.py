@@ -100,6 +100,12 @@ class Sweep:
         self.write_info()
         return self.run_dir
 
+    def add_check(self, verdict: dict, advance) -> None:
+        self.checks.append(verdict)
+        (self.run_dir / "checks.json").write_text(json.dumps(self.checks, indent=2) + "\n")
+        if self.check_only:
+            advance()
+
     def run_worker(self, index: int, job: dict, advance) -> None:
         payload = {**job, "spec": self.spec.to_dict(), "run_id": self.run_id, "started_at": self.started_at,
                    "argv": self.argv, "spawned_at": time.time()}
@@ -123,10 +129,7 @@ class Sweep:
                         done.add(row["point"])
                         advance()
                     elif kind == "@@check":
-                        self.checks.append(json.loads(body))
-                        (self.run_dir / "checks.json").write_text(json.dumps(self.checks, indent=2) + "\n")
-                        if self.check_only:
-                            advance()
+                        self.add_check(json.loads(body), advance)
                     elif kind == "@@env":
                         self.info["env"] = json.loads(body)
                         self.write_info()
@@ -138,11 +141,8 @@ class Sweep:
         missing = [p for p in job["points"] if p["point"] not in done]
         tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
         if self.spec.check and len(self.checks) == checks_before:
-            self.checks.append({**{k: job[k] for k in ("kernels", "max_loras", "strategy")}, "correct": None,
-                                "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"})
-            (self.run_dir / "checks.json").write_text(json.dumps(self.checks, indent=2) + "\n")
-            if self.check_only:
-                advance()
+            self.add_check({**{k: job[k] for k in ("kernels", "max_loras", "strategy")}, "correct": None,
+                            "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"}, advance)
         if missing:
             error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
             base = {"run_id": self.run_id, "started_at": self.started_at, "argv": self.argv,
@@ -181,8 +181,8 @@ def summary_table(df: pd.DataFrame, device: str) -> Table:
             pt = good[(good.concurrency == c) & (good["mode"] == "workload") & (good.workload == wl)]
             cells.append(f"{pt.step_ms_median.iloc[0]:.3f}" if len(pt) else "-")
         cells.append(str(int((g.status == "failed").sum())))
-        verdict = g["correct"].dropna() if "correct" in g else g.status.iloc[:0]
-        cells.append("-" if verdict.empty else ("ok" if verdict.iloc[0] else "[red]WRONG[/]"))
+        verdict = g["correct"].dropna().tolist() if "correct" in g else []
+        cells.append("[red]WRONG[/]" if False in verdict else "ok" if verdict else "-")
         table.add_row(*cells)
     return table
 
