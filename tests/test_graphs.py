@@ -9,6 +9,7 @@ import torch
 from conftest import DEVICE, HAS_CUDA
 
 from lorabench.batches import mixed_batch
+from lorabench.check import row_errors
 from lorabench.dispatch import Dispatcher, Route
 from lorabench.kernels import get_backend
 from lorabench.model import PRESETS, LlamaLoRA
@@ -32,10 +33,6 @@ def build(kernels: str, strategy: str, seed: int = 0) -> Dispatcher:
     d.warm_up()
     d.capture()
     return d
-
-
-def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
 
 
 def mismatches(d: Dispatcher, seed: int):
