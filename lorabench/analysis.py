@@ -47,9 +47,12 @@ def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.D
     for (k, m, s, c), g in fixed.groupby(CONFIG + ["concurrency"]):
         t = dict(zip(g.n_active.astype(int), g.step_ms_median))
         for w in workloads:
-            pmf = parse_workload(w).active_count_pmf(int(c), int(m))
-            needed = [n for n, p in enumerate(pmf) if p > 0]
-            expected = sum(pmf[n] * t[n] for n in needed) if all(n in t for n in needed) else np.nan
+            try:
+                pmf = parse_workload(w).active_count_pmf(int(c), int(m))
+            except ValueError:  # e.g. a trace file not readable from here: no expectation, still the run
+                pmf = None
+            needed = [] if pmf is None else [n for n, p in enumerate(pmf) if p > 0]
+            expected = sum(pmf[n] * t[n] for n in needed) if pmf is not None and all(n in t for n in needed) else np.nan
             meas = runs[(runs.kernels == k) & (runs.max_loras == m) & (runs.strategy == s)
                         & (runs.concurrency == c) & (runs.workload == w)]
             rows.append({

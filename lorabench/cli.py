@@ -48,7 +48,7 @@ def sweep(
     dtype: Dtype = None,
     kernels: Kernels = None,
     device: Device = None,
-    workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by + [default: uniform]."),
+    workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by +; or trace:PATH (CSV/JSONL) [default: uniform]."),
     iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
     warmup: str = typer.Option(None, "--warmup", help="Untimed steps before each point [default: 10]."),
     seed: Seed = None,

@@ -177,7 +177,11 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     spec.strategy = list(dict.fromkeys(canonical(s) for s in spec.strategy))
     for w in spec.workload:
         try:
-            parse_workload(w)
+            wl = parse_workload(w)
+            for c in spec.concurrency:  # a trace must cover every swept concurrency
+                for m in spec.max_loras:
+                    if w.strip().startswith("trace:"):
+                        wl.active_count_pmf(c, m)
         except ValueError as e:
             raise UserError(f"--workload: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))

@@ -4,6 +4,7 @@ Grammar: terms joined by ``+``. Adapter choice: ``uniform`` over the resident sl
 ``zipf:S`` (slot i drawn with weight 1/(i+1)^S) or ``single`` (all adapter requests of a step
 share one slot); ``base:P`` makes a fraction P of requests base-model requests. Examples:
 ``uniform``, ``zipf:1.2``, ``base:0.5`` (= ``uniform+base:0.5``), ``zipf:1.1+base:0.3``.
+``trace:PATH`` reads the workload from a server's trace instead (``lorabench.trace``).
 """
 
 import random
@@ -60,7 +61,15 @@ class Workload:
         return np.bincount(distinct, minlength=top + 1)[: top + 1] / draws
 
 
-def parse_workload(text: str) -> Workload:
+def parse_workload(text: str):
+    """A ``Workload``, or a ``TraceWorkload`` for ``trace:PATH`` (lorabench.trace)."""
+    if text.strip().startswith("trace:"):
+        path = text.strip()[len("trace:"):]
+        if not path or "+" in path:
+            raise ValueError(f"workload {text!r}: write trace:PATH alone (a trace cannot be combined with other terms)")
+        from lorabench.trace import TraceWorkload
+
+        return TraceWorkload(path)
     adapters, zipf_s, base = "uniform", 0.0, 0.0
     seen_adapters = False
     for term in (t.strip() for t in text.split("+")):
