@@ -1,6 +1,7 @@
 """The ``lorabench`` command line: ``sweep`` measures, ``check`` verifies every captured graph
-against the reference, ``report`` turns a run into plots, tables and a recommendation. Bad input
-ends in one line on stderr and exit status 2."""
+against the reference, ``report`` turns a run into plots, tables and a recommendation,
+``recommend`` chooses a capture set (strategy auto) for a workload within budgets. Bad input ends
+in one line on stderr and exit status 2."""
 
 import importlib
 import shlex
@@ -128,6 +129,71 @@ def check(
     console.print(f"{len(run.checks)} configurations: {len(run.checks) - wrong - unknown} correct, {wrong} wrong, {unknown} without a verdict")
     if wrong or unknown:
         raise typer.Exit(1)
+
+
+@app.command()
+def recommend(
+    run_dir: Path = typer.Argument(..., help="A sweep's run folder (its points.parquet is the cost model)."),
+    workload: str = typer.Option("uniform", "--workload", help="The workload to optimise for: uniform, zipf:S, single, base:P, joined by +; or trace:PATH."),
+    graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Most graph memory the set may take, MiB (free-memory delta, as sweeps measure it)."),
+    startup_budget: str = typer.Option(None, "--startup-budget", help="Most startup (build + compile + capture) the set may take, s."),
+    kernels: str = typer.Option(None, "--kernels", help=f"Only these backends, {LIST} [default: every lorabench backend in the run]."),
+    max_loras: str = typer.Option(None, "--max-loras", help=f"Only these max_loras, {LIST} [default: every one in the run]."),
+):
+    """Choose the capture set (strategy auto) that minimises the expected step time under a
+    workload within the budgets, from what a run measured; compare it with max, pow2 and dense."""
+    from lorabench.optimise import auto_recommendations, write_auto
+    from lorabench.report import load_run
+    from lorabench.spec import _coerce
+
+    df = load_run(run_dir)
+    budgets = {}
+    for name, value, scale in (("graph_memory_budget", graph_memory_budget, 2**20), ("startup_budget", startup_budget, 1.0)):
+        if value is not None:
+            try:
+                budgets[name] = float(value) * scale
+                if budgets[name] <= 0:
+                    raise ValueError
+            except ValueError:
+                raise UserError(f"--{name.replace('_', '-')}: {value!r} is not a positive number") from None
+    try:
+        recs = auto_recommendations(
+            df, workload, budgets.get("graph_memory_budget"), budgets.get("startup_budget"),
+            kernels=_coerce("kernels", kernels) if kernels else None,
+            max_loras=_coerce("max_loras", max_loras) if max_loras else None)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not recs:
+        raise UserError(f"{run_dir}: nothing to optimise (no lorabench-kernel points matching --kernels/--max-loras)")
+    console.print(auto_table(recs))
+    for r in recs:
+        if r["auto"] is not None:
+            console.print(f"{r['kernels']} max_loras={r['max_loras']}: validate with  {r['validate']}")
+            console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
+    path = write_auto(run_dir, recs)
+    console.print(f"-> {path}")
+
+
+def auto_table(recs: list[dict]):
+    from rich.table import Table
+
+    table = Table(title=f"strategy auto under {recs[0]['workload']}: expected step (model), mean over concurrency")
+    for col in ["kernels", "L", "set", "ms", "graphs", "MiB", "startup s", "vs max", "vs pow2", "vs dense", "model values"]:
+        table.add_column(col, justify="left" if col in ("kernels", "set", "model values") else "right", overflow="fold")
+    for r in recs:
+        a = r["auto"]
+        if a is None:
+            table.add_row(r["kernels"], str(r["max_loras"]), "-", "-", "-", "-", "-", "-", "-", "-", r["reason"])
+            continue
+        gains = []
+        for name in ("max", "pow2", "dense"):
+            b = r["baselines"].get(name)
+            gains.append("-" if b is None else f"{b['auto_gain_pct']:+.2f} %" + ("" if b["fits_budgets"] else " (over budget)"))
+        mem = "-" if a["graph_mem_bytes"] is None else f"{a['graph_mem_bytes'] / 2**20:.0f}"
+        table.add_row(r["kernels"], str(r["max_loras"]), str(a["counts"]), f"{a['expected_ms']:.3f}", str(a["lora_graphs"]), mem,
+                      "-" if a["startup_s"] is None else f"{a['startup_s']:.2f}", *gains,
+                      ", ".join(f"{v} {k}" for k, v in a["model_values"].items()))
+    return table
 
 
 @app.command()

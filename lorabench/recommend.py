@@ -23,6 +23,18 @@ VLLM_STRATEGIES = ("max", "pow2")
 VLLM_NOTE = "vLLM captures max_loras+1 (and powers of two with --specialize-active-lora): it counts the base slot too"
 
 
+UNVERIFIED_POW2 = (
+    "check before enabling: vLLM 0.33's --specialize-active-lora drops adapter updates on batches that mix "
+    "base and adapter requests (lorabench check on an H200, BENCHMARKS.md); this run has no passing vllm/pow2 "
+    "configuration to show your vLLM is free of it (lorabench check --kernels vllm --strategy pow2)"
+)
+
+
+def verified_pow2(checked: pd.DataFrame) -> bool:
+    """Did a vllm/pow2 configuration of this run pass its check?"""
+    return bool(((checked.kernels == "vllm") & (checked.strategy == "pow2") & checked.correct.map(lambda v: v is True)).any())
+
+
 def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
     flags = f"--enable-lora --max-loras {max_loras} --max-lora-rank {rank}"
     return flags + (" --specialize-active-lora" if specialise else "")
@@ -88,6 +100,8 @@ def recommend(df: pd.DataFrame) -> dict:
                 note = (f"--specialize-active-lora is not proposed: vLLM's own pow2 at max_loras {int(b.max_loras)} "
                         f"failed its correctness check in this run: {b.check_detail}")
                 realises = "max" if realises == "pow2" else realises
+            elif realises == "pow2" and not verified_pow2(checked):
+                note = UNVERIFIED_POW2
             recs.append({
                 **rec, "strategy": chosen, "captured_counts": c_row.captured_counts,
                 "expected_step_ms": by_c[chosen], "gain_over_max_pct": round(100 * float(gain[chosen]), 2),

@@ -1,0 +1,155 @@
+"""Strategy auto: the cost model reads measured points (and says when it interpolates), the
+graph count matches the dispatcher's, the dynamic programme finds the exact optimum within the
+budget, and ``lorabench recommend`` prints and records it."""
+
+import itertools
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from lorabench import optimise
+from lorabench.cli import main
+from lorabench.costmodel import EXTRAPOLATED, INTERPOLATED, MEASURED, CostModel, lora_graphs
+from lorabench.dispatch import Dispatcher
+from lorabench.kernels import get_backend
+from lorabench.model import PRESETS, LlamaLoRA
+from lorabench.optimise import Optimiser, auto_recommendations, fits
+from lorabench.strategies import capture_counts, powers_of_two
+from lorabench.workload import parse_workload
+
+L, SIZES, CONC = 6, [1, 2, 6], [1, 2, 6]
+MB = 1e6
+
+
+def step_ms(c, n, g):
+    """A made-up cost: each launched slot costs more at larger batches; not linear in g."""
+    return 0.0 if n == 0 and g else 5 + 0.5 * c + (0 if n == 0 else 0.3 + 0.05 * c * g + 0.02 * g * g + 0.1 * n)
+
+
+def synthetic_run(strategies=("max", "pow2", "dense"), mem_per_graph=2 * MB, cap_per_graph=0.01):
+    rows = []
+    for s in strategies:
+        counts = capture_counts(s, L)
+        graphs = lora_graphs(counts, SIZES, L)
+        for c in CONC:
+            for n in range(min(c, L) + 1):
+                g = 0 if n == 0 else next(k for k in counts if k >= n)
+                rows.append({"status": "ok", "kernels": "triton", "max_loras": L, "strategy": s, "mode": "fixed",
+                             "concurrency": c, "n_active": n, "graph_loras": g, "step_ms_median": step_ms(c, n, g),
+                             "captured_counts": counts, "capture_sizes": SIZES, "rank": 16, "run_id": "synthetic",
+                             "graph_mem_bytes": 100 * MB + mem_per_graph * graphs, "capture_s": 0.05 + cap_per_graph * graphs,
+                             "startup_s": 2.0 + 0.05 + cap_per_graph * graphs, "device": "cuda"})
+    return pd.DataFrame(rows)
+
+
+def test_step_times_measured_interpolated_and_extrapolated():
+    m = CostModel(synthetic_run(("max", "dense")), "triton", L)
+    assert m.step(6, 3, 3) == (step_ms(6, 3, 3), MEASURED)  # dense
+    assert m.step(6, 3, 6) == (step_ms(6, 3, 6), MEASURED)  # max
+    ms, src = m.step(6, 3, 4)  # between the measured 3 and 6
+    assert src == INTERPOLATED and step_ms(6, 3, 3) < ms < step_ms(6, 3, 6)
+    m2 = CostModel(synthetic_run(("max",)), "triton", L)
+    assert m2.step(6, 3, 4)[0] is None  # one launch count per (c, n) and no slope anywhere: cannot say
+    m3 = CostModel(synthetic_run(("max", "pow2")), "triton", L)
+    ms, src = m3.step(6, 3, 3)  # pow2 measured 4, max 6: below both -> the fitted slope
+    assert src == EXTRAPOLATED and ms < step_ms(6, 3, 4)
+
+
+def test_graph_costs_are_fitted_per_graph():
+    m = CostModel(synthetic_run(), "triton", L)
+    assert m.memory.per_graph == pytest.approx(2 * MB) and m.memory.fixed == pytest.approx(100 * MB)
+    assert m.graph_memory([3, 6]) == pytest.approx(100 * MB + 2 * MB * lora_graphs([3, 6], SIZES, L))
+
+
+@pytest.mark.parametrize("counts", [[4], [1, 2, 4], [1, 2, 3, 4], [3, 4], [2, 4]])
+def test_graph_count_is_the_dispatchers(counts):
+    model = LlamaLoRA(PRESETS["tiny"], max_loras=4, rank=8, max_tokens=8, context_len=8, dtype=torch.float32, device="cpu")
+    d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2, 8], counts=counts, use_graphs=False)
+    assert lora_graphs(counts, [1, 2, 8], 4) == d.num_graphs - 3  # minus one no-LoRA graph per size
+
+
+def brute_force(opt: Optimiser, budget: int):
+    best = None
+    for r in range(L):
+        for extra in itertools.combinations(range(1, L), r):
+            plan = opt.evaluate(list(extra) + [L])
+            if plan and plan.graphs <= budget and (best is None or plan.expected_ms < best.expected_ms - 1e-12):
+                best = plan
+    return best
+
+
+@pytest.mark.parametrize("workload", ["uniform", "zipf:1.5", "base:0.5", "single"])
+@pytest.mark.parametrize("memory_mb", [None, 112, 108, 106])
+def test_dynamic_programme_finds_the_exact_optimum(monkeypatch, workload, memory_mb):
+    monkeypatch.setattr(optimise, "NOISE", 0.0)
+    m = CostModel(synthetic_run(), "triton", L)
+    wl = parse_workload(workload)
+    opt = Optimiser(m, {c: wl.active_count_pmf(c, L) for c in CONC})
+    budget = None if memory_mb is None else memory_mb * MB
+    got = opt.best(budget)
+    want = brute_force(opt, opt.graph_budget(budget, None))
+    assert got is not None and want is not None
+    assert got.expected_ms == pytest.approx(want.expected_ms, abs=1e-12)
+    assert budget is None or got.graph_mem_bytes <= budget + 1
+
+
+@pytest.mark.parametrize("memory_mb", [106, 108, 110])
+def test_under_a_budget_dense_exceeds_auto_beats_what_fits(memory_mb):
+    m = CostModel(synthetic_run(), "triton", L)
+    wl = parse_workload("uniform")
+    opt = Optimiser(m, {c: wl.active_count_pmf(c, L) for c in CONC})
+    budget = memory_mb * MB
+    base = opt.baselines()
+    assert not fits(base["dense"], budget, None)
+    got = opt.best(budget)
+    fitting = [p.expected_ms for name, p in base.items() if name in ("max", "pow2") and fits(p, budget, None)]
+    assert fits(got, budget, None) and got.expected_ms <= min(fitting) * (1 + optimise.NOISE) + 1e-12
+
+
+def test_no_set_fits_a_budget_below_max():
+    m = CostModel(synthetic_run(), "triton", L)
+    opt = Optimiser(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    assert opt.best(100.5 * MB) is None
+
+
+def test_gains_below_noise_do_not_buy_graphs():
+    """Where specialisation saves almost nothing, auto keeps max's single set."""
+    df = synthetic_run()
+    df["step_ms_median"] = 5.0 + 1e-4 * df.graph_loras  # a launched slot costs 0.1 us
+    opt = Optimiser(CostModel(df, "triton", L), {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    assert opt.best().counts == [L]
+
+
+def test_recommend_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    synthetic_run().to_parquet(run / "points.parquet")
+    assert main(["recommend", str(run), "--workload", "zipf:1.2", "--graph-memory-budget", "110"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy auto under zipf:1.2" in out and "validate with" in out
+    data = json.loads((run / "recommendation.json").read_text())
+    [r] = data["auto"]["zipf:1.2"]
+    assert r["auto"]["counts"][-1] == L and r["auto"]["graph_mem_bytes"] <= 110 * 2**20
+    assert set(r["baselines"]) == {"max", "pow2", "dense"}
+    assert "--strategy '[" in r["validate"]
+    if r["auto"]["counts"] != [L]:
+        assert "check before enabling" in r["vllm"]["note"] or "--specialize-active-lora" not in r["vllm"]["flags"]
+    assert main(["recommend", str(run), "--startup-budget", "-1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_recommend_on_the_reference_runs(tmp_path):
+    """On the committed H200 runs: at max_loras 4 nothing pays (auto = max); at 128 slots a set
+    as small as max's serves c <= 8 with a grid of 8."""
+    card = pd.read_parquet("results/reference/points.parquet")
+    [r] = auto_recommendations(card, "uniform")
+    assert r["auto"]["counts"] == [4]
+    slots = pd.read_parquet("results/reference-slots/points.parquet")
+    r128 = next(r for r in auto_recommendations(slots, "uniform") if r["max_loras"] == 128)
+    assert r128["auto"]["lora_graphs"] == r128["baselines"]["max"]["lora_graphs"]
+    assert r128["baselines"]["max"]["auto_gain_pct"] > 5
+    assert np.isclose(r128["baselines"]["pow2"]["auto_gain_pct"], 0, atol=100 * optimise.NOISE)
+    assert r128["auto"]["counts"] != powers_of_two(128)
