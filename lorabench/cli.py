@@ -27,7 +27,7 @@ LIST = "comma-separated"
 
 # Options that sweep and check share, declared once.
 MaxLoras = Annotated[str, typer.Option("--max-loras", help=f"Resident adapter slots, {LIST} [default: 4].")]
-Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: max, pow2, dense or a list like [1,2,4], {LIST} [default: max,pow2,dense].")]
+Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: max, pow2, dense, a list like [1,2,4], or auto (with --auto-from), {LIST} [default: max,pow2,dense].")]
 Model = Annotated[str, typer.Option("--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU].")]
 Layers = Annotated[str, typer.Option("--layers", help="Shorten the model to this many layers [default: the preset's].")]
 Rank = Annotated[str, typer.Option("--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16].")]
@@ -57,6 +57,9 @@ def sweep(
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),
     spec: Path = typer.Option(None, "--spec", help="A TOML spec (e.g. sweeps/card.toml); flags override it."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the correctness check of each configuration (the `correct` column)."),
+    auto_from: str = typer.Option(None, "--auto-from", help="Strategy auto: the run whose points price the capture sets (see `lorabench recommend`)."),
+    graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Strategy auto: most graph memory the set may take, MiB."),
+    startup_budget: str = typer.Option(None, "--startup-budget", help="Strategy auto: most startup the set may take, s."),
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
     import torch
@@ -68,7 +71,8 @@ def sweep(
     flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers,
                  rank=rank, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
-                 check=False if no_check else None)
+                 check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
+                 startup_budget=startup_budget)
     the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
     if notice:
         console.print(notice)

@@ -282,6 +282,30 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path) -> li
     return out
 
 
+def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str) -> list[str]:
+    """Strategy auto: what the cost model (from the --auto-from run) predicted for the chosen
+    set, next to what this run measured for it."""
+    runs = ok_points(df)
+    pred = runs[(runs.strategy == "auto") & (runs["mode"] == "workload")] if "predicted_ms" in runs else runs.iloc[:0]
+    pred = pred[pred.predicted_ms.notna()] if len(pred) else pred
+    if pred.empty:
+        return []
+    source = (run_info.get("spec") or {}).get("auto_from", "the --auto-from run")
+    e = exp[exp.strategy == "auto"].set_index(["kernels", "max_loras", "workload", "concurrency"])
+    rows = []
+    for r in pred.sort_values(["kernels", "max_loras", "concurrency"]).itertuples():
+        key = (r.kernels, r.max_loras, r.workload, r.concurrency)
+        expected = e.expected_ms.get(key, np.nan)
+        rows.append([r.kernels, int(r.max_loras), "[" + ",".join(str(int(x)) for x in r.captured_counts) + "]", r.workload,
+                     int(r.concurrency), r.predicted_ms, expected, r.step_ms_mean,
+                     _fmt(100 * (expected / r.predicted_ms - 1), "{:+.2f} %"), _fmt(100 * (r.step_ms_mean / r.predicted_ms - 1), "{:+.2f} %")])
+    return [f"## Strategy auto: predicted vs measured ({u})", "",
+            f"predicted = the cost model built from `{source}` for the chosen set; expected = sum over n of "
+            "P(n | c) x this run's median(c, n) for that set; measured = its workload run's mean.", "",
+            md_table(["kernels", "max_loras", "set", "workload", "c", "predicted", "expected", "measured",
+                      "expected vs predicted", "measured vs predicted"], rows), ""]
+
+
 def recommendation_md(rec: dict) -> list[str]:
     out = ["## Recommendation", ""]
     for x in rec["recommendations"]:
@@ -352,6 +376,7 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
                  (e.measured_mean_ms / e.expected_ms - 1) * 100 if e.expected_ms else np.nan, e.speedup_vs_max]
                 for e in exp.sort_values(["kernels", "max_loras", "workload", "concurrency"]).itertuples()]
         out += [md_table(["kernels", "max_loras", "workload", "c", "strategy", "expected", "measured", "meas/exp - 1 (%)", "speed-up vs max"], rows), ""]
+        out += auto_md(df, exp, run_info, u)
     ok = ok_points(df)
     host = ok.groupby(["kernels", "concurrency"]).agg(
         host=("host_us_median", "median"), copy=("copy_us_median", "median"), launch=("launch_us_median", "median"))

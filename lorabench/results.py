@@ -49,6 +49,7 @@ SCHEMA = pa.schema(
         ("check_max_err", F64),  # worst relative logit error over the check's batches
         ("check_batches", I64),
         ("check_s", F64),
+        ("predicted_ms", F64),  # strategy auto, workload runs: the cost model's expected step (from --auto-from)
     ]
 )
 COLUMNS = SCHEMA.names

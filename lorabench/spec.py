@@ -36,6 +36,10 @@ class SweepSpec:
     out: str = "results"
     capture_sizes: list[int] | None = None  # default: the concurrency values
     check: bool = True  # replay every graph against the reference before timing (the `correct` column)
+    auto_from: str | None = None  # --strategy auto: the run whose points price the capture sets
+    graph_memory_budget: float | None = None  # --strategy auto: MiB of graph memory the set may take
+    startup_budget: float | None = None  # --strategy auto: seconds of startup the set may take
+    auto_sets: dict | None = None  # resolved here: "kernels/max_loras" -> chosen counts and predictions
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,9 +48,10 @@ class SweepSpec:
 LIST_INT = {"max_loras", "concurrency", "capture_sizes"}
 LIST_STR = {"strategy", "kernels", "workload"}
 INTS = {"layers", "rank", "context_len", "iters", "warmup", "seed"}
-STRS = {"model", "dtype", "device", "out"}
+STRS = {"model", "dtype", "device", "out", "auto_from"}
 BOOLS = {"check"}
-FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS
+FLOATS = {"graph_memory_budget", "startup_budget"}
+FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS | FLOATS
 
 
 def split_list(text: str) -> list[str]:
@@ -94,6 +99,14 @@ def _coerce(name: str, value):
         return [_int(name, i, 1) for i in items]
     if name in INTS:
         return _int(name, value, 0 if name in ("warmup", "seed") else 1)
+    if name in FLOATS:
+        try:
+            v = float(str(value).strip())
+        except ValueError:
+            v = -1.0
+        if not v > 0:
+            raise UserError(f"{_flag(name)}: {value!r} is not a positive number")
+        return v
     if name in BOOLS:
         if isinstance(value, bool):
             return value
@@ -171,7 +184,8 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     for s in spec.strategy:
         for m in spec.max_loras:
             try:
-                capture_counts(s, m)
+                if s != "auto":
+                    capture_counts(s, m)
             except ValueError as e:
                 raise UserError(f"--strategy: {e}") from None
     spec.strategy = list(dict.fromkeys(canonical(s) for s in spec.strategy))
@@ -185,4 +199,39 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
         except ValueError as e:
             raise UserError(f"--workload: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
+    if "auto" in spec.strategy:
+        notice = _resolve_auto(spec) or notice
+    elif spec.auto_from or spec.graph_memory_budget or spec.startup_budget:
+        raise UserError("--auto-from and the budgets apply to --strategy auto only")
     return spec, notice
+
+
+def _resolve_auto(spec: SweepSpec) -> str | None:
+    """Choose strategy auto's capture set per (kernels, max_loras) from the --auto-from run's
+    points, for the sweep's first workload, within the budgets; keep the model's predictions."""
+    from lorabench.optimise import auto_recommendations
+    from lorabench.report import load_run
+
+    if not spec.auto_from:
+        raise UserError("--strategy auto needs --auto-from RUN: the sweep whose points price the capture sets")
+    if "vllm" in spec.kernels:
+        raise UserError("--strategy auto chooses lorabench's capture sets; vLLM captures max or pow2 only (drop vllm from --kernels)")
+    df = load_run(Path(spec.auto_from))
+    memory = spec.graph_memory_budget * 2**20 if spec.graph_memory_budget else None
+    spec.auto_sets = {}
+    for k in spec.kernels:
+        for m in spec.max_loras:
+            try:
+                recs = auto_recommendations(df, spec.workload[0], memory, spec.startup_budget, kernels=[k], max_loras=[m])
+            except ValueError as e:
+                raise UserError(f"--strategy auto: {e}") from None
+            if not recs:
+                raise UserError(f"--auto-from {spec.auto_from}: no successful {k} points at max_loras {m} to choose from")
+            if recs[0]["auto"] is None:
+                raise UserError(f"--strategy auto: no capture set fits the budgets at max_loras {m}, not even max")
+            a = recs[0]["auto"]
+            spec.auto_sets[f"{k}/{m}"] = {"counts": a["counts"], "predicted_ms": a["expected_ms_by_c"],
+                                          "workload": spec.workload[0], "from": spec.auto_from}
+    if len(spec.workload) > 1:
+        return f"strategy auto is chosen for the first workload, {spec.workload[0]}"
+    return None

@@ -40,7 +40,10 @@ def plan(spec: SweepSpec) -> list[dict]:
                     for w in spec.workload:
                         points.append({"point": point, "mode": "workload", "concurrency": c, "workload": w})
                         point += 1
-                jobs.append({"kernels": kernels, "max_loras": max_loras, "strategy": strategy, "points": points})
+                job = {"kernels": kernels, "max_loras": max_loras, "strategy": strategy, "points": points}
+                if strategy == "auto":
+                    job["counts"] = spec.auto_sets[f"{kernels}/{max_loras}"]["counts"]
+                jobs.append(job)
     return jobs
 
 

@@ -65,7 +65,14 @@ class Worker:
         self.cfg = cfg = preset(self.spec["model"], self.spec["layers"])
         self.max_loras = job["max_loras"]
         self.vllm = job["kernels"] == "vllm"
-        self.counts = vllm_counts(job["strategy"], self.max_loras) if self.vllm else capture_counts(job["strategy"], self.max_loras)
+        if job.get("counts"):  # strategy auto: chosen when the sweep was planned
+            self.counts = job["counts"]
+        elif self.vllm:
+            self.counts = vllm_counts(job["strategy"], self.max_loras)
+        else:
+            self.counts = capture_counts(job["strategy"], self.max_loras)
+        auto = (self.spec.get("auto_sets") or {}).get(f"{job['kernels']}/{self.max_loras}") if job["strategy"] == "auto" else None
+        self.predicted = auto and {(auto["workload"], int(c)): ms for c, ms in auto["predicted_ms"].items()}
         self.env = env.collect(self.spec["device"])
         self.common = {
             "run_id": job["run_id"], "started_at": job["started_at"], "argv": job["argv"],
@@ -165,6 +172,8 @@ class Worker:
                "launch_us_median": float(np.median(s.launch_us)),
                "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
                "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}
+        if self.predicted and point["mode"] == "workload":
+            row["predicted_ms"] = self.predicted.get((point["workload"], c))
         if point["mode"] == "fixed":
             row["base_tokens"] = c if point["n_active"] == 0 else 0
             row["graph_loras"] = int(s.launch_counts[0])

@@ -153,3 +153,34 @@ def test_recommend_on_the_reference_runs(tmp_path):
     assert r128["baselines"]["max"]["auto_gain_pct"] > 5
     assert np.isclose(r128["baselines"]["pow2"]["auto_gain_pct"], 0, atol=100 * optimise.NOISE)
     assert r128["auto"]["counts"] != powers_of_two(128)
+
+
+SMALL = ["--max-loras", "4", "--concurrency", "1,4", "--iters", "4", "--warmup", "1", "--context-len", "16",
+         "--device", "cpu", "--no-check", "--workload", "zipf:1.2"]
+
+
+def test_sweep_strategy_auto_measures_the_chosen_set(tmp_path, capsys):
+    assert main(["sweep", "--out", str(tmp_path / "src"), "--strategy", "max,dense"] + SMALL) == 0
+    source = next((tmp_path / "src").glob("*/points.parquet")).parent
+    assert main(["sweep", "--out", str(tmp_path / "auto"), "--strategy", "auto,max", "--auto-from", str(source)] + SMALL) == 0
+    run = next((tmp_path / "auto").glob("*/points.parquet")).parent
+    df = pd.read_parquet(run / "points.parquet")
+    auto = df[df.strategy == "auto"]
+    [want] = auto_recommendations(pd.read_parquet(source / "points.parquet"), "zipf:1.2")
+    assert [list(c) for c in auto.captured_counts.drop_duplicates(keep="first")] == [want["auto"]["counts"]]
+    wl = auto[auto["mode"] == "workload"]
+    assert len(wl) == 2 and wl.predicted_ms.notna().all() and df[df.strategy == "max"].predicted_ms.isna().all()
+    assert main(["report", str(run)]) == 0
+    assert "## Strategy auto: predicted vs measured" in (run / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--strategy", "auto"], "needs --auto-from"),
+    (["--strategy", "max", "--auto-from", "x"], "apply to --strategy auto only"),
+    (["--strategy", "auto", "--auto-from", "no/such/run"], "is not a folder"),
+    (["--strategy", "auto", "--auto-from", ".", "--graph-memory-budget", "-5"], "--graph-memory-budget"),
+])
+def test_bad_auto_input_is_one_line(tmp_path, capsys, args, needle):
+    assert main(["sweep", "--out", str(tmp_path)] + SMALL + args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
