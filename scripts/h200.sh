@@ -8,6 +8,9 @@
 #   card-vllm - sweeps/card.toml with both backends (--kernels triton,vllm)
 #   backends-4-32, backends-128 - sweeps/backends.toml split by max_loras (one call's time limit)
 #   parity - scripts/vllm_parity.py: vLLM's kernels in the harness vs its ops timed alone
+#   auto-card, auto-32 - strategy auto validated: the source sweep (card.toml / auto-32.toml with
+#            uniform, zipf:1.2, base:0.5), then one `--strategy auto --auto-from` sweep per workload,
+#            and one under a graph-memory budget just below what dense took
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
@@ -35,6 +38,15 @@ for stage in "$@"; do
     backends-4-32) lorabench sweep --spec sweeps/backends.toml --max-loras 4,32 --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     backends-128) lorabench sweep --spec sweeps/backends.toml --max-loras 128 --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     parity) python3 scripts/vllm_parity.py --json "$OUT/parity.json" 2>&1 | tee -a "$OUT/parity.log" ;;
+    auto-card|auto-32)
+      toml=sweeps/${stage#auto-}.toml; [ "$stage" = auto-32 ] && toml=sweeps/auto-32.toml
+      lorabench sweep --spec "$toml" --workload uniform,zipf:1.2,base:0.5 --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      src=$(ls -td results/2*/ | head -1)
+      for w in uniform zipf:1.2 base:0.5; do
+        lorabench sweep --spec "$toml" --strategy auto --auto-from "$src" --workload "$w" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      done
+      below=$(python3 -c "import pandas as p; d=p.read_parquet('$src/points.parquet'); print(d[d.strategy=='dense'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
+      lorabench sweep --spec "$toml" --strategy auto --auto-from "$src" --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
     report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
