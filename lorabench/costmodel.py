@@ -49,7 +49,9 @@ def _fit(graphs: list[int], values: list[float]) -> Linear | None:
     if len(set(gs)) < 2:
         return Linear(0.0, float(vs.mean() / gs.mean()) if gs.mean() else 0.0)
     slope, fixed = np.polyfit(gs, vs, 1)
-    return Linear(float(fixed), float(max(slope, 0.0)))
+    if slope < 0:  # more graphs never free memory or time: a falling fit is noise, take the mean
+        return Linear(float(vs.mean()), 0.0)
+    return Linear(float(fixed), float(slope))
 
 
 class CostModel:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lorabench.costmodel import MEASURED, CostModel, lora_graphs
+from lorabench.costmodel import CostModel, lora_graphs
 from lorabench.strategies import STRATEGIES
 
 NOISE = 0.005  # predicted gains under 0.5 % are not worth a graph (H200 reruns differ by up to 0.57 %)
@@ -157,9 +157,6 @@ def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> boo
     ok = memory_bytes is None or (plan.graph_mem_bytes is not None and plan.graph_mem_bytes <= memory_bytes + 1)
     return ok and (startup_s is None or plan.startup_s is None or plan.startup_s <= startup_s + 1e-9)
 
-
-def all_measured(plan: Plan) -> bool:
-    return set(plan.sources) <= {MEASURED}
 
 
 def auto_recommendations(df, workload: str, memory_bytes: float | None = None, startup_s: float | None = None,
