@@ -184,3 +184,10 @@ def test_bad_auto_input_is_one_line(tmp_path, capsys, args, needle):
     assert main(["sweep", "--out", str(tmp_path)] + SMALL + args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+def test_a_falling_memory_fit_is_taken_as_flat():
+    """Free-memory deltas are noisy; more graphs never free memory, so a falling fit means 'flat'."""
+    df = synthetic_run(mem_per_graph=-0.5 * MB)
+    m = CostModel(df, "triton", L)
+    assert m.memory.per_graph == 0 and m.memory.fixed == pytest.approx(df.drop_duplicates("strategy").graph_mem_bytes.mean())
