@@ -71,6 +71,7 @@ class Verdict:
     seconds: float
     first: Failure | None = None
     failing_graphs: list[list[int]] = field(default_factory=list)  # [bucket, key, grid]
+    eager_wrong: bool = False  # a batch past every capture size (run eagerly) was wrong
 
     @property
     def detail(self) -> str:
@@ -80,8 +81,8 @@ class Verdict:
         if self.correct:
             return (f"ok: {self.batches} batches, {self.graphs_checked} of {self.graphs_total} graphs served, "
                     f"max error {self.max_err:.2g} (tolerance {self.tolerance:g}, LoRA moves logits by {self.sensitivity:.2g})")
-        return (f"WRONG in {len(self.failing_graphs)} of {self.graphs_checked} graphs served; smallest: "
-                + self.first.describe(self.tolerance))
+        where = f"{len(self.failing_graphs)} of {self.graphs_checked} graphs served" + (" and the eager path" if self.eager_wrong else "")
+        return f"WRONG in {where}; smallest: " + self.first.describe(self.tolerance)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "detail": self.detail}
@@ -129,7 +130,7 @@ def check(d: Dispatcher, dtype: str, seed: int = 0) -> Verdict:
     saved_ids = d.input_ids.clone()
     served: set[tuple[int, int]] = set()
     failing: dict[tuple[int, int], int] = {}
-    first, max_err, batches = None, 0.0, 0
+    first, max_err, batches, eager_wrong = None, 0.0, 0, False
     try:
         sens = sensitivity(d, rng)
         for case in cases(d, rng):
@@ -147,7 +148,10 @@ def check(d: Dispatcher, dtype: str, seed: int = 0) -> Verdict:
             if route.graphed:
                 served.add((route.tokens, route.launch))
             if not worst < tol:  # NaN fails too
-                failing[(route.tokens, route.launch)] = grid
+                if route.graphed:
+                    failing[(route.tokens, route.launch)] = grid
+                else:
+                    eager_wrong = True
                 if first is None:
                     bad = [i for i, e in enumerate(err.tolist()) if not e < tol]
                     first = Failure(case.slots, route.tokens, route.launch, grid, route.graphed, worst, bad)
@@ -157,5 +161,5 @@ def check(d: Dispatcher, dtype: str, seed: int = 0) -> Verdict:
     return Verdict(
         correct=correct, batches=batches, graphs_checked=len(served), graphs_total=d.num_graphs, max_err=max_err,
         tolerance=tol, sensitivity=sens, seconds=time.perf_counter() - t0, first=first,
-        failing_graphs=sorted([b, k, g] for (b, k), g in failing.items()),
+        failing_graphs=sorted([b, k, g] for (b, k), g in failing.items()), eager_wrong=eager_wrong,
     )

@@ -112,9 +112,11 @@ def check(
     batches at every active count, against the plain-torch reference. Exit 1 if any is wrong."""
     import torch
 
-    from lorabench.spec import build_spec
+    from lorabench.spec import build_spec, split_list
     from lorabench.sweep import Sweep, check_table
 
+    if strategy and "auto" in split_list(strategy):
+        raise UserError("lorabench check takes fixed capture sets: check an auto set by its list, e.g. --strategy '[8,128]'")
     flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
                  layers=layers, rank=rank, dtype=dtype, device=device, seed=seed, out=out, check=True)
     the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
@@ -154,12 +156,7 @@ def recommend(
     budgets = {}
     for name, value, scale in (("graph_memory_budget", graph_memory_budget, 2**20), ("startup_budget", startup_budget, 1.0)):
         if value is not None:
-            try:
-                budgets[name] = float(value) * scale
-                if budgets[name] <= 0:
-                    raise ValueError
-            except ValueError:
-                raise UserError(f"--{name.replace('_', '-')}: {value!r} is not a positive number") from None
+            budgets[name] = _coerce(name, value) * scale
     try:
         recs = auto_recommendations(
             df, workload, budgets.get("graph_memory_budget"), budgets.get("startup_budget"),

@@ -1,7 +1,9 @@
 """What a capture set would cost, from what a sweep measured.
 
 Step time ``t(c, n, g)``: the median step at concurrency c with n active adapters on a graph
-launched with g slots. Sweeps measure it at the launch counts their strategies dispatched to
+launched with g slots (taken as never decreasing in g: where noise says a larger grid was
+faster, the larger grid gets the smaller grid's time). Configurations that failed their
+correctness check are left out. Sweeps measure it at the launch counts their strategies dispatched to
 (``graph_loras``: ``max`` gives g = max_loras, ``dense`` g = n, ``pow2`` the next power of
 two). Where a launch count was not measured for (c, n) it is interpolated linearly in g between
 the measured counts around it, or, outside them, extrapolated with the slope in g fitted over the
@@ -59,6 +61,8 @@ class CostModel:
 
     def __init__(self, df: pd.DataFrame, kernels: str, max_loras: int):
         ok = ok_points(df)
+        if "correct" in ok:  # a configuration that failed its check may look fast by skipping work
+            ok = ok[~ok.correct.eq(False)]
         rows = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)]
         if rows.empty:
             raise ValueError(f"the run has no successful points for kernels {kernels}, max_loras {max_loras}")
@@ -70,6 +74,10 @@ class CostModel:
         self.t: dict[tuple[int, int], dict[int, float]] = {}
         for (c, n, g), grp in fixed.groupby(["concurrency", "n_active", "graph_loras"]):
             self.t.setdefault((int(c), int(n)), {})[int(g)] = float(grp.step_ms_median.median())
+        for by_g in self.t.values():  # a larger grid is never faster: noise that says so is flattened
+            top = -np.inf
+            for g in sorted(by_g):
+                top = by_g[g] = max(by_g[g], top)
         sets = rows.drop_duplicates("strategy")
         graphs = [lora_graphs([int(x) for x in cc], self.capture_sizes, max_loras) for cc in sets.captured_counts]
         self.memory = _fit(graphs, list(sets.graph_mem_bytes))

@@ -51,69 +51,91 @@ class Optimiser:
         if not self.conc:
             raise ValueError("no concurrency has both measured points and a workload distribution")
 
-    def _seg(self, prev: int, k: int) -> tuple[float, dict[str, int]] | None:
-        """Expected ms contributed by n in (prev, k], all served at launch count k; None when
-        the model cannot price a step the workload produces there."""
-        total, sources = 0.0, {}
-        for c in self.conc:
-            p = self.pmf[c]
-            for n in range(prev + 1, min(k, len(p) - 1) + 1):
-                if p[n] > 0:
-                    ms, src = self.m.step(c, n, k)
-                    if ms is None:
-                        return None
-                    total += p[n] * ms
-                    sources[src] = sources.get(src, 0) + 1
-        return total / len(self.conc), sources
+    def _launch(self, c: int, n: int, k: int) -> int:
+        """The launch count a step of (c, n) runs with when k is its count in the set: past the
+        largest capture size the step runs eagerly with exactly n, whatever the set."""
+        return n if c > self.m.capture_sizes[-1] else k
 
-    def _base(self) -> float:
-        total = 0.0
-        for c in self.conc:
-            ms, _ = self.m.step(c, 0, 0)
-            if self.pmf[c][0] > 0:
-                if ms is None:
-                    raise ValueError(f"the workload has steps with no adapter at c={c} but the run has no n = 0 point there")
-                total += self.pmf[c][0] * ms
-        return total / len(self.conc)
-
-    def evaluate(self, counts: list[int]) -> Plan | None:
-        counts = sorted(set(counts))
-        total, sources, prev = self._base(), {}, 0
-        for k in counts:
-            seg = self._seg(prev, k)
-            if seg is None:
-                return None
-            total += seg[0]
-            for s, v in seg[1].items():
-                sources[s] = sources.get(s, 0) + v
-            prev = k
-        by_c = {}
+    def _by_c(self, prev: int, k: int) -> tuple[dict[int, float], dict[str, int]] | tuple[None, tuple]:
+        """Per concurrency, the expected ms contributed by n in (prev, k], served at count k;
+        (None, (c, n, why)) when the model cannot price a step the workload produces there."""
+        out, sources = {}, {}
         for c in self.conc:
             p, e = self.pmf[c], 0.0
-            for n in range(len(p)):
+            for n in range(prev + 1, min(k, len(p) - 1) + 1):
                 if p[n] > 0:
-                    g = 0 if n == 0 else next(k for k in counts if k >= n)
-                    e += p[n] * self.m.step(c, n, g)[0]
-            by_c[c] = e
-        return Plan(counts, total, by_c, lora_graphs(counts, self.m.capture_sizes, self.L),
+                    ms, src = self.m.step(c, n, self._launch(c, n, k))
+                    if ms is None:
+                        return None, (c, n, src)
+                    e += p[n] * ms
+                    sources[src] = sources.get(src, 0) + 1
+            out[c] = e
+        return out, sources
+
+    def _seg(self, prev: int, k: int) -> tuple[float, dict[str, int]] | None:
+        by_c, sources = self._by_c(prev, k)
+        return None if by_c is None else (sum(by_c.values()) / len(self.conc), sources)
+
+    def _base_by_c(self) -> dict[int, float]:
+        out = {}
+        for c in self.conc:
+            ms, _ = self.m.step(c, 0, 0)
+            if self.pmf[c][0] > 0 and ms is None:
+                raise ValueError(f"the workload has steps with no adapter at c={c} but the run has no n = 0 point there")
+            out[c] = self.pmf[c][0] * ms if self.pmf[c][0] > 0 else 0.0
+        return out
+
+    def _base(self) -> float:
+        return sum(self._base_by_c().values()) / len(self.conc)
+
+    def evaluate(self, counts: list[int]) -> Plan | None:
+        """What the model predicts for a set; None when it cannot price a step (``unpriced``)."""
+        counts = sorted(set(counts))
+        by_c, sources, prev = self._base_by_c(), {}, 0
+        for k in counts:
+            seg, src = self._by_c(prev, k)
+            if seg is None:
+                return None
+            for c, v in seg.items():
+                by_c[c] += v
+            for s_, v in src.items():
+                sources[s_] = sources.get(s_, 0) + v
+            prev = k
+        return Plan(counts, sum(by_c.values()) / len(self.conc), by_c, lora_graphs(counts, self.m.capture_sizes, self.L),
                     self.m.graph_memory(counts), self.m.startup(counts), sources)
 
+    def unpriced(self, counts: list[int]) -> str | None:
+        """Why a set cannot be priced (the first step the model has no time for), or None."""
+        prev = 0
+        for k in sorted(set(counts)):
+            seg, why = self._by_c(prev, k)
+            if seg is None:
+                c, n, reason = why
+                return f"the run cannot price a step at c={c}, n={n} for the set {sorted(set(counts))}: {reason}"
+            prev = k
+        return None
+
     def graph_budget(self, memory_bytes: float | None, startup_s: float | None) -> int:
-        """The most LoRA graphs the budgets allow (per the fitted per-graph costs)."""
-        limit = math.inf
+        """The most LoRA graphs the budgets allow (per the fitted costs); -1 when none fits."""
+        most = lora_graphs(list(range(1, self.L + 1)), self.m.capture_sizes, self.L)
+        limit = float(most)
         if memory_bytes is not None:
             if self.m.memory is None:
                 raise ValueError("the run has no graph memory (a CPU run): a memory budget cannot be checked")
-            if self.m.memory.per_graph > 0:
-                limit = min(limit, (memory_bytes - self.m.memory.fixed) / self.m.memory.per_graph)
-        if startup_s is not None and self.m.capture is not None and self.m.capture.per_graph > 0:
-            limit = min(limit, (startup_s - self.m.startup_rest - self.m.capture.fixed) / self.m.capture.per_graph)
-        most = lora_graphs(list(range(1, self.L + 1)), self.m.capture_sizes, self.L)
-        return most if limit == math.inf else int(math.floor(limit + 1e-9))
+            limit = min(limit, _graphs_within(self.m.memory, memory_bytes, most))
+        if startup_s is not None and self.m.capture is not None:
+            limit = min(limit, _graphs_within(self.m.capture, startup_s - self.m.startup_rest, most))
+        return int(math.floor(limit + 1e-9))
 
     def best(self, memory_bytes: float | None = None, startup_s: float | None = None) -> Plan | None:
-        """The optimal set within the budgets, or None when not even ``max`` fits."""
+        """The optimal set within the budgets, or None when not even ``max`` fits. Raises
+        ValueError when the run cannot price even ``max`` (a point missing or failed)."""
+        why = self.unpriced([self.L])
+        if why:
+            raise ValueError(why)
         budget = self.graph_budget(memory_bytes, startup_s)
+        if budget < 0:
+            return None
         active = {n for c in self.conc for n, p in enumerate(self.pmf[c]) if p > 0 and 0 < n < self.L}
         cands = sorted(active | {min(b, self.L) for b in self.m.capture_sizes} | {self.L})
         sizes = self.m.capture_sizes
@@ -151,6 +173,13 @@ class Optimiser:
 
     def baselines(self) -> dict[str, Plan | None]:
         return {name: self.evaluate(fn(self.L)) for name, fn in STRATEGIES.items()}
+
+
+def _graphs_within(cost, budget: float, most: int) -> float:
+    """How many graphs a per-graph cost fit allows under a budget (-1: not even none)."""
+    if cost.per_graph <= 0:
+        return most if cost.fixed <= budget else -1
+    return (budget - cost.fixed) / cost.per_graph
 
 
 def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> bool:
@@ -192,7 +221,7 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
                 entry["baselines"][name] = {**_plan_dict(plan), "fits_budgets": fits(plan, memory_bytes, startup_s),
                                             "auto_gain_pct": round(100 * (1 - best.expected_ms / plan.expected_ms), 2)}
         exact = best.counts in ([int(m)], powers_of_two(int(m)))
-        specialise = best.counts != [int(m)] and (exact or _closer_to_pow2(base))
+        specialise = best.counts != [int(m)] and _pow2_pays(base)
         note = ("vLLM captures max_loras+1 or, with --specialize-active-lora, powers of two: "
                 + ("the auto set is one of those" if exact else "the auto set is lorabench's own; the flags give the better of vLLM's two"))
         if specialise and not verified_pow2(checked):
@@ -205,9 +234,12 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
     return out
 
 
-def _closer_to_pow2(base: dict) -> bool:
+def _pow2_pays(base: dict) -> bool:
+    """vLLM's flag follows the rule ``lorabench report`` uses: pow2 at least PAYS faster than max."""
+    from lorabench.recommend import PAYS
+
     p, m = base.get("pow2"), base.get("max")
-    return p is not None and m is not None and p.expected_ms < m.expected_ms
+    return p is not None and m is not None and p.expected_ms <= m.expected_ms * (1 - PAYS)
 
 
 def _plan_dict(plan: Plan) -> dict:

@@ -415,6 +415,13 @@ def write_report(run_dir: Path) -> list[Path]:
         plots["backends"] = plot_backends(df, over, run_dir / "backends.png")
     rec = recommend(df)
     rec_path = run_dir / "recommendation.json"
+    if rec_path.is_file():  # keep what `lorabench recommend` added (strategy auto per workload)
+        try:
+            auto = json.loads(rec_path.read_text()).get("auto")
+        except (ValueError, AttributeError):
+            auto = None
+        if auto:
+            rec["auto"] = auto
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
     md = render_markdown(df, run_info, cfg, exp, over, rec, plots)

@@ -229,6 +229,10 @@ def _resolve_auto(spec: SweepSpec) -> str | None:
                 raise UserError(f"--auto-from {spec.auto_from}: no successful {k} points at max_loras {m} to choose from")
             if recs[0]["auto"] is None:
                 raise UserError(f"--strategy auto: no capture set fits the budgets at max_loras {m}, not even max")
+            if recs[0]["capture_sizes"] != spec.capture_sizes or not set(spec.concurrency) <= set(recs[0]["concurrency"]):
+                raise UserError(f"--strategy auto: the set is priced for the --auto-from run's capture sizes "
+                                f"{recs[0]['capture_sizes']} and concurrencies {recs[0]['concurrency']}; sweep with those "
+                                f"(this sweep: sizes {spec.capture_sizes}, concurrency {spec.concurrency})")
             a = recs[0]["auto"]
             spec.auto_sets[f"{k}/{m}"] = {"counts": a["counts"], "predicted_ms": a["expected_ms_by_c"],
                                           "workload": spec.workload[0], "from": spec.auto_from}

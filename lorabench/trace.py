@@ -26,18 +26,34 @@ def _load(path: str) -> pd.DataFrame:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"trace file {path} does not exist")
+    jsonl = p.suffix in (".jsonl", ".json")
     try:
-        df = pd.read_json(p, lines=True) if p.suffix in (".jsonl", ".json") else pd.read_csv(p, keep_default_na=False, skip_blank_lines=False)
+        # A blank line in a one-column requests CSV is a base request, so blank lines are kept there.
+        df = pd.read_json(p, lines=True) if jsonl else pd.read_csv(p, keep_default_na=False, skip_blank_lines=False)
+        if not jsonl and "adapter" not in df.columns:
+            df = pd.read_csv(p)
     except ValueError as e:
-        raise ValueError(f"trace file {path} cannot be read as {'JSONL' if p.suffix in ('.jsonl', '.json') else 'CSV'}: {e}") from None
+        raise ValueError(f"trace file {path} cannot be read as {'JSONL' if jsonl else 'CSV'}: {e}") from None
     if "adapter" in df.columns:
         return df
     if {"concurrency", "n_active"} <= set(df.columns):
-        bad = df[(df.n_active < 0) | (df.n_active > df.concurrency) | (df.concurrency < 1)]
+        num = df.apply(pd.to_numeric, errors="coerce")
+        bad = num[num[["concurrency", "n_active"]].isna().any(axis=1)
+                  | (num.n_active < 0) | (num.n_active > num.concurrency) | (num.concurrency < 1)]
         if len(bad):
-            raise ValueError(f"trace file {path}: row {bad.index[0]} has n_active outside 0..concurrency")
-        return df
+            raise ValueError(f"trace file {path}: row {bad.index[0]} needs whole numbers with 0 <= n_active <= concurrency")
+        return num.astype({"concurrency": int, "n_active": int})
     raise ValueError(f"trace file {path} needs an `adapter` column (requests) or `concurrency` and `n_active` columns (steps)")
+
+
+def _adapter_name(a) -> str:
+    """An adapter cell as text: missing -> "" (base); whole floats as ints (JSONL mixing null and
+    ids makes the column float, so -1 arrives as -1.0)."""
+    if a is None or (isinstance(a, float) and np.isnan(a)):
+        return ""
+    if isinstance(a, float) and a.is_integer():
+        return str(int(a))
+    return str(a).strip()
 
 
 class TraceWorkload:
@@ -46,7 +62,7 @@ class TraceWorkload:
         self.df = _load(path)
         self.requests = "adapter" in self.df.columns
         if self.requests:
-            names = self.df.adapter.map(lambda a: "" if a is None else str(a).strip())
+            names = self.df.adapter.map(_adapter_name)
             ids = pd.Series(pd.factorize(names)[0])
             self.adapter_ids = np.where(names.str.lower().isin(BASE_NAMES), -1, ids).astype(np.int64)
             if len(self.adapter_ids) == 0:
@@ -72,6 +88,9 @@ class TraceWorkload:
 
     def active_count_pmf(self, concurrency: int, max_loras: int, **_) -> np.ndarray:
         """P(n | c) for n = 0..min(c, max_loras), counted over the trace's steps or windows."""
+        return _pmf(self, concurrency, max_loras)
+
+    def _count(self, concurrency: int, max_loras: int) -> np.ndarray:
         top = min(concurrency, max_loras)
         if self.requests:
             w = np.sort(self._windows(concurrency), axis=1)
@@ -100,3 +119,14 @@ class TraceWorkload:
         slots = chosen + [rng.choice(chosen) for _ in range(concurrency - base - n)] + [-1] * base
         rng.shuffle(slots)
         return slots
+
+
+_PMFS: dict[tuple[str, int, int], np.ndarray] = {}
+
+
+def _pmf(trace: TraceWorkload, concurrency: int, max_loras: int) -> np.ndarray:
+    """Counted once per (trace, c, max_loras): the spec, the report and the optimiser all ask."""
+    key = (trace.path, concurrency, max_loras)
+    if key not in _PMFS:
+        _PMFS[key] = trace._count(concurrency, max_loras)
+    return _PMFS[key]

@@ -29,14 +29,15 @@ def step_ms(c, n, g):
     return 0.0 if n == 0 and g else 5 + 0.5 * c + (0 if n == 0 else 0.3 + 0.05 * c * g + 0.02 * g * g + 0.1 * n)
 
 
-def synthetic_run(strategies=("max", "pow2", "dense"), mem_per_graph=2 * MB, cap_per_graph=0.01):
+def synthetic_run(strategies=("max", "pow2", "dense"), mem_per_graph=2 * MB, cap_per_graph=0.01, conc=CONC):
     rows = []
     for s in strategies:
         counts = capture_counts(s, L)
         graphs = lora_graphs(counts, SIZES, L)
-        for c in CONC:
+        for c in conc:
             for n in range(min(c, L) + 1):
-                g = 0 if n == 0 else next(k for k in counts if k >= n)
+                # past the largest capture size a step runs eagerly with launch count n
+                g = 0 if n == 0 else n if c > SIZES[-1] else next(k for k in counts if k >= n)
                 rows.append({"status": "ok", "kernels": "triton", "max_loras": L, "strategy": s, "mode": "fixed",
                              "concurrency": c, "n_active": n, "graph_loras": g, "step_ms_median": step_ms(c, n, g),
                              "captured_counts": counts, "capture_sizes": SIZES, "rank": 16, "run_id": "synthetic",
@@ -90,7 +91,8 @@ def test_dynamic_programme_finds_the_exact_optimum(monkeypatch, workload, memory
     opt = Optimiser(m, {c: wl.active_count_pmf(c, L) for c in CONC})
     budget = None if memory_mb is None else memory_mb * MB
     got = opt.best(budget)
-    want = brute_force(opt, opt.graph_budget(budget, None))
+    limit = 99 if memory_mb is None else (memory_mb - 100) // 2  # the synthetic run's 100 MB + 2 MB per graph
+    want = brute_force(opt, limit)
     assert got is not None and want is not None
     assert got.expected_ms == pytest.approx(want.expected_ms, abs=1e-12)
     assert budget is None or got.graph_mem_bytes <= budget + 1
@@ -174,6 +176,15 @@ def test_sweep_strategy_auto_measures_the_chosen_set(tmp_path, capsys):
     assert "## Strategy auto: predicted vs measured" in (run / "report.md").read_text()
 
 
+def test_auto_must_sweep_the_sizes_it_was_priced_for(tmp_path, capsys):
+    assert main(["sweep", "--out", str(tmp_path / "src"), "--strategy", "max"] + SMALL) == 0
+    source = next((tmp_path / "src").glob("*/points.parquet")).parent
+    argv = ["sweep", "--out", str(tmp_path), "--strategy", "auto", "--auto-from", str(source), "--capture-sizes", "1,2,4"] + SMALL
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "priced for the --auto-from run's capture sizes" in err[0]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--strategy", "auto"], "needs --auto-from"),
     (["--strategy", "max", "--auto-from", "x"], "apply to --strategy auto only"),
@@ -191,3 +202,61 @@ def test_a_falling_memory_fit_is_taken_as_flat():
     df = synthetic_run(mem_per_graph=-0.5 * MB)
     m = CostModel(df, "triton", L)
     assert m.memory.per_graph == 0 and m.memory.fixed == pytest.approx(df.drop_duplicates("strategy").graph_mem_bytes.mean())
+
+
+def test_budgets_bind_when_graphs_look_free():
+    """A flat fit (more graphs, no more memory) still has its fixed part: a budget below it fits
+    nothing, one above it fits every set."""
+    m = CostModel(synthetic_run(mem_per_graph=-0.5 * MB, cap_per_graph=-0.001), "triton", L)
+    opt = Optimiser(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    assert opt.best(10 * MB) is None and opt.best(None, 0.5) is None
+    assert opt.best(200 * MB) is not None and opt.best(None, 10.0) is not None
+
+
+def test_concurrency_past_every_capture_size_is_priced_eagerly():
+    """c = 8 > the largest size 6 runs eagerly at launch count n under every set: it prices the
+    same for all of them, and max and pow2 are still priced and fit their budget."""
+    df = synthetic_run(conc=CONC + [8])
+    m = CostModel(df, "triton", L)
+    opt = Optimiser(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in m.concurrency})
+    base = opt.baselines()
+    assert base["max"] is not None and base["pow2"] is not None
+    assert base["max"].expected_ms_by_c[8] == pytest.approx(base["dense"].expected_ms_by_c[8])
+    budget = base["pow2"].graph_mem_bytes  # below dense's
+    assert opt.best(budget) is not None
+
+
+def test_a_missing_point_is_named_not_blamed_on_the_budget():
+    df = synthetic_run()
+    df = df[~((df.concurrency == 6) & (df.n_active == 3))]
+    opt = Optimiser(CostModel(df, "triton", L), {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    with pytest.raises(ValueError, match="c=6, n=3"):
+        opt.best()
+
+
+def test_configurations_that_failed_their_check_do_not_price_sets():
+    df = synthetic_run()
+    df["correct"] = df.strategy != "dense"
+    df.loc[df.strategy == "dense", "step_ms_median"] = 0.1  # wrong and fast
+    m = CostModel(df, "triton", L)
+    assert all(ms > 1 for by_g in m.t.values() for ms in by_g.values())
+
+
+def test_recommend_then_report_keeps_the_auto_section(tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "ref"
+    shutil.copytree("results/reference", run)
+    assert main(["recommend", str(run)]) == 0
+    assert main(["report", str(run)]) == 0
+    assert "uniform" in json.loads((run / "recommendation.json").read_text())["auto"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["check", "--strategy", "auto,max", "--device", "cpu"], "fixed capture sets"),
+    (["recommend", "results/reference", "--graph-memory-budget", "nan"], "--graph-memory-budget"),
+])
+def test_more_bad_input_is_one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]

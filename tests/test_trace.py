@@ -56,7 +56,7 @@ def test_steps_trace_jsonl(tmp_path):
 @pytest.mark.parametrize("content,needle", [
     (None, "does not exist"),
     ("request,lora\n1,a\n", "needs an `adapter` column"),
-    ("concurrency,n_active\n2,3\n", "n_active outside"),
+    ("concurrency,n_active\n2,3\n", "0 <= n_active <= concurrency"),
 ])
 def test_bad_traces_are_one_clear_error(tmp_path, content, needle):
     path = tmp_path / "t.csv"
@@ -87,3 +87,23 @@ def test_sweep_and_report_with_a_trace(tmp_path, requests_csv):
     assert runs[runs.concurrency == 4].n_active_mean.iloc[0] == 2.0  # every window of 4 holds 2 adapters
     assert main(["report", str(run)]) == 0
     assert f"trace:{requests_csv}" in (run / "report.md").read_text()
+
+
+def test_steps_csv_with_blank_lines_and_empty_base_cells(tmp_path):
+    path = tmp_path / "steps.csv"
+    path.write_text("concurrency,n_active,base_tokens\n4,2,1\n4,1,\n\n")
+    wl = parse_workload(f"trace:{path}")
+    assert np.allclose(wl.active_count_pmf(4, 4), [0, 0.5, 0.5, 0, 0])
+    rng = random.Random(0)
+    assert all(len(wl.sample(4, 4, rng)) == 4 for _ in range(10))
+    bad = tmp_path / "bad.csv"
+    bad.write_text("concurrency,n_active\n4,two\n")
+    with pytest.raises(ValueError, match="row 0"):
+        parse_workload(f"trace:{bad}")
+
+
+def test_jsonl_mixing_null_and_minus_one_reads_both_as_base(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"adapter": 3}\n{"adapter": -1}\n{"adapter": null}\n{"adapter": 3}\n')
+    wl = parse_workload(f"trace:{path}")
+    assert wl.adapter_ids.tolist() == [0, -1, -1, 0]
