@@ -93,8 +93,9 @@ class TraceWorkload:
     def _count(self, concurrency: int, max_loras: int) -> np.ndarray:
         top = min(concurrency, max_loras)
         if self.requests:
-            w = np.sort(self._windows(concurrency), axis=1)
-            n = (w[:, :1] >= 0).sum(axis=1) + ((np.diff(w, axis=1) != 0) & (w[:, 1:] >= 0)).sum(axis=1)
+            from lorabench.workload import distinct_adapters
+
+            n = distinct_adapters(self._windows(concurrency))
         else:
             n = self._steps(concurrency).n_active.to_numpy()
         n = np.minimum(n, top)

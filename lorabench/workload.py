@@ -56,9 +56,13 @@ class Workload:
         else:
             picks = gen.choice(max_loras, size=(draws, concurrency), p=self.weights(max_loras))
         picks[gen.random((draws, concurrency)) < self.base_frac] = -1
-        ordered = np.sort(picks, axis=1)
-        distinct = (ordered[:, :1] >= 0).sum(axis=1) + ((np.diff(ordered, axis=1) != 0) & (ordered[:, 1:] >= 0)).sum(axis=1)
-        return np.bincount(distinct, minlength=top + 1)[: top + 1] / draws
+        return np.bincount(distinct_adapters(picks), minlength=top + 1)[: top + 1] / draws
+
+
+def distinct_adapters(steps: np.ndarray) -> np.ndarray:
+    """Per row of slot/adapter ids (-1 = base request): how many distinct non-negative ids."""
+    ordered = np.sort(steps, axis=1)
+    return (ordered[:, :1] >= 0).sum(axis=1) + ((np.diff(ordered, axis=1) != 0) & (ordered[:, 1:] >= 0)).sum(axis=1)
 
 
 def parse_workload(text: str):
