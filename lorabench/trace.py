@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lorabench.workload import distinct_adapters
+
 BASE_NAMES = {"", "base", "none", "null", "nan", "-1"}
 
 
@@ -93,8 +95,6 @@ class TraceWorkload:
     def _count(self, concurrency: int, max_loras: int) -> np.ndarray:
         top = min(concurrency, max_loras)
         if self.requests:
-            from lorabench.workload import distinct_adapters
-
             n = distinct_adapters(self._windows(concurrency))
         else:
             n = self._steps(concurrency).n_active.to_numpy()
