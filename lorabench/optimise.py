@@ -138,7 +138,11 @@ class Optimiser:
             return None
         active = {n for c in self.conc for n, p in enumerate(self.pmf[c]) if p > 0 and 0 < n < self.L}
         cands = sorted(active | {min(b, self.L) for b in self.m.capture_sizes} | {self.L})
-        sizes = self.m.capture_sizes
+
+        def graphs_after(prev: int) -> int:
+            """Graphs a count adds after ``prev``: one per capture size that can hold more than prev."""
+            return sum(1 for b in self.m.capture_sizes if min(b, self.L) > prev)
+
         # dp[k][g] = (cost of serving every n <= k with k the last count, using g graphs, previous count)
         dp: dict[int, dict[int, tuple[float, int | None]]] = {}
         for i, k in enumerate(cands):
@@ -147,7 +151,7 @@ class Optimiser:
                 seg = self._seg(prev, k)
                 if seg is None:
                     continue
-                graphs_k = sum(1 for b in sizes if min(b, self.L) > prev)
+                graphs_k = graphs_after(prev)
                 starts = {0: (0.0, None)} if prev == 0 else dp[prev]
                 for g0, (cost0, _) in starts.items():
                     g = g0 + graphs_k
@@ -161,13 +165,14 @@ class Optimiser:
         # The fewest graphs whose expected time is within NOISE of the optimum: a smaller
         # predicted gain is below what a rerun can tell apart, and graphs cost memory and startup.
         cost = {gg: c for gg, (c, _) in dp[self.L].items()}
-        bound = (self._base() + min(cost.values())) * (1 + NOISE) - self._base()
+        base = self._base()
+        bound = (base + min(cost.values())) * (1 + NOISE) - base
         g = min(gg for gg, c in cost.items() if c <= bound + 1e-12)
         counts, k = [], self.L
         while k:
             counts.append(k)
             _, prev = dp[k][g]
-            g -= sum(1 for b in sizes if min(b, self.L) > (prev or 0))
+            g -= graphs_after(prev or 0)
             k = prev
         return self.evaluate(sorted(counts))
 

@@ -73,7 +73,7 @@ class Sweep:
         self.info = {
             "run_id": self.run_id, "started_at": self.started_at, "argv": argv, "status": "running",
             "spec": spec.to_dict(), "env": env.collect("cpu"), "jobs": [
-                {k: j[k] for k in ("kernels", "max_loras", "strategy")} | {"points": len(j["points"])} for j in self.jobs
+                {k: j[k] for k in CONFIG} | {"points": len(j["points"])} for j in self.jobs
             ],
         }
         self.write_info()
@@ -144,7 +144,7 @@ class Sweep:
         missing = [p for p in job["points"] if p["point"] not in done]
         tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
         if self.spec.check and len(self.checks) == checks_before:
-            self.add_check({**{k: job[k] for k in ("kernels", "max_loras", "strategy")}, "correct": None,
+            self.add_check({**{k: job[k] for k in CONFIG}, "correct": None,
                             "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"}, advance)
         if missing:
             error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"

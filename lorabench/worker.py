@@ -138,18 +138,17 @@ class Worker:
 
     def check(self, d: Dispatcher) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
+        config = {k: self.job[k] for k in ("kernels", "max_loras", "strategy")}  # not analysis.CONFIG: no pandas here
         try:
             _inject("check")
             v = check(d, self.spec["dtype"], self.spec["seed"])
             verdict = {"correct": v.correct, "check_detail": v.detail, "check_max_err": v.max_err,
                        "check_batches": v.batches, "check_s": v.seconds}
-            emit("check", {**{k: self.job[k] for k in ("kernels", "max_loras", "strategy")}, **v.to_dict(),
-                           "num_graphs": d.num_graphs, "captured_counts": self.counts})
+            emit("check", {**config, **v.to_dict(), "num_graphs": d.num_graphs, "captured_counts": self.counts})
         except Exception as e:  # noqa: BLE001 - a check that cannot run is no verdict, not a lost sweep
             traceback.print_exc()
             verdict = {"correct": None, "check_detail": f"check did not run: {_error(e)}"}
-            emit("check", {**{k: self.job[k] for k in ("kernels", "max_loras", "strategy")}, "correct": None,
-                           "detail": verdict["check_detail"]})
+            emit("check", {**config, "correct": None, "detail": verdict["check_detail"]})
         self.startup.update(verdict)
 
     def measure(self, d: Dispatcher, point: dict) -> dict:
