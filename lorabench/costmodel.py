@@ -9,9 +9,9 @@ two). Where a launch count was not measured for (c, n) it is interpolated linear
 the measured counts around it, or, outside them, extrapolated with the slope in g fitted over the
 same concurrency's other active counts; every value says which (``source``).
 
-Graph costs: graph memory and capture time of each measured capture set, fitted as a fixed
-part plus a part per LoRA graph (least squares over the measured sets; one set -> per graph
-only), so any set's cost follows from its graph count.
+Graph costs: graph memory and capture time of each measured capture set, as a function of its
+LoRA graph count (``GraphCost``: exact at the measured sets, linear between and beyond them), so
+any set's cost follows from its graph count.
 """
 
 import bisect
@@ -32,28 +32,35 @@ def lora_graphs(counts: list[int], capture_sizes: list[int], max_loras: int) -> 
     return sum(len({choose_launch(n, counts) for n in range(1, min(b, max_loras) + 1)}) for b in capture_sizes)
 
 
-@dataclass
-class Linear:
-    """y = fixed + per_graph * graphs."""
+class GraphCost:
+    """A graph cost (memory or capture time) as a function of the LoRA graph count: the
+    piecewise-linear curve through the measured sets, exact at each of them, continued with the
+    nearest segment's slope outside them. More graphs never cost less, so a value that noise
+    puts below a smaller set's is raised to it. One measured set gives a cost per graph only."""
 
-    fixed: float
-    per_graph: float
+    def __init__(self, graphs: list[int], values: list[float]):
+        by_g: dict[int, list[float]] = {}
+        for g, v in zip(graphs, values):
+            by_g.setdefault(int(g), []).append(float(v))
+        self.g = np.array(sorted(by_g), float)
+        self.v = np.maximum.accumulate([float(np.mean(by_g[g])) for g in sorted(by_g)])
 
     def __call__(self, graphs: int) -> float:
-        return self.fixed + self.per_graph * graphs
+        g, v = self.g, self.v
+        if len(g) == 1:
+            return float(v[0] * graphs / g[0]) if g[0] else float(v[0])
+        i = int(np.clip(np.searchsorted(g, graphs), 1, len(g) - 1))  # the segment [g[i-1], g[i]]
+        slope = (v[i] - v[i - 1]) / (g[i] - g[i - 1])
+        return float(max(v[i - 1] + slope * (graphs - g[i - 1]), 0.0))
+
+    def most_within(self, budget: float, most: int) -> int:
+        """The most graphs (0..most) whose cost stays within the budget; -1 when not even none."""
+        return max((k for k in range(most + 1) if self(k) <= budget + 1e-9), default=-1)
 
 
-def _fit(graphs: list[int], values: list[float]) -> Linear | None:
+def _fit(graphs: list[int], values: list[float]) -> GraphCost | None:
     pts = [(g, v) for g, v in zip(graphs, values) if v is not None and not pd.isna(v)]
-    if not pts:
-        return None
-    gs, vs = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
-    if len(set(gs)) < 2:
-        return Linear(0.0, float(vs.mean() / gs.mean()) if gs.mean() else 0.0)
-    slope, fixed = np.polyfit(gs, vs, 1)
-    if slope < 0:  # more graphs never free memory or time: a falling fit is noise, take the mean
-        return Linear(float(vs.mean()), 0.0)
-    return Linear(float(fixed), float(slope))
+    return GraphCost(*zip(*pts)) if pts else None
 
 
 class CostModel:

@@ -18,7 +18,6 @@ the optimum. Every set the budgets allow, max, pow2 and dense included, is in th
 ``auto`` is never predicted slower than the best of them that fits by more than ``NOISE``.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,16 +115,16 @@ class Optimiser:
         return None
 
     def graph_budget(self, memory_bytes: float | None, startup_s: float | None) -> int:
-        """The most LoRA graphs the budgets allow (per the fitted costs); -1 when none fits."""
+        """The most LoRA graphs the budgets allow (per the graph-cost curves); -1 when none fits."""
         most = lora_graphs(list(range(1, self.L + 1)), self.m.capture_sizes, self.L)
-        limit = float(most)
+        limit = most
         if memory_bytes is not None:
             if self.m.memory is None:
                 raise ValueError("the run has no graph memory (a CPU run): a memory budget cannot be checked")
-            limit = min(limit, _graphs_within(self.m.memory, memory_bytes, most))
+            limit = min(limit, self.m.memory.most_within(memory_bytes, most))
         if startup_s is not None and self.m.capture is not None:
-            limit = min(limit, _graphs_within(self.m.capture, startup_s - self.m.startup_rest, most))
-        return int(math.floor(limit + 1e-9))
+            limit = min(limit, self.m.capture.most_within(startup_s - self.m.startup_rest, most))
+        return limit
 
     def best(self, memory_bytes: float | None = None, startup_s: float | None = None) -> Plan | None:
         """The optimal set within the budgets, or None when not even ``max`` fits. Raises
@@ -178,13 +177,6 @@ class Optimiser:
 
     def baselines(self) -> dict[str, Plan | None]:
         return {name: self.evaluate(fn(self.L)) for name, fn in STRATEGIES.items()}
-
-
-def _graphs_within(cost, budget: float, most: int) -> float:
-    """How many graphs a per-graph cost fit allows under a budget (-1: not even none)."""
-    if cost.per_graph <= 0:
-        return most if cost.fixed <= budget else -1
-    return (budget - cost.fixed) / cost.per_graph
 
 
 def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> bool:

@@ -384,7 +384,7 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
             "`host` = building the batch metadata + choosing the graph; `copy` = the call queueing the metadata's "
             "copy to the device; `launch` = the graph replay call (on the CPU: the eager step itself).", "",
             md_table(["kernels", "c", "host us", "copy us", "launch us"],
-                     [[k, int(c), h.host, h.copy, h.launch] for (k, c), h in host.iterrows()]), ""]
+                     [[k, int(c), h["host"], h["copy"], h["launch"]] for (k, c), h in host.iterrows()]), ""]
     if "latency_vs_memory" in plots:
         out += [f"![latency vs memory]({plots['latency_vs_memory'].name})", ""]
     out += recommendation_md(rec)

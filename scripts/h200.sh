@@ -11,6 +11,8 @@
 #   auto-card, auto-32 - strategy auto validated: the source sweep (card.toml / auto-32.toml with
 #            uniform, zipf:1.2, base:0.5), then one `--strategy auto --auto-from` sweep per workload,
 #            and one under a graph-memory budget just below what dense took
+#   auto-budget - auto at 32 slots under a budget just below what pow2 took (results/reference-auto/32),
+#            with max and pow2 measured in the same run
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
@@ -47,6 +49,9 @@ for stage in "$@"; do
       done
       below=$(python3 -c "import pandas as p; d=p.read_parquet('$src/points.parquet'); print(d[d.strategy=='dense'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
       lorabench sweep --spec "$toml" --strategy auto --auto-from "$src" --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
+    auto-budget)  # a budget that excludes pow2 (and dense), with max and pow2 measured in the same run
+      below=$(python3 -c "import pandas as p; d=p.read_parquet('results/reference-auto/32/points.parquet'); print(d[d.strategy=='pow2'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
+      lorabench sweep --spec sweeps/auto-32.toml --strategy auto,max,pow2 --auto-from results/reference-auto/32 --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
     report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

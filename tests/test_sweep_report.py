@@ -139,6 +139,12 @@ def test_report_writes_plots_markdown_and_recommendation(run_dir, capsys):
         assert (run_dir / name).stat().st_size > 0, name
     md = (run_dir / "report.md").read_text()
     assert "CPU wall" in md and "not GPU results" in md
+    host = section(md, "Host overhead per step (us, median over points)")
+    [table] = [chunk.splitlines() for chunk in host.split("\n\n") if chunk.startswith("| kernels")]
+    assert len(table) > 2
+    for line in table[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert len(cells) == 5 and all(float(c) >= 0 for c in cells[2:]), line  # numbers, not reprs
     rec = json.loads((run_dir / "recommendation.json").read_text())
     assert {r["workload"] for r in rec["recommendations"]} == {"uniform", "base:0.5"}
     for r in rec["recommendations"]:
