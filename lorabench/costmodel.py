@@ -15,7 +15,6 @@ any set's cost follows from its graph count.
 """
 
 import bisect
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
