@@ -45,11 +45,13 @@ MAX_SLICES = 3
 def get_backend(name: str):
     """A kernel backend: one module with ``lora_apply(y, x, lora_a, lora_b, slice_starts, meta,
     launch_count, scale, scratch)`` and ``NEEDS_ZEROED_SCRATCH``. ``reference`` is the ground
-    truth (it ignores the launch count), the others are what sweeps measure. ``vllm`` wraps
+    truth (it ignores the launch count), the others are what sweeps measure: ``triton`` (shrink
+    + expand), ``fused`` (one launch per LoRA linear), ``torch``, and ``vllm``, which wraps
     vLLM's own ops and takes vLLM's metadata (``lorabench.vllm_rules``) instead of ``LoRAMeta``."""
     if name not in BACKENDS + ("reference",):
         raise ValueError(f"unknown kernel backend {name!r} (choose from {', '.join(BACKENDS)})")
     return importlib.import_module(f".{name}_lora" if name != "reference" else ".reference", __name__)
 
 
-BACKENDS = ("triton", "torch", "vllm")
+BACKENDS = ("triton", "fused", "torch", "vllm")
+TRITON_BACKENDS = ("triton", "fused", "vllm")  # compiled on the GPU, run by Triton's interpreter on the CPU

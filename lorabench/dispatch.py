@@ -64,21 +64,27 @@ class Prepared:
 
 class LorabenchRules:
     """lorabench's own rules: metadata packed on the host and sent in one copy; keys are launch
-    counts (the capture set); a batch with n active adapters uses the smallest key >= n."""
+    counts (the capture set); a batch with n active adapters uses the smallest key >= n.
 
-    def __init__(self, counts: list[int], max_loras: int, max_tokens: int, device):
+    ``bucket_grid`` (strategy ``agnostic``): one LoRA graph per bucket, launched with
+    min(bucket, max_loras) programs on the adapter axis, as many adapters as a batch of that
+    size can hold, so it serves every n without knowing it."""
+
+    def __init__(self, counts: list[int], max_loras: int, max_tokens: int, device, bucket_grid: bool = False):
         if counts[-1] != max_loras:
             raise ValueError(f"captured counts {counts} must end at max_loras={max_loras}")
-        self.counts, self.max_loras = sorted(set(counts)), max_loras
+        self.counts, self.max_loras, self.bucket_grid = sorted(set(counts)), max_loras, bucket_grid
         self.meta_buf = MetaBuffer(max_tokens, max_loras, device)
         self.meta = self.meta_buf.meta
 
     def keys(self, bucket: int) -> list[int]:
         """Only reachable keys: a bucket of b tokens never holds more than b active adapters, so
         e.g. (bucket 1, launch 4) would cost capture time and memory and never run."""
-        return sorted({0} | {self.key(n) for n in range(1, min(bucket, self.max_loras) + 1)}, reverse=True)
+        return sorted({0} | {self.key(n, bucket) for n in range(1, min(bucket, self.max_loras) + 1)}, reverse=True)
 
-    def key(self, n_active: int) -> int:
+    def key(self, n_active: int, bucket: int | None = None) -> int:
+        if self.bucket_grid and bucket is not None and n_active > 0:
+            return min(bucket, self.max_loras)
         return choose_launch(n_active, self.counts)
 
     def pack(self, slots: list[int]) -> tuple[list[int], int]:
@@ -124,6 +130,7 @@ class Dispatcher:
         lora_scale: float = 1.0,
         seed: int = 0,
         rules=None,
+        bucket_grid: bool = False,
     ):
         if max(capture_sizes) > model.max_tokens:
             raise ValueError(f"capture size {max(capture_sizes)} exceeds the model's {model.max_tokens} token slots")
@@ -131,7 +138,7 @@ class Dispatcher:
         self.model, self.backend, self.scale = model, backend, lora_scale
         self.max_loras, self.use_graphs = max_loras, use_graphs
         self.capture_sizes = sorted(set(capture_sizes))
-        self.rules = rules or LorabenchRules(counts, max_loras, model.max_tokens, device)
+        self.rules = rules or LorabenchRules(counts, max_loras, model.max_tokens, device, bucket_grid)
         self.counts = self.rules.counts
         # The reference reads only each token's slot: lorabench's metadata serves it for any rules.
         self.ref_buf = getattr(self.rules, "meta_buf", None) or MetaBuffer(model.max_tokens, max_loras, device)
@@ -184,7 +191,7 @@ class Dispatcher:
         bucket = choose_bucket(tokens, self.capture_sizes)
         if bucket is None:
             return Route(tokens, self.rules.eager_key(n_active), graphed=False)
-        return Route(bucket, self.rules.key(n_active), graphed=True)
+        return Route(bucket, self.rules.key(n_active, bucket), graphed=True)
 
     def grid_of(self, route: Route) -> int:
         """The launch count the route's LoRA kernels run with (after its metadata is loaded)."""

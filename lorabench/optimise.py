@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lorabench.costmodel import CostModel, lora_graphs
-from lorabench.strategies import STRATEGIES
+from lorabench.strategies import FIXED_SETS, STRATEGIES
 
 NOISE = 0.005  # predicted gains under 0.5 % are not worth a graph (H200 reruns differ by up to 0.57 %)
 
@@ -176,7 +176,7 @@ class Optimiser:
         return self.evaluate(sorted(counts))
 
     def baselines(self) -> dict[str, Plan | None]:
-        return {name: self.evaluate(fn(self.L)) for name, fn in STRATEGIES.items()}
+        return {name: self.evaluate(STRATEGIES[name](self.L)) for name in FIXED_SETS}
 
 
 def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> bool:

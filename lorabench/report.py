@@ -17,7 +17,7 @@ from lorabench.results import read_points  # noqa: E402
 from lorabench.spec import UserError  # noqa: E402
 
 STRATEGY_ORDER = {"max": 0, "pow2": 1, "dense": 2}
-BACKEND_ORDER = {"triton": 0, "torch": 1, "vllm": 2}
+BACKEND_ORDER = {"triton": 0, "fused": 1, "torch": 2, "vllm": 3}
 VERDICT_WORD = {True: "ok", False: "WRONG", None: "not checked"}
 HYPOTHESIS = ("Hypothesis: with `--specialize-active-lora` (kernels vllm, strategy pow2), a batch mixing base-model "
               "requests with adapters replays a graph whose grid is one slot short, so some adapter tokens get no LoRA update.")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from lorabench.kernels import BACKENDS, SUPPORTED_DTYPES, SUPPORTED_RANKS
 from lorabench.model import PRESETS
-from lorabench.strategies import capture_counts, canonical
+from lorabench.strategies import BUCKET_GRID, capture_counts, canonical
 from lorabench.workload import parse_workload
 
 MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
@@ -199,6 +199,11 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
         except ValueError as e:
             raise UserError(f"--workload: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
+    agnostic = [s for s in spec.strategy if s in BUCKET_GRID]
+    if "vllm" in spec.kernels and agnostic:
+        if spec.kernels == ["vllm"] and len(agnostic) == len(spec.strategy):
+            raise UserError(f"--strategy {','.join(agnostic)}: vLLM has no count-agnostic grid; use --kernels triton or fused")
+        notice = "; ".join(filter(None, [notice, f"{','.join(agnostic)} runs with lorabench's kernels only (vLLM's grid follows its count)"]))
     if "auto" in spec.strategy:
         notice = _resolve_auto(spec) or notice
     elif spec.auto_from or spec.graph_memory_budget or spec.startup_budget:

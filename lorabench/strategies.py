@@ -1,7 +1,8 @@
 """Capture-set strategies: which launch counts get their own graph set.
 
 A strategy is one function ``max_loras -> sorted launch counts`` plus a registry entry; every
-set contains ``max_loras`` so any batch can be served. The n = 0 (no-LoRA) set is always
+set contains ``max_loras`` so any batch can be served. ``agnostic`` also sizes each bucket's grid
+by the bucket instead of its count (``BUCKET_GRID``). The n = 0 (no-LoRA) set is always
 captured on top of it by the dispatcher. An explicit list is written ``[1,2,4]``.
 """
 
@@ -33,6 +34,18 @@ def powers_of_two(max_loras: int) -> list[int]:
 @strategy("dense")
 def every_count(max_loras: int) -> list[int]:
     return list(range(1, max_loras + 1))
+
+
+@strategy("agnostic")
+def count_agnostic(max_loras: int) -> list[int]:
+    """One LoRA graph set, like max, but each bucket's grid is sized by the bucket (see
+    ``BUCKET_GRID``): min(bucket, max_loras), never the active count."""
+    return [max_loras]
+
+
+# Strategies whose graphs launch min(bucket, max_loras) programs on the adapter axis, whatever n.
+BUCKET_GRID = {"agnostic"}
+FIXED_SETS = ("max", "pow2", "dense")  # the sets vLLM-style dispatch compares (and auto prices against)
 
 
 def parse_explicit(text: str) -> list[int] | None:

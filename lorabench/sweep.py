@@ -21,8 +21,10 @@ from rich.table import Table
 
 from lorabench import env
 from lorabench.analysis import CONFIG, configs, ok_points
+from lorabench.kernels import TRITON_BACKENDS
 from lorabench.results import PointsWriter
 from lorabench.spec import SweepSpec
+from lorabench.strategies import BUCKET_GRID
 
 
 def plan(spec: SweepSpec) -> list[dict]:
@@ -32,6 +34,8 @@ def plan(spec: SweepSpec) -> list[dict]:
     for kernels in spec.kernels:
         for max_loras in spec.max_loras:
             for strategy in spec.strategy:
+                if kernels == "vllm" and strategy in BUCKET_GRID:
+                    continue  # vLLM's grid follows its count: it has no count-agnostic mode to measure
                 points = []
                 for c in spec.concurrency:
                     for n in range(min(c, max_loras) + 1):
@@ -113,7 +117,7 @@ class Sweep:
         payload = {**job, "spec": self.spec.to_dict(), "run_id": self.run_id, "started_at": self.started_at,
                    "argv": self.argv, "spawned_at": time.time()}
         child_env = dict(os.environ)
-        if self.spec.device == "cpu" and job["kernels"] in ("triton", "vllm"):
+        if self.spec.device == "cpu" and job["kernels"] in TRITON_BACKENDS:
             child_env["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU run in its interpreter
         log_path = self.run_dir / f"worker-{index}.log"
         done: set[int] = set()

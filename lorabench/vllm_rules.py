@@ -76,7 +76,7 @@ class VllmRules:
         """vLLM captures every key for every capture size, reachable or not."""
         return sorted({0} | set(self.counts), reverse=True)
 
-    def key(self, n_active: int) -> int:
+    def key(self, n_active: int, bucket: int | None = None) -> int:
         if n_active == 0:
             return 0
         if not self.specialize:

@@ -22,9 +22,9 @@ from lorabench import env
 from lorabench.batches import fixed_batch
 from lorabench.check import check
 from lorabench.dispatch import Dispatcher
-from lorabench.kernels import SUPPORTED_DTYPES, get_backend, vllm_lora
+from lorabench.kernels import SUPPORTED_DTYPES, TRITON_BACKENDS, get_backend, vllm_lora
 from lorabench.model import LlamaLoRA, preset
-from lorabench.strategies import capture_counts
+from lorabench.strategies import BUCKET_GRID, capture_counts
 from lorabench.timing import summarize, time_steps
 from lorabench.vllm_rules import VllmRules, vllm_counts
 from lorabench.workload import parse_workload
@@ -111,14 +111,15 @@ class Worker:
         )
         rules = VllmRules(self.job["strategy"], self.max_loras, model.max_tokens, device) if self.vllm else None
         d = Dispatcher(model, get_backend(self.job["kernels"]), max_loras=self.max_loras, capture_sizes=spec["capture_sizes"],
-                       counts=self.counts, use_graphs=self.cuda, seed=spec["seed"], rules=rules)
+                       counts=self.counts, use_graphs=self.cuda, seed=spec["seed"], rules=rules,
+                       bucket_grid=self.job["strategy"] in BUCKET_GRID)
         self.sync()
         build_s = time.perf_counter() - t0
         cache_before = _triton_cache_files()  # outside the timers: it walks the cache folder
         t1 = time.perf_counter()
         d.warm_up()
         compile_s = time.perf_counter() - t1
-        compiled = self.job["kernels"] in ("triton", "vllm") and not os.environ.get("TRITON_INTERPRET")
+        compiled = self.job["kernels"] in TRITON_BACKENDS and not os.environ.get("TRITON_INTERPRET")
         if self.cuda:
             torch.cuda.empty_cache()
             free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()

@@ -14,7 +14,7 @@ from lorabench.cli import main
 from lorabench.dispatch import Dispatcher, Route
 from lorabench.kernels import get_backend
 from lorabench.model import PRESETS, LlamaLoRA
-from lorabench.strategies import capture_counts
+from lorabench.strategies import BUCKET_GRID, capture_counts
 
 DTYPE = "float16" if HAS_CUDA else "float32"
 
@@ -23,7 +23,8 @@ def build(kernels="torch", strategy="pow2", max_loras=4, sizes=(1, 2, 4, 8), sca
     model = LlamaLoRA(PRESETS["tiny"], max_loras=max_loras, rank=16, max_tokens=max(sizes), context_len=16,
                       dtype=getattr(torch, DTYPE), device=DEVICE)
     d = Dispatcher(model, get_backend(kernels), max_loras=max_loras, capture_sizes=list(sizes),
-                   counts=capture_counts(strategy, max_loras), use_graphs=HAS_CUDA, lora_scale=scale)
+                   counts=capture_counts(strategy, max_loras), use_graphs=HAS_CUDA, lora_scale=scale,
+                   bucket_grid=strategy in BUCKET_GRID)
     d.warm_up()
     d.capture()
     return d
@@ -39,7 +40,8 @@ def test_cases_cover_every_servable_graph_smallest_first():
     assert any(c.n_active == 3 and c.base == 0 for c in cs) and any(c.n_active == 3 and c.base > 0 for c in cs)
 
 
-@pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("torch", "[3,4]"), ("triton", "pow2")])
+@pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("torch", "[3,4]"), ("triton", "pow2"), ("fused", "pow2"),
+                                             ("fused", "agnostic"), ("torch", "agnostic")])
 def test_lorabench_dispatch_is_correct(kernels, strategy):
     v = check(build(kernels, strategy), DTYPE)
     assert v.correct is True, v.detail
@@ -112,3 +114,13 @@ def test_check_command_fails_without_a_verdict(tmp_path, capsys):
     argv = ["check", "--out", str(tmp_path), "--max-loras", "2", "--capture-sizes", "1,2", "--strategy", "max", "--device", "cpu"]
     assert _cli(argv, {"LORABENCH_FAIL": "check"}) == 1
     assert "1 without a verdict" in capsys.readouterr().out
+
+
+def test_agnostic_is_one_graph_per_bucket_sized_by_the_bucket():
+    """Strategy agnostic: one LoRA graph per bucket, its grid min(bucket, max_loras), whatever n."""
+    d = build("torch", "agnostic", max_loras=4, sizes=(1, 2, 4, 8))
+    assert sorted(d.keys) == [(b, k) for b in (1, 2, 4, 8) for k in (0, min(b, 4))]
+    for tokens in (1, 2, 3, 5, 8):
+        for n in range(1, min(tokens, 4) + 1):
+            r = d.route(tokens, n)
+            assert d.grid_of(r) == min(r.tokens, 4) >= n

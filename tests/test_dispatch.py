@@ -17,6 +17,7 @@ from lorabench.strategies import canonical, capture_counts
         ("dense", 3, [1, 2, 3]),
         ("[4,1,2]", 4, [1, 2, 4]),
         ("[3, 4]", 4, [3, 4]),
+        ("agnostic", 32, [32]),
     ],
 )
 def test_capture_counts(name, max_loras, expected):
@@ -60,3 +61,12 @@ def test_launch_count_rounds_up(n, counts, expected):
 def test_launch_count_past_the_set_is_an_error():
     with pytest.raises(ValueError):
         choose_launch(5, [1, 2, 4])
+
+
+def test_the_plan_never_asks_vllm_for_a_count_agnostic_grid():
+    from lorabench.spec import SweepSpec
+    from lorabench.sweep import plan
+
+    spec = SweepSpec(max_loras=[4], concurrency=[1, 2], strategy=["max", "agnostic"], kernels=["fused", "vllm"])
+    jobs = {(j["kernels"], j["strategy"]) for j in plan(spec)}
+    assert jobs == {("fused", "max"), ("fused", "agnostic"), ("vllm", "max")}

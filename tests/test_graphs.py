@@ -53,7 +53,7 @@ def mismatches(d: Dispatcher, seed: int):
     return bad
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("kernels", ["triton", "fused", "torch"])
 @pytest.mark.parametrize("strategy", ["max", "pow2", "dense", "[3,4]"])
 def test_every_graph_matches_reference(kernels, strategy):
     d = build(kernels, strategy)
@@ -84,7 +84,7 @@ def test_every_key_is_served():
     assert seen == set(d.keys)
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("kernels", ["triton", "fused", "torch"])
 def test_check_catches_a_launch_count_one_short(kernels, monkeypatch):
     """The check can fail: a dispatcher that rounds the count down on a mixed batch (the class
     of bug DESIGN.md warns about) is caught."""

@@ -7,10 +7,11 @@ import torch
 from conftest import DEVICE, HAS_CUDA
 
 from lorabench.kernels import SUPPORTED_RANKS, get_backend
-from lorabench.kernels import triton_lora
+from lorabench.kernels import fused_lora, triton_lora
 from lorabench.kernels.reference import lora_delta
 from lorabench.lora_meta import MetaBuffer
 
+KERNELS = ["triton", "fused", "torch"]  # every backend in this repository (vllm: tests/test_vllm.py)
 # bf16 dots are broken in Triton's CPU interpreter (see REFERENCES.md): bf16 is tested on the GPU.
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 # float32 dots run as tf32 on the GPU
@@ -57,7 +58,7 @@ def check(out, y, x, a, b, slots, starts, scale=0.5):
         assert (out[~base].float() - y[~base].float()).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rank", SUPPORTED_RANKS)
 def test_backend_matches_reference_all_ranks(backend, dtype, rank):
@@ -67,7 +68,7 @@ def test_backend_matches_reference_all_ranks(backend, dtype, rank):
     check(out, y, x, a, b, slots, starts)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("tokens", [1, 2, 17, 64, 512])
 @pytest.mark.parametrize("slice_sizes", [(72,), (48, 48), (32, 16, 16)], ids=["1slice", "2slices", "3slices"])
 def test_backend_token_counts_and_slices(backend, tokens, slice_sizes):
@@ -80,7 +81,7 @@ def test_backend_token_counts_and_slices(backend, tokens, slice_sizes):
         check(out, y, x, a, b, slots, starts)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", KERNELS)
 def test_all_base_batch_is_untouched(backend):
     x, a, b, y, slots, starts = make_case(8, 64, (32,), 8, 4, torch.float16, 1.0, 1)
     assert all(s < 0 for s in slots)
@@ -88,7 +89,7 @@ def test_all_base_batch_is_untouched(backend):
     assert torch.equal(out, y)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", KERNELS)
 def test_launch_count_short_of_active_skips_last_adapters(backend):
     """The grid semantics the dispatcher relies on: with a launch count below n, tokens of the
     active slots past the launch count get no update. (The dispatcher must never do this.)"""
@@ -119,3 +120,34 @@ def test_triton_shrink_configs(split_k, block_m):
     ref = 0.5 * torch.einsum("tk,trk->tr", x.float(), a[idx].float())
     ref[torch.tensor(slots, device=DEVICE) < 0] = 0
     assert rel_err(h, ref) < 1e-2
+
+
+@pytest.mark.parametrize("cfg", [
+    fused_lora.FusedConfig(block_m=16, block_n=16, block_k=32, n_tiles=1),
+    fused_lora.FusedConfig(block_m=16, block_n=32, block_k=64, n_tiles=3),  # a group past the slice's end
+    fused_lora.FusedConfig(block_m=32, block_n=64, block_k=16, n_tiles=2),
+    fused_lora.FusedConfig(block_m=64, block_n=16, block_k=128, n_tiles=8),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}t{c.n_tiles}")
+@pytest.mark.parametrize("rank", [8, 64])
+def test_fused_configs(cfg, rank):
+    """Every tiling of the fused kernel (token tiles, output groups, K steps) gives the reference,
+    on a batch of 40 tokens whose adapter tokens need several token tiles at block_m 16."""
+    x, a, b, y, slots, starts = make_case(40, 112, (40, 24, 24), rank, 3, torch.float16, 0.2, rank)
+    buf = MetaBuffer(40, 3, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    out = y.clone()
+    fused_lora.lora_apply(out, x, a, b, starts, buf.meta, 3, 0.5, config=cfg)
+    check(out, y, x, a, b, slots, starts)
+
+
+def test_fused_tuned_configs_are_looked_up_by_nearest_shape():
+    small = fused_lora.FusedConfig(block_n=32, n_tiles=2)
+    big = fused_lora.FusedConfig(block_n=256, n_tiles=1)
+    try:
+        fused_lora.load_tuned([{"shape": [1, 4096, 4096, 16, 3, 1], "config": fused_lora.config_dict(small)},
+                               {"shape": [32, 4096, 4096, 16, 3, 32], "config": fused_lora.config_dict(big)}])
+        assert fused_lora.config_for(2, 4096, 4096, 16, 3, 1) == small
+        assert fused_lora.config_for(24, 4096, 4096, 16, 3, 1) == big  # nearer in tokens, launch count second
+        assert fused_lora.config_for(1, 11008, 4096, 16, 1, 1) == fused_lora.default_config(1, 11008, 4096, 16, 1, 1)
+    finally:
+        fused_lora.load_tuned([])
