@@ -145,9 +145,10 @@ def shape_key(tokens: int, k: int, widest: int, rank: int, slices: int, launch: 
 
 
 def default_config(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:
-    """Untuned: one token tile for decode batches, groups of 4 × 128 output columns."""
+    """Untuned: one token tile for decode batches, long K steps (each program streams its slot's
+    whole A slice, so fewer, larger loads in flight), groups of 4 × 128 output columns."""
     block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-    return FusedConfig(block_m=block_m, block_k=256 if block_m <= 32 else 64)
+    return FusedConfig(block_m=block_m, block_k=512 if block_m <= 16 else 256 if block_m <= 32 else 64)
 
 
 def config_for(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:

@@ -14,9 +14,11 @@ import pandas as pd  # noqa: E402
 from lorabench.analysis import configs, expected_steps, lora_overhead, ok_points, verdicts  # noqa: E402
 from lorabench.recommend import VLLM_NOTE, recommend  # noqa: E402
 from lorabench.results import read_points  # noqa: E402
+from lorabench.roofline import floors  # noqa: E402
 from lorabench.spec import UserError  # noqa: E402
+from lorabench.strategies import BUCKET_GRID  # noqa: E402
 
-STRATEGY_ORDER = {"max": 0, "pow2": 1, "dense": 2}
+STRATEGY_ORDER = {"max": 0, "pow2": 1, "dense": 2, "agnostic": 3}
 BACKEND_ORDER = {"triton": 0, "fused": 1, "torch": 2, "vllm": 3}
 VERDICT_WORD = {True: "ok", False: "WRONG", None: "not checked"}
 HYPOTHESIS = ("Hypothesis: with `--specialize-active-lora` (kernels vllm, strategy pow2), a batch mixing base-model "
@@ -46,7 +48,7 @@ def load_run(run_dir: Path) -> pd.DataFrame:
 
 
 def strategies(df: pd.DataFrame) -> list[str]:
-    return sorted(df.strategy.unique(), key=lambda s: (STRATEGY_ORDER.get(s, 3), s))
+    return sorted(df.strategy.unique(), key=lambda s: (STRATEGY_ORDER.get(s, 4), s))
 
 
 def backends(df: pd.DataFrame) -> list[str]:
@@ -206,6 +208,23 @@ def plot_backends(df: pd.DataFrame, over: pd.DataFrame, path: Path) -> Path:
     return _save(fig, df, "LoRA overhead by backend", path)
 
 
+def plot_roofline(df: pd.DataFrame, fl: pd.DataFrame, path: Path) -> Path:
+    """Measured LoRA overhead against its floor, every fixed point with n > 0, one colour per backend."""
+    fig, axes = _grid(1, 1, w=5.5, h=4.2)
+    ax = axes[0][0]
+    for k, g in sorted(fl.groupby("kernels"), key=lambda kv: BACKEND_ORDER.get(kv[0], 4)):
+        ax.scatter(g.floor_ms, g.overhead_ms, s=12, label=k)
+    lo, hi = fl.floor_ms.min() * 0.8, max(fl.overhead_ms.max(), fl.floor_ms.max()) * 1.2
+    for x, style in [(1, "-"), (2, "--"), (3, ":")]:
+        ax.plot([lo, hi], [x * lo, x * hi], color="grey", ls=style, lw=0.8, label=f"{x}x floor")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("floor: LoRA bytes / bandwidth + one kernel per LoRA linear (ms)")
+    ax.set_ylabel("measured LoRA overhead over n = 0 (ms)")
+    ax.legend(fontsize=7)
+    return _save(fig, df, "LoRA overhead vs its floor", path)
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if v is None or (isinstance(v, float) and np.isnan(v)):
@@ -279,6 +298,74 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path) -> li
     out += [md_table(["max_loras", "strategy", "kernels", "graph MiB", "graphs", "startup s"],
                      [[int(c.max_loras), c.strategy, c.kernels, _mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
                       for c in cost.itertuples()]), ""]
+    return out
+
+
+AGNOSTIC_WITHIN = 0.03  # issue 4's bar: count-agnostic within 3 % of the best specialised strategy
+
+
+def agnostic_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str) -> list[str]:
+    """Does the count-agnostic grid make specialisation unnecessary? Per (kernels, max_loras, c,
+    n): agnostic's step against the fastest other strategy that passed its check."""
+    over = over[over.n_active > 0]  # n = 0 runs the same no-LoRA graph under every strategy
+    ag = over[over.strategy.isin(BUCKET_GRID)]
+    if ag.empty:
+        return []
+    wrong = {(c.kernels, c.max_loras, c.strategy) for c in cfg.itertuples() if c.correct is False}
+    others = over[~over.strategy.isin(BUCKET_GRID)]
+    others = others[[(k, m, s) not in wrong for k, m, s in zip(others.kernels, others.max_loras, others.strategy)]]
+    out = ["## Count-agnostic vs specialised", "",
+           "`agnostic` captures one LoRA graph per bucket with min(bucket, max_loras) programs on the adapter axis, "
+           "whatever n; `best other` is the fastest other strategy of the same kernels that passed its check, "
+           f"per point ({u}, median). Specialisation is unnecessary where agnostic is within "
+           f"{100 * AGNOSTIC_WITHIN:.0f} % everywhere.", ""]
+    summary = []
+    for (k, m), g in sorted(ag.groupby(["kernels", "max_loras"]), key=lambda kv: (BACKEND_ORDER.get(kv[0][0], 4), kv[0][1])):
+        rows, worst = [], -np.inf
+        for r in g.sort_values(["concurrency", "n_active"]).itertuples():
+            o = others[(others.kernels == k) & (others.max_loras == m) & (others.concurrency == r.concurrency)
+                       & (others.n_active == r.n_active)]
+            if o.empty:
+                continue
+            b = o.loc[o.step_ms_median.idxmin()]
+            gap = r.step_ms_median / b.step_ms_median - 1
+            worst = max(worst, gap)
+            rows.append([int(r.concurrency), int(r.n_active), f"{r.step_ms_median:.3f} [{int(r.graph_loras)}]",
+                         f"{b.step_ms_median:.3f} ({b.strategy} [{int(b.graph_loras)}])", f"{100 * gap:+.1f} %"])
+        if not rows:
+            continue
+        out += [f"**{k}, max_loras = {m}**\n", md_table(["c", "n", "agnostic [grid]", "best other", "agnostic vs best"], rows), ""]
+        c_ag = cfg[(cfg.kernels == k) & (cfg.max_loras == m) & cfg.strategy.isin(BUCKET_GRID)].iloc[0]
+        c_max = cfg[(cfg.kernels == k) & (cfg.max_loras == m) & (cfg.strategy == "max")]
+        cost = (f"{int(c_ag.num_graphs)} graphs / {_mib(c_ag.graph_mem_bytes)} MiB / {c_ag.startup_s:.2f} s startup"
+                + (f" (max: {int(c_max.num_graphs.iloc[0])} / {_mib(c_max.graph_mem_bytes.iloc[0])} MiB / "
+                   f"{c_max.startup_s.iloc[0]:.2f} s)" if len(c_max) else ""))
+        verdict = "yes" if worst <= AGNOSTIC_WITHIN else "no"
+        summary.append([k, int(m), f"{100 * worst:+.1f} %", verdict, cost])
+    out += [md_table(["kernels", "max_loras", "worst agnostic vs best", f"within {100 * AGNOSTIC_WITHIN:.0f} % everywhere", "agnostic's graphs (max's)"],
+                     summary), ""]
+    return out
+
+
+def roofline_md(fl: pd.DataFrame, plot: Path | None) -> list[str]:
+    """Per (kernels, max_loras, c, n), the fastest strategy's LoRA overhead against its floor."""
+    if fl.empty:
+        return []
+    gbs, us = fl.probe_copy_gbs.median(), fl.probe_kernel_us.median()
+    best = fl.loc[fl.groupby(["kernels", "max_loras", "concurrency", "n_active"]).overhead_ms.idxmin()]
+    best = _order(best, by=("kernels", "max_loras", "concurrency", "n_active"))
+    out = ["## Roofline: LoRA overhead vs its floor", "",
+           f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({int(fl.min_kernels.iloc[0])} per step) "
+           f"x the cost of one more kernel in a graph; measured by each worker: copy bandwidth {gbs:.0f} GB/s, "
+           f"{us:.2f} us per extra kernel (medians). overhead = step - the same configuration's n = 0 step; "
+           "the fastest strategy per point.", ""]
+    if plot is not None:
+        out += [f"![roofline]({plot.name})", ""]
+    out += [md_table(["kernels", "max_loras", "c", "n", "strategy", "LoRA MB", "bytes us", "kernels us", "floor ms",
+                      "overhead ms", "x floor"],
+                     [[r.kernels, int(r.max_loras), int(r.concurrency), int(r.n_active), r.strategy, f"{r.lora_mb:.1f}",
+                       f"{r.bytes_us:.1f}", f"{r.kernels_us:.1f}", r.floor_ms, r.overhead_ms, f"{r.x_floor:.2f}"]
+                      for r in best.itertuples()]), ""]
     return out
 
 
@@ -367,6 +454,8 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
         out += [md_table(["c", "n"] + strats, rows), ""]
     if "backends" in plots:
         out += backends_md(over, cfg, u, plots["backends"])
+    out += agnostic_md(over, cfg, u)
+    out += roofline_md(floors(df), plots.get("roofline"))
     if not exp.empty:
         out += [f"## Expected step under each workload ({u})", "",
                 "expected = sum over n of P(n | c) x median(c, n); measured = the workload run's mean over its steps.", "",
@@ -413,6 +502,9 @@ def write_report(run_dir: Path) -> list[Path]:
         plots["latency_vs_memory"] = plot_latency_vs_memory(df, exp, cfg, run_dir / "latency_vs_memory.png")
     if ok_points(df).kernels.nunique() > 1:
         plots["backends"] = plot_backends(df, over, run_dir / "backends.png")
+    fl = floors(df)
+    if not fl.empty:
+        plots["roofline"] = plot_roofline(df, fl, run_dir / "roofline.png")
     rec = recommend(df)
     rec_path = run_dir / "recommendation.json"
     if rec_path.is_file():  # keep what `lorabench recommend` added (strategy auto per workload)

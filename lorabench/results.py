@@ -50,6 +50,8 @@ SCHEMA = pa.schema(
         ("check_batches", I64),
         ("check_s", F64),
         ("predicted_ms", F64),  # strategy auto, workload runs: the cost model's expected step (from --auto-from)
+        ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.roofline)
+        ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
     ]
 )
 COLUMNS = SCHEMA.names

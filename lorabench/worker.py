@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lorabench import env
+from lorabench import env, roofline
 from lorabench.batches import fixed_batch
 from lorabench.check import check
 from lorabench.dispatch import Dispatcher
@@ -135,6 +135,10 @@ class Worker:
         if self.cuda:
             self.startup["graph_mem_bytes"] = free0 - torch.cuda.mem_get_info()[0]
             self.startup["pool_bytes"] = torch.cuda.memory_reserved() - reserved0
+            try:
+                self.startup.update(roofline.probe())  # the floor's bandwidth and per-kernel cost, this worker's
+            except Exception:  # noqa: BLE001 - no probe, no roofline; the points still count
+                traceback.print_exc()
         return d
 
     def check(self, d: Dispatcher) -> None:

@@ -13,6 +13,9 @@
 #            and one under a graph-memory budget just below what dense took
 #   auto-budget - auto at 32 slots under a budget just below what pow2 took (results/reference-auto/32),
 #            with max and pow2 measured in the same run
+#   kernel-tests - the kernel, graph and check tests only (fused kernel compiled, real CUDA graphs)
+#   kernels-card, kernels-32, kernels-128 - sweeps/kernels-*.toml: fused vs triton vs vLLM, strategy agnostic
+#   tune   - lorabench tune (fused and vLLM's kernels) into $OUT/tuned, TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
@@ -35,6 +38,9 @@ for stage in "$@"; do
   case "$stage" in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
+    kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
+    kernels-card|kernels-32|kernels-128) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
+    tune) lorabench tune --kernels fused,vllm --tokens 1,8,32 --max-loras 4,32 --budget-s "${TUNE_BUDGET_S:-150}" --out "$OUT/tuned" 2>&1 | tail -n 60 | tee -a "$OUT/tune.log" ;;
     smoke|card|wide|slots|backends) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     card-vllm) lorabench sweep --spec sweeps/card.toml --kernels triton,vllm --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     backends-4-32) lorabench sweep --spec sweeps/backends.toml --max-loras 4,32 --out results 2>&1 | tee -a "$OUT/stages.log" ;;
@@ -56,5 +62,5 @@ for stage in "$@"; do
     *) log "unknown stage $stage"; exit 2 ;;
   esac
   log "$stage: rc=${PIPESTATUS[0]} wall $((SECONDS - t0)) s"
+  tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true  # after every stage: a call cut short keeps what finished
 done
-tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true

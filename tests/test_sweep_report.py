@@ -305,3 +305,44 @@ def test_hypothesis_verdict(correct, detail, says):
     pow2 = pd.DataFrame({"kernels": "vllm", "max_loras": [4, 8][:len(correct)], "strategy": "pow2",
                          "correct": pd.Series(correct, dtype=object), "check_detail": detail})
     assert says in hypothesis_verdict(pow2)
+
+
+def test_roofline_puts_each_point_against_its_floor(tmp_path, capsys):
+    """With the worker's probe figures on the rows, the floor is n adapters' bytes over the
+    bandwidth plus one kernel per LoRA linear, and the report shows the distance from it."""
+    from lorabench.roofline import floors
+
+    run = synthetic_run(tmp_path)
+    df = pd.read_parquet(run / "points.parquet")
+    df["probe_copy_gbs"], df["probe_kernel_us"] = 4000.0, 1.5
+    df.to_parquet(run / "points.parquet", schema=SCHEMA)
+    fl = floors(df)
+    assert len(fl) and (fl.n_active > 0).all()
+    r = fl.iloc[0]
+    want = (r.n_active * r.lora_bytes_per_slot / 4000e9 + 4 * 32 * 1.5e-6) * 1e3
+    assert r.floor_ms == pytest.approx(want) and r.x_floor == pytest.approx((r.step_ms_median - r.base_ms) / want)
+    _, md = report(run)
+    roof = section(md, "Roofline: LoRA overhead vs its floor")
+    assert "4000 GB/s" in roof and "1.50 us per extra kernel" in roof and "roofline.png" in roof
+    assert (run / "roofline.png").stat().st_size > 0
+
+
+def test_no_probe_no_roofline(tmp_path, capsys):
+    _, md = report(synthetic_run(tmp_path))
+    assert "Roofline" not in md
+
+
+@pytest.mark.parametrize("factor,verdict", [(1.0, "yes"), (1.10, "no")])
+def test_agnostic_against_the_best_specialised(tmp_path, factor, verdict, capsys):
+    run = synthetic_run(tmp_path)
+    df = pd.read_parquet(run / "points.parquet")
+    ag = df[df.strategy == "dense"].assign(strategy="agnostic")
+    for col in ["step_ms_median", "step_ms_mean", "step_ms_p10", "step_ms_p90"]:
+        ag[col] *= factor
+    pd.concat([df, ag]).to_parquet(run / "points.parquet", schema=SCHEMA)
+    _, md = report(run)
+    sec = section(md, "Count-agnostic vs specialised")
+    summary = sec.strip().splitlines()[-1]
+    assert summary.startswith("| triton | 4 |") and f"| {verdict} |" in summary
+    if factor > 1:
+        assert "+10.0 %" in sec or "+9." in sec or "+10." in sec
