@@ -54,4 +54,11 @@ def get_backend(name: str):
 
 
 BACKENDS = ("triton", "fused", "torch", "vllm")
+TUNABLE = ("fused", "vllm")  # backends `lorabench tune` writes configs for
+TUNED = "+tuned"  # "fused+tuned": a backend run with the configs of a sweep's --tuned DIR
+
+
+def backend_of(kernels: str) -> str:
+    """The backend a kernels label runs: ``fused+tuned`` -> ``fused``."""
+    return kernels.removesuffix(TUNED)
 TRITON_BACKENDS = ("triton", "fused", "vllm")  # compiled on the GPU, run by Triton's interpreter on the CPU

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lorabench.costmodel import CostModel, lora_graphs
+from lorabench.kernels import backend_of
 from lorabench.strategies import FIXED_SETS, STRATEGIES
 
 NOISE = 0.005  # predicted gains under 0.5 % are not worth a graph (H200 reruns differ by up to 0.57 %)
@@ -200,7 +201,7 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
     for (k, m), _ in ok.groupby(["kernels", "max_loras"]):
         if (kernels and k not in kernels) or (max_loras and int(m) not in max_loras):
             continue
-        if k == "vllm":
+        if backend_of(k) == "vllm":
             continue  # vLLM captures max or pow2 only; its own rules are not lorabench's dispatch
         model = CostModel(df, k, int(m))
         opt = Optimiser(model, {c: wl.active_count_pmf(c, int(m)) for c in model.concurrency})

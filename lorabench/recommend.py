@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from lorabench.analysis import configs, expected_steps, ok_points, verdicts
+from lorabench.kernels import backend_of
 
 PAYS = 0.02  # a strategy must be >= 2 % faster than max to be worth its graphs
 VLLM_STRATEGIES = ("max", "pow2")
@@ -32,7 +33,7 @@ UNVERIFIED_POW2 = (
 
 def verified_pow2(checked: pd.DataFrame) -> bool:
     """Did a vllm/pow2 configuration of this run pass its check?"""
-    return bool(((checked.kernels == "vllm") & (checked.strategy == "pow2") & checked.correct.map(lambda v: v is True)).any())
+    return bool(((checked.kernels.map(backend_of) == "vllm") & (checked.strategy == "pow2") & checked.correct.map(lambda v: v is True)).any())
 
 
 def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
@@ -47,7 +48,7 @@ def recommend(df: pd.DataFrame) -> dict:
     wrong = checked[checked.correct.map(lambda v: v is False)]
     first = ok_points(df).iloc[0]  # failed rows may lack the model's columns
     rank = int(first["rank"])
-    broken_pow2 = wrong[(wrong.kernels == "vllm") & (wrong.strategy == "pow2")]
+    broken_pow2 = wrong[(wrong.kernels.map(backend_of) == "vllm") & (wrong.strategy == "pow2")]
     recs = []
     if not exp.empty:
         for (k, m, w), g in exp.groupby(["kernels", "max_loras", "workload"]):
@@ -88,7 +89,7 @@ def recommend(df: pd.DataFrame) -> dict:
             if chosen != "max" and not pays:
                 reason += "; max failed its correctness check"
             c_row = cfg.loc[(k, m, chosen)]
-            if k == "vllm" and chosen in VLLM_STRATEGIES:
+            if backend_of(k) == "vllm" and chosen in VLLM_STRATEGIES:
                 realises = chosen
             else:
                 vllm_best = max((s for s in VLLM_STRATEGIES if s in passing), key=lambda s: gain[s], default="max")

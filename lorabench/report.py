@@ -13,6 +13,7 @@ import pandas as pd  # noqa: E402
 
 from lorabench.analysis import configs, expected_steps, lora_overhead, ok_points, verdicts  # noqa: E402
 from lorabench.recommend import VLLM_NOTE, recommend  # noqa: E402
+from lorabench.kernels import TUNED, backend_of  # noqa: E402
 from lorabench.results import read_points  # noqa: E402
 from lorabench.roofline import floors  # noqa: E402
 from lorabench.spec import UserError  # noqa: E402
@@ -51,14 +52,19 @@ def strategies(df: pd.DataFrame) -> list[str]:
     return sorted(df.strategy.unique(), key=lambda s: (STRATEGY_ORDER.get(s, 4), s))
 
 
+def backend_rank(k: str) -> float:
+    """Report order of a kernels label: its backend's place, a "+tuned" run right after it."""
+    return BACKEND_ORDER.get(backend_of(k), 4) + 0.5 * k.endswith(TUNED)
+
+
 def backends(df: pd.DataFrame) -> list[str]:
-    return sorted(df.kernels.unique(), key=lambda k: (BACKEND_ORDER.get(k, 3), k))
+    return sorted(df.kernels.unique(), key=lambda k: (backend_rank(k), k))
 
 
 def _order(cfg: pd.DataFrame, by=("kernels", "max_loras", "strategy")) -> pd.DataFrame:
     """Configurations in report order: backends and strategies in their usual order, not alphabetical."""
-    rank = {"kernels": BACKEND_ORDER, "strategy": STRATEGY_ORDER}
-    return cfg.sort_values(list(by), key=lambda col: col.map(lambda v: (rank[col.name].get(v, 3), v))
+    rank = {"kernels": backend_rank, "strategy": lambda s: STRATEGY_ORDER.get(s, 4)}
+    return cfg.sort_values(list(by), key=lambda col: col.map(lambda v: (rank[col.name](v), v))
                            if col.name in rank else col)
 
 
@@ -199,7 +205,7 @@ def plot_latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFram
 def plot_backends(df: pd.DataFrame, over: pd.DataFrame, path: Path) -> Path:
     """LoRA overhead over the n = 0 step vs active count, one line per backend and strategy."""
     def draw(ax, k, s, g):
-        ax.plot(g.n_active, g.overhead_pct, marker="o", ms=3, ls=["-", "--", ":"][BACKEND_ORDER.get(k, 0)], label=f"{k}/{s}")
+        ax.plot(g.n_active, g.overhead_pct, ms=3, ls=["-", "--", ":", "-."][int(backend_rank(k)) % 4], marker="os"[k.endswith(TUNED)], label=f"{k}/{s}")
 
     fig, axes = _by_active(over, "LoRA overhead over n = 0 (%)", draw)
     for ax in axes.flat:
@@ -212,7 +218,7 @@ def plot_roofline(df: pd.DataFrame, fl: pd.DataFrame, path: Path) -> Path:
     """Measured LoRA overhead against its floor, every fixed point with n > 0, one colour per backend."""
     fig, axes = _grid(1, 1, w=5.5, h=4.2)
     ax = axes[0][0]
-    for k, g in sorted(fl.groupby("kernels"), key=lambda kv: BACKEND_ORDER.get(kv[0], 4)):
+    for k, g in sorted(fl.groupby("kernels"), key=lambda kv: backend_rank(kv[0])):
         ax.scatter(g.floor_ms, g.overhead_ms, s=12, label=k)
     lo, hi = fl.floor_ms.min() * 0.8, max(fl.overhead_ms.max(), fl.floor_ms.max()) * 1.2
     for x, style in [(1, "-"), (2, "--"), (3, ":")]:
@@ -272,7 +278,7 @@ def correctness_md(df: pd.DataFrame) -> list[str]:
            ""]
     if v.correct.isna().all():
         out += ["No configuration of this run has a verdict: it ran with `--no-check`, or before the check existed.", ""]
-    pow2 = v[(v.kernels == "vllm") & (v.strategy == "pow2")]
+    pow2 = v[(v.kernels.map(backend_of) == "vllm") & (v.strategy == "pow2")]
     if len(pow2):
         out += [f"{HYPOTHESIS} {hypothesis_verdict(pow2)}", ""]
     return out
@@ -320,7 +326,7 @@ def agnostic_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str) -> list[str]:
            f"per point ({u}, median). Specialisation is unnecessary where agnostic is within "
            f"{100 * AGNOSTIC_WITHIN:.0f} % everywhere.", ""]
     summary = []
-    for (k, m), g in sorted(ag.groupby(["kernels", "max_loras"]), key=lambda kv: (BACKEND_ORDER.get(kv[0][0], 4), kv[0][1])):
+    for (k, m), g in sorted(ag.groupby(["kernels", "max_loras"]), key=lambda kv: (backend_rank(kv[0][0]), kv[0][1])):
         rows, worst = [], -np.inf
         for r in g.sort_values(["concurrency", "n_active"]).itertuples():
             o = others[(others.kernels == k) & (others.max_loras == m) & (others.concurrency == r.concurrency)

@@ -52,6 +52,7 @@ SCHEMA = pa.schema(
         ("predicted_ms", F64),  # strategy auto, workload runs: the cost model's expected step (from --auto-from)
         ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.roofline)
         ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
+        ("tuned", STR),  # "+tuned" kernels: the `lorabench tune` folder whose configs they ran with
     ]
 )
 COLUMNS = SCHEMA.names

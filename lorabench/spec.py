@@ -5,7 +5,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lorabench.kernels import BACKENDS, SUPPORTED_DTYPES, SUPPORTED_RANKS
+from lorabench.kernels import BACKENDS, SUPPORTED_DTYPES, SUPPORTED_RANKS, TUNABLE, TUNED, backend_of
 from lorabench.model import PRESETS
 from lorabench.strategies import BUCKET_GRID, capture_counts, canonical
 from lorabench.workload import parse_workload
@@ -40,6 +40,7 @@ class SweepSpec:
     graph_memory_budget: float | None = None  # --strategy auto: MiB of graph memory the set may take
     startup_budget: float | None = None  # --strategy auto: seconds of startup the set may take
     auto_sets: dict | None = None  # resolved here: "kernels/max_loras" -> chosen counts and predictions
+    tuned: str | None = None  # `lorabench tune`'s output folder: adds a "+tuned" run of each tunable backend
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -167,10 +168,12 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     if spec.dtype not in SUPPORTED_DTYPES:
         raise UserError(f"--dtype: {spec.dtype!r} is not supported (choose from {', '.join(SUPPORTED_DTYPES)})")
     for k in spec.kernels:
-        if k not in BACKENDS:
-            raise UserError(f"--kernels: unknown backend {k!r} (choose from {', '.join(BACKENDS)})")
+        if backend_of(k) not in BACKENDS or (k.endswith(TUNED) and backend_of(k) not in TUNABLE):
+            raise UserError(f"--kernels: unknown backend {k!r} (choose from {', '.join(BACKENDS)}; "
+                            f"{', '.join(t + TUNED for t in TUNABLE)} with --tuned DIR)")
     spec.kernels = list(dict.fromkeys(spec.kernels))
-    if "vllm" in spec.kernels:
+    _resolve_tuned(spec)
+    if any(backend_of(k) == "vllm" for k in spec.kernels):
         from lorabench.kernels import vllm_lora
 
         if spec.dtype == "float32":
@@ -200,8 +203,8 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
             raise UserError(f"--workload: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     agnostic = [s for s in spec.strategy if s in BUCKET_GRID]
-    if "vllm" in spec.kernels and agnostic:
-        if spec.kernels == ["vllm"] and len(agnostic) == len(spec.strategy):
+    if any(backend_of(k) == "vllm" for k in spec.kernels) and agnostic:
+        if all(backend_of(k) == "vllm" for k in spec.kernels) and len(agnostic) == len(spec.strategy):
             raise UserError(f"--strategy {','.join(agnostic)}: vLLM has no count-agnostic grid; use --kernels triton or fused")
         notice = "; ".join(filter(None, [notice, f"{','.join(agnostic)} runs with lorabench's kernels only (vLLM's grid follows its count)"]))
     if "auto" in spec.strategy:
@@ -209,6 +212,32 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     elif spec.auto_from or spec.graph_memory_budget or spec.startup_budget:
         raise UserError("--auto-from and the budgets apply to --strategy auto only")
     return spec, notice
+
+
+def _resolve_tuned(spec: SweepSpec) -> None:
+    """--tuned DIR: every tunable backend swept also runs as "<backend>+tuned" with DIR's configs,
+    next to its defaults in the same run."""
+    wants = [k for k in spec.kernels if k.endswith(TUNED)]
+    if not spec.tuned:
+        if wants:
+            raise UserError(f"--kernels {wants[0]}: needs --tuned DIR (the output of `lorabench tune`)")
+        return
+    from lorabench.tune import tuned_table, vllm_folder
+
+    folder = Path(spec.tuned)
+    if not folder.is_dir():
+        raise UserError(f"--tuned: {folder} is not a folder (run `lorabench tune --out {folder}` first)")
+    spec.tuned = str(folder.resolve())
+    for k in list(spec.kernels):
+        if k in TUNABLE and k + TUNED not in spec.kernels:
+            spec.kernels.insert(spec.kernels.index(k) + 1, k + TUNED)
+    for k in spec.kernels:
+        if k == "fused" + TUNED and not tuned_table(folder):
+            raise UserError(f"--tuned: {folder} holds no tuned configs for the fused kernel (lorabench_tuned.json)")
+        if k == "vllm" + TUNED and not any(vllm_folder(folder).glob("*.json")):
+            raise UserError(f"--tuned: {folder} holds no vLLM config files ({vllm_folder(folder)}/*.json)")
+    if not any(k.endswith(TUNED) for k in spec.kernels):
+        raise UserError(f"--tuned applies to the tunable backends ({', '.join(TUNABLE)}); --kernels has none")
 
 
 def _resolve_auto(spec: SweepSpec) -> str | None:
@@ -219,7 +248,7 @@ def _resolve_auto(spec: SweepSpec) -> str | None:
 
     if not spec.auto_from:
         raise UserError("--strategy auto needs --auto-from RUN: the sweep whose points price the capture sets")
-    if "vllm" in spec.kernels:
+    if any(backend_of(k) == "vllm" for k in spec.kernels):
         raise UserError("--strategy auto chooses lorabench's capture sets; vLLM captures max or pow2 only (drop vllm from --kernels)")
     df = load_run(Path(spec.auto_from))
     memory = spec.graph_memory_budget * 2**20 if spec.graph_memory_budget else None

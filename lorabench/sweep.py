@@ -21,7 +21,7 @@ from rich.table import Table
 
 from lorabench import env
 from lorabench.analysis import CONFIG, configs, ok_points
-from lorabench.kernels import TRITON_BACKENDS
+from lorabench.kernels import TRITON_BACKENDS, TUNED, backend_of
 from lorabench.results import PointsWriter
 from lorabench.spec import SweepSpec
 from lorabench.strategies import BUCKET_GRID
@@ -34,7 +34,7 @@ def plan(spec: SweepSpec) -> list[dict]:
     for kernels in spec.kernels:
         for max_loras in spec.max_loras:
             for strategy in spec.strategy:
-                if kernels == "vllm" and strategy in BUCKET_GRID:
+                if backend_of(kernels) == "vllm" and strategy in BUCKET_GRID:
                     continue  # vLLM's grid follows its count: it has no count-agnostic mode to measure
                 points = []
                 for c in spec.concurrency:
@@ -117,8 +117,14 @@ class Sweep:
         payload = {**job, "spec": self.spec.to_dict(), "run_id": self.run_id, "started_at": self.started_at,
                    "argv": self.argv, "spawned_at": time.time()}
         child_env = dict(os.environ)
-        if self.spec.device == "cpu" and job["kernels"] in TRITON_BACKENDS:
+        if self.spec.device == "cpu" and backend_of(job["kernels"]) in TRITON_BACKENDS:
             child_env["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU run in its interpreter
+        if job["kernels"] == "vllm" + TUNED:  # vLLM reads its tuned configs from here, and only then
+            from lorabench.tune import vllm_folder
+
+            child_env["VLLM_TUNED_CONFIG_FOLDER"] = str(vllm_folder(self.spec.tuned))
+        elif job["kernels"] == "vllm":
+            child_env.pop("VLLM_TUNED_CONFIG_FOLDER", None)  # the defaults, whatever the shell says
         log_path = self.run_dir / f"worker-{index}.log"
         done: set[int] = set()
         checks_before = len(self.checks)

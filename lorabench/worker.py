@@ -22,7 +22,7 @@ from lorabench import env, roofline
 from lorabench.batches import fixed_batch
 from lorabench.check import check
 from lorabench.dispatch import Dispatcher
-from lorabench.kernels import SUPPORTED_DTYPES, TRITON_BACKENDS, get_backend, vllm_lora
+from lorabench.kernels import SUPPORTED_DTYPES, TRITON_BACKENDS, TUNED, backend_of, fused_lora, get_backend, vllm_lora
 from lorabench.model import LlamaLoRA, preset
 from lorabench.strategies import BUCKET_GRID, capture_counts
 from lorabench.timing import summarize, time_steps
@@ -64,7 +64,12 @@ class Worker:
         self.cuda = self.spec["device"] == "cuda"
         self.cfg = cfg = preset(self.spec["model"], self.spec["layers"])
         self.max_loras = job["max_loras"]
-        self.vllm = job["kernels"] == "vllm"
+        self.backend = backend_of(job["kernels"])
+        self.vllm = self.backend == "vllm"
+        if job["kernels"] == "fused" + TUNED:
+            from lorabench.tune import tuned_table
+
+            fused_lora.load_tuned(tuned_table(self.spec["tuned"]))
         if job.get("counts"):  # strategy auto: chosen when the sweep was planned
             self.counts = job["counts"]
         elif self.vllm:
@@ -84,6 +89,7 @@ class Worker:
             "iters": self.spec["iters"], "warmup": self.spec["warmup"],
             "timing": "cuda_events" if self.cuda else "cpu_wall",
             "vllm": vllm_lora.version() if self.vllm else None,
+            "tuned": self.spec.get("tuned") if job["kernels"].endswith(TUNED) else None,
         }
         self.startup: dict = {}
 
@@ -110,7 +116,7 @@ class Worker:
             context_len=spec["context_len"], dtype=SUPPORTED_DTYPES[spec["dtype"]], device=device, seed=spec["seed"],
         )
         rules = VllmRules(self.job["strategy"], self.max_loras, model.max_tokens, device) if self.vllm else None
-        d = Dispatcher(model, get_backend(self.job["kernels"]), max_loras=self.max_loras, capture_sizes=spec["capture_sizes"],
+        d = Dispatcher(model, get_backend(self.backend), max_loras=self.max_loras, capture_sizes=spec["capture_sizes"],
                        counts=self.counts, use_graphs=self.cuda, seed=spec["seed"], rules=rules,
                        bucket_grid=self.job["strategy"] in BUCKET_GRID)
         self.sync()
@@ -119,7 +125,7 @@ class Worker:
         t1 = time.perf_counter()
         d.warm_up()
         compile_s = time.perf_counter() - t1
-        compiled = self.job["kernels"] in TRITON_BACKENDS and not os.environ.get("TRITON_INTERPRET")
+        compiled = self.backend in TRITON_BACKENDS and not os.environ.get("TRITON_INTERPRET")
         if self.cuda:
             torch.cuda.empty_cache()
             free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
