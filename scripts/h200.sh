@@ -15,7 +15,8 @@
 #            with max and pow2 measured in the same run
 #   kernel-tests - the kernel, graph and check tests only (fused kernel compiled, real CUDA graphs)
 #   kernels-card, kernels-32, kernels-128 - sweeps/kernels-*.toml: fused vs triton vs vLLM, strategy agnostic
-#   tune   - lorabench tune (fused and vLLM's kernels) into $OUT/tuned, TUNE_BUDGET_S seconds (default 150)
+#   tune   - lorabench tune (fused and vLLM's kernels) into results/tuned-h200 (kept on a warm machine for
+#            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
@@ -39,8 +40,12 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
     kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
-    kernels-card|kernels-32|kernels-128) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
-    tune) lorabench tune --kernels fused,vllm --tokens 1,8,32 --max-loras 4,32 --budget-s "${TUNE_BUDGET_S:-150}" --out "$OUT/tuned" 2>&1 | tail -n 60 | tee -a "$OUT/tune.log" ;;
+    kernels-32|kernels-128) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
+    kernels-card)  # with the tune stage's configs when it ran on this machine (fused+tuned, vllm+tuned)
+      tuned=(); [ -d results/tuned-h200 ] && tuned=(--kernels fused,vllm --tuned results/tuned-h200)
+      lorabench sweep --spec sweeps/kernels-card.toml "${tuned[@]}" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
+    tune) lorabench tune --kernels fused,vllm --tokens 1,8,32 --max-loras 4,32 --budget-s "${TUNE_BUDGET_S:-150}" \
+            --out results/tuned-h200 2>&1 | tail -n 60 | tee -a "$OUT/tune.log" ;;
     smoke|card|wide|slots|backends) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     card-vllm) lorabench sweep --spec sweeps/card.toml --kernels triton,vllm --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     backends-4-32) lorabench sweep --spec sweeps/backends.toml --max-loras 4,32 --out results 2>&1 | tee -a "$OUT/stages.log" ;;
