@@ -1,17 +1,21 @@
 """Fused Triton LoRA: shrink and expand in one launch per LoRA linear, all its slices at once.
 
-A program owns (a tile of one active slot's tokens, one slice, a group of ``N_TILES`` output
-tiles of that slice). It computes the tile's rank-R intermediate itself,
+A program owns (a tile of one active slot's tokens, one slice, one output tile of that slice,
+one of ``SPLIT_K`` parts of the input features). It computes its part of the rank-R
+intermediate and expands that part straight onto its output tile:
 
-    h[BLOCK_M, R] = scale · x[rows, :] @ A[slot][slice s]ᵀ            (fp32, kept in registers)
+    h_j[BLOCK_M, R] = scale · x[rows, K_j] @ A[slot][slice s][:, K_j]ᵀ     (kept in registers)
+    y[rows, tile] += h_j @ B[slot][slice s][tile]ᵀ                          (fp atomics when split)
 
-then, for each of its output tiles, ``y[rows, tile] += h @ B[slot][slice s][tile]ᵀ``. Every
-output element has exactly one writer, so there are no atomics and no scratch buffer to zero,
-and the intermediate never leaves the chip. The price is that each program re-reads its slot's
-A slice (R·K values, mostly from L2): ``N_TILES`` trades that redundancy against parallelism,
-and ``lorabench tune`` picks it per shape.
+which sums to the LoRA update because the expand is linear in h. There is no scratch buffer,
+no memset and no second launch, and every program's chain is short: one pass over its K part,
+one B tile, one update. Why not one program per output tile that reduces all of K itself? It
+streams its slot's whole A slice before it can expand (tens of dependent loads): measured on an
+H200 that design took 9 µs per launch at K = 4096 and 18 µs at 11008. The price here is that
+each A part is read once per output tile and each B tile once per K part (from L2), and
+``SPLIT_K`` atomic adds per output element; ``lorabench tune`` picks the balance per shape.
 
-The grid is ``(m tiles · output-tile groups, slices, launch count)``; as in the unfused
+The grid is ``(m tiles · K parts · output tiles, slices, launch count)``; as in the unfused
 kernels, program ``i`` on the last axis serves ``active_slots[i]`` and exits at once when that
 entry is -1 or its tile lies past that slot's tokens. Base-model tokens are never read or
 written.
@@ -52,7 +56,7 @@ def _fused_kernel(
     BLOCK_N: tl.constexpr,  # output columns per tile
     BLOCK_K: tl.constexpr,  # reduction step of the shrink
     BLOCK_R: tl.constexpr,  # >= R, at least 16
-    N_TILES: tl.constexpr,  # output tiles per program (each program recomputes h once)
+    SPLIT_K: tl.constexpr,  # K parts: programs per output tile, each over a strided part of K
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
     pid = tl.program_id(0)
@@ -66,12 +70,13 @@ def _fused_kernel(
     n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
     n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
     max_slice = tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
-    num_groups = tl.cdiv(max_slice, BLOCK_N * N_TILES)
-    pid_m = pid // num_groups
-    pid_g = pid % num_groups
+    num_n = tl.cdiv(max_slice, BLOCK_N)
+    pid_sk = pid % SPLIT_K
+    pid_n = (pid // SPLIT_K) % num_n
+    pid_m = (pid // SPLIT_K) // num_n
     if pid_m * BLOCK_M >= count:
         return
-    if pid_g * BLOCK_N * N_TILES >= n_hi - n_lo:
+    if pid_n * BLOCK_N >= n_hi - n_lo:
         return
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,10 +86,10 @@ def _fused_kernel(
     r_mask = offs_r < R
     slot64 = slot.to(tl.int64)
 
-    # shrink: h = x[rows] @ A[slot][s·R : s·R + R]ᵀ
+    # shrink, this program's part of K: h = x[rows, K_j] @ A[slot][s·R : s·R + R, K_j]ᵀ
     a_base = a_ptr + slot64 * stride_al + (s * R + offs_r)[None, :] * stride_an
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_sk * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
@@ -95,23 +100,23 @@ def _fused_kernel(
             a = a.to(tl.float32)
         h += tl.dot(x, a)
     h *= scale
-    if not UPCAST:
-        h = h.to(b_ptr.dtype.element_ty)  # as the unfused expand rounds its fp32 input
 
-    # expand: y[rows, tile] += h @ B[slot][tile]ᵀ, for each of this program's output tiles
-    b_base = b_ptr + slot64 * stride_bl + offs_r[:, None] * stride_br
-    y_rows = y_ptr + rows[:, None] * stride_ym
-    for t in range(N_TILES):
-        offs_n = n_lo + (pid_g * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
-        b = tl.load(b_base + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
-            b = b.to(tl.float32)
-        delta = tl.dot(h, b)
-        mask = m_mask[:, None] & n_mask[None, :]
-        y_ptrs = y_rows + offs_n[None, :] * stride_yn
+    # expand that part onto this program's output tile
+    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_hi
+    b = tl.load(b_ptr + slot64 * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    if UPCAST:
+        delta = tl.dot(h, b.to(tl.float32))
+    else:
+        delta = tl.dot(h.to(b.dtype), b)  # as the unfused expand rounds its fp32 input
+    mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if SPLIT_K == 1:
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -121,18 +126,18 @@ class FusedConfig:
     block_m: int = 16
     block_n: int = 128
     block_k: int = 256
-    n_tiles: int = 4
+    split_k: int = 4
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 SEARCH_SPACE = {  # what `lorabench tune` tries for this kernel
     "block_m": [16, 32, 64],
-    "block_n": [32, 64, 128, 256],
+    "block_n": [64, 128, 256],
     "block_k": [64, 128, 256, 512],
-    "n_tiles": [1, 2, 4, 8, 16],
+    "split_k": [1, 2, 4, 8, 16],
     "num_warps": [2, 4, 8],
-    "num_stages": [2, 3, 4],
+    "num_stages": [1, 2, 3],
 }
 
 # Tuned configs, keyed by shape: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
@@ -145,10 +150,12 @@ def shape_key(tokens: int, k: int, widest: int, rank: int, slices: int, launch: 
 
 
 def default_config(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:
-    """Untuned: one token tile for decode batches, long K steps (each program streams its slot's
-    whole A slice, so fewer, larger loads in flight), groups of 4 × 128 output columns."""
+    """Untuned: one token tile for decode batches; K in parts of about 1024 features (at most
+    16), so each program makes a few loads before its expand."""
     block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-    return FusedConfig(block_m=block_m, block_k=512 if block_m <= 16 else 256 if block_m <= 32 else 64)
+    block_k = 256 if block_m <= 32 else 64
+    split_k = 1 if tokens > 64 else max(1, min(16, triton.next_power_of_2(k // 1024)))
+    return FusedConfig(block_m=block_m, block_k=block_k, split_k=split_k)
 
 
 def config_for(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:
@@ -186,7 +193,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     tokens, k = x.shape
     rank = lora_b.shape[2]
     cfg = config or config_for(tokens, k, widest, rank, num_slices, launch_count)
-    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n * cfg.n_tiles), num_slices, launch_count)
+    grid = (triton.cdiv(tokens, cfg.block_m) * cfg.split_k * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
     _fused_kernel[grid](
         x, lora_a, lora_b, y, meta.sorted_tokens, meta.active_slots, meta.slot_start,
         k, rank, *bounds,
@@ -196,7 +203,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         y.stride(0), y.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), N_TILES=cfg.n_tiles,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLIT_K=cfg.split_k,
         UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

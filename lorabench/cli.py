@@ -60,6 +60,7 @@ def sweep(
     auto_from: str = typer.Option(None, "--auto-from", help="Strategy auto: the run whose points price the capture sets (see `lorabench recommend`)."),
     graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Strategy auto: most graph memory the set may take, MiB."),
     startup_budget: str = typer.Option(None, "--startup-budget", help="Strategy auto: most startup the set may take, s."),
+    tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: fused and vllm also run as fused+tuned / vllm+tuned with its configs."),
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
     import torch
@@ -72,7 +73,7 @@ def sweep(
                  rank=rank, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
                  check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
-                 startup_budget=startup_budget)
+                 startup_budget=startup_budget, tuned=tuned)
     the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
     if notice:
         console.print(notice)
@@ -208,6 +209,47 @@ def report(
     for run_dir in runs or [find_newest_run(results)]:
         paths = write_report(run_dir)
         console.print(f"{run_dir}: " + ", ".join(p.name for p in paths))
+
+
+@app.command()
+def tune(
+    kernels: str = typer.Option(None, "--kernels", help=f"Kernels to tune, {LIST}: fused (lorabench's), vllm (vLLM's shrink and expand) [default: fused, plus vllm on a GPU when vLLM is installed]."),
+    model: Model = None,
+    rank: Rank = None,
+    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (fused only) [default: float16]."),
+    max_loras: MaxLoras = None,
+    tokens: str = typer.Option(None, "--tokens", help=f"Token buckets (tokens per decode step) to tune, {LIST} [default: 1,8,32]."),
+    budget_s: str = typer.Option(None, "--budget-s", help="Seconds of search, shared equally by the shapes (each still gets its default and one candidate) [default: 300]."),
+    out: str = typer.Option(None, "--out", help="Output folder: cache.jsonl, lorabench_tuned.json, vllm/, tune.md [default: tuned]."),
+    resume: bool = typer.Option(True, "--resume/--fresh", help="Reuse OUT/cache.jsonl (skip what it has measured), or start over."),
+    device: Device = None,
+    seed: Seed = None,
+):
+    """Search kernel configs per shape within a time budget; write lorabench's tuned table and
+    vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume."""
+    import torch
+
+    from lorabench.tune import Tuner, build_tune_spec, interpreter_child, summary_table
+
+    flags = dict(kernels=kernels, model=model, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
+                 budget_s=budget_s, out=out, device=device, seed=seed)
+    child = interpreter_child(flags, resume, torch.cuda.is_available())
+    if child is not None:  # on the CPU the whole tune runs in a child with Triton's interpreter on
+        raise typer.Exit(child)
+    the_spec, notice = build_tune_spec(flags, torch.cuda.is_available())
+    if notice:
+        console.print(notice)
+    tuner = Tuner(the_spec, shlex.join(["lorabench"] + sys.argv[1:]), console, fresh=not resume)
+    console.print(f"tune: {len(tuner.shapes)} shapes, {the_spec.budget_s:g} s -> {tuner.out}")
+    try:
+        results = tuner.run()
+    except KeyboardInterrupt:
+        tuner.write()
+        print(f"interrupted: measurements kept in {tuner.cache.path}; rerun the same command to resume", file=sys.stderr)
+        raise typer.Exit(130)
+    console.print(summary_table(results, tuner.meta))
+    console.print(f"-> {tuner.out / 'lorabench_tuned.json'}, {tuner.out / 'tune.md'}"
+                  + (f", {tuner.out / 'vllm'} (VLLM_TUNED_CONFIG_FOLDER)" if "vllm" in the_spec.kernels else ""))
 
 
 def _usage_errors() -> tuple[type, ...]:

@@ -49,7 +49,7 @@ class SweepSpec:
 LIST_INT = {"max_loras", "concurrency", "capture_sizes"}
 LIST_STR = {"strategy", "kernels", "workload"}
 INTS = {"layers", "rank", "context_len", "iters", "warmup", "seed"}
-STRS = {"model", "dtype", "device", "out", "auto_from"}
+STRS = {"model", "dtype", "device", "out", "auto_from", "tuned"}
 BOOLS = {"check"}
 FLOATS = {"graph_memory_budget", "startup_budget"}
 FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS | FLOATS

@@ -11,7 +11,7 @@ import sys
 import torch
 import triton
 
-from lorabench.kernels import base_ops, triton_lora
+from lorabench.kernels import base_ops, fused_lora, triton_lora
 from lorabench.lora_meta import MetaBuffer
 
 try:
@@ -52,9 +52,9 @@ def compile_call(fn, args, kwargs):
 
 def record_launches():
     """Replace every kernel with a Recorder; returns them by name."""
-    triton_lora._INTERPRET = False  # compile what the GPU runs
+    triton_lora._INTERPRET = fused_lora._INTERPRET = False  # compile what the GPU runs
     recs = {}
-    for module, name in [(triton_lora, "_shrink_kernel"), (triton_lora, "_expand_kernel"),
+    for module, name in [(triton_lora, "_shrink_kernel"), (triton_lora, "_expand_kernel"), (fused_lora, "_fused_kernel"),
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel")]:
         recs[name] = Recorder(getattr(module, name))
         setattr(module, name, recs[name])
@@ -74,6 +74,8 @@ def launch_everything(dtype, tokens):
         y = torch.empty(tokens, sum(slices), dtype=dtype)
         scratch = torch.empty(tokens, 3 * rank, dtype=torch.float32)
         triton_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0, scratch)
+        fused_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0)  # split over K (atomics) up to 128 tokens
+        fused_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0, config=fused_lora.FusedConfig(split_k=1))
     x = torch.empty(tokens, hidden, dtype=dtype)
     base_ops.add_rmsnorm(x, x, torch.empty(hidden, dtype=dtype), 1e-5)
     base_ops.add_rmsnorm(x, None, torch.empty(hidden, dtype=dtype), 1e-5)

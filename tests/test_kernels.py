@@ -123,14 +123,14 @@ def test_triton_shrink_configs(split_k, block_m):
 
 
 @pytest.mark.parametrize("cfg", [
-    fused_lora.FusedConfig(block_m=16, block_n=16, block_k=32, n_tiles=1),
-    fused_lora.FusedConfig(block_m=16, block_n=32, block_k=64, n_tiles=3),  # a group past the slice's end
-    fused_lora.FusedConfig(block_m=32, block_n=64, block_k=16, n_tiles=2),
-    fused_lora.FusedConfig(block_m=64, block_n=16, block_k=128, n_tiles=8),
-], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}t{c.n_tiles}")
+    fused_lora.FusedConfig(block_m=16, block_n=16, block_k=32, split_k=1),
+    fused_lora.FusedConfig(block_m=16, block_n=32, block_k=16, split_k=3),  # parts of unequal length
+    fused_lora.FusedConfig(block_m=32, block_n=64, block_k=16, split_k=8),  # a part with no K left
+    fused_lora.FusedConfig(block_m=64, block_n=16, block_k=128, split_k=2),
+], ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
 @pytest.mark.parametrize("rank", [8, 64])
 def test_fused_configs(cfg, rank):
-    """Every tiling of the fused kernel (token tiles, output groups, K steps) gives the reference,
+    """Every tiling of the fused kernel (token tiles, output tiles, K parts) gives the reference,
     on a batch of 40 tokens whose adapter tokens need several token tiles at block_m 16."""
     x, a, b, y, slots, starts = make_case(40, 112, (40, 24, 24), rank, 3, torch.float16, 0.2, rank)
     buf = MetaBuffer(40, 3, DEVICE)
@@ -141,8 +141,8 @@ def test_fused_configs(cfg, rank):
 
 
 def test_fused_tuned_configs_are_looked_up_by_nearest_shape():
-    small = fused_lora.FusedConfig(block_n=32, n_tiles=2)
-    big = fused_lora.FusedConfig(block_n=256, n_tiles=1)
+    small = fused_lora.FusedConfig(block_n=32, split_k=2)
+    big = fused_lora.FusedConfig(block_n=256, split_k=1)
     try:
         fused_lora.load_tuned([{"shape": [1, 4096, 4096, 16, 3, 1], "config": fused_lora.config_dict(small)},
                                {"shape": [32, 4096, 4096, 16, 3, 32], "config": fused_lora.config_dict(big)}])
