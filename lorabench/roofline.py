@@ -61,12 +61,15 @@ def probe(kernels: int = 256, copy_mib: int = 512) -> dict:
 
 
 def floors(df: pd.DataFrame) -> pd.DataFrame:
-    """Fixed GPU points with n > 0: LoRA bytes read per step, the floor they and the minimum
-    kernel count imply, the measured overhead, and overhead / floor. Empty without probe data."""
+    """Fixed GPU points with n > 0 of configurations not found wrong: LoRA bytes read per step,
+    the floor they and the minimum kernel count imply, the measured overhead, and overhead /
+    floor. Empty without probe data."""
     if "probe_copy_gbs" not in df or df.probe_copy_gbs.isna().all():
         return pd.DataFrame()
     pts = lora_overhead(df)
     pts = pts[(pts.n_active > 0) & pts.probe_copy_gbs.notna() & pts.base_ms.notna()].copy()
+    if "correct" in pts:  # a configuration that failed its check may look fast by skipping work
+        pts = pts[~pts.correct.eq(False)]
     if pts.empty:
         return pts
     pts["lora_mb"] = pts.n_active * pts.lora_bytes_per_slot / 1e6

@@ -312,12 +312,12 @@ def test_roofline_puts_each_point_against_its_floor(tmp_path, capsys):
     bandwidth plus one kernel per LoRA linear, and the report shows the distance from it."""
     from lorabench.roofline import floors
 
-    run = synthetic_run(tmp_path)
+    run = synthetic_run(tmp_path, wrong=[("triton", "pow2")], speed={("triton", "pow2"): 0.5})
     df = pd.read_parquet(run / "points.parquet")
     df["probe_copy_gbs"], df["probe_kernel_us"] = 4000.0, 1.5
     df.to_parquet(run / "points.parquet", schema=SCHEMA)
     fl = floors(df)
-    assert len(fl) and (fl.n_active > 0).all()
+    assert len(fl) and (fl.n_active > 0).all() and "pow2" not in set(fl.strategy)  # wrong, however fast
     r = fl.iloc[0]
     want = (r.n_active * r.lora_bytes_per_slot / 4000e9 + 4 * 32 * 1.5e-6) * 1e3
     assert r.floor_ms == pytest.approx(want) and r.x_floor == pytest.approx((r.step_ms_median - r.base_ms) / want)
