@@ -7,7 +7,9 @@ intermediate and expands that part straight onto its output tile:
     h_j[BLOCK_M, R] = scale · x[rows, K_j] @ A[slot][slice s][:, K_j]ᵀ     (kept in registers)
     y[rows, tile] += h_j @ B[slot][slice s][tile]ᵀ                          (fp atomics when split)
 
-which sums to the LoRA update because the expand is linear in h. There is no scratch buffer,
+which sums to the LoRA update because the expand is linear in h. With ``SPLIT_K`` > 1 each part
+is rounded to y's dtype before its atomic add, in no fixed order: replays agree to within that
+rounding, not bit for bit (the check's tolerance is far wider). There is no scratch buffer,
 no memset and no second launch, and every program's chain is short: one pass over its K part,
 one B tile, one update. Why not one program per output tile that reduces all of K itself? It
 streams its slot's whole A slice before it can expand (tens of dependent loads): measured on an
@@ -160,11 +162,13 @@ def default_config(tokens: int, k: int, widest: int, rank: int, slices: int, lau
 
 def config_for(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:
     """The tuned config of the nearest tuned shape with the same K, width, rank and slices
-    (nearest token bucket, then nearest launch count), else the default."""
+    (nearest token bucket, then nearest launch count; ties go to the larger), else the default.
+    The key is the launch count, not the active count: a graph's config is fixed at capture, so
+    an agnostic graph of grid 8 runs the config tuned for 8 launched slots whatever n is."""
     same = [key for key in TUNED if key[1:5] == (k, widest, rank, slices)]
     if not same:
         return default_config(tokens, k, widest, rank, slices, launch)
-    best = min(same, key=lambda key: (abs(key[0] - tokens), abs(key[5] - launch)))
+    best = min(same, key=lambda key: (abs(key[0] - tokens), -key[0], abs(key[5] - launch), -key[5]))  # ties: the larger
     return TUNED[best]
 
 

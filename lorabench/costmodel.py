@@ -127,7 +127,8 @@ class CostModel:
         if slope is None:
             return None, f"only launch count(s) {gs} measured at c={c}, n={n}, and no slope to extrapolate with"
         ref = gs[0] if i == 0 else gs[-1]
-        return by_g[ref] + slope * (g - ref), EXTRAPOLATED
+        base = self.t.get((c, 0), {}).get(0, 0.0)  # a LoRA step is never faster than the base model's
+        return max(by_g[ref] + slope * (g - ref), base), EXTRAPOLATED
 
     def graph_memory(self, counts: list[int]) -> float | None:
         return self.memory(lora_graphs(counts, self.capture_sizes, self.max_loras)) if self.memory else None

@@ -166,8 +166,9 @@ class Optimiser:
         # predicted gain is below what a rerun can tell apart, and graphs cost memory and startup.
         cost = {gg: c for gg, (c, _) in dp[self.L].items()}
         base = self._base()
-        bound = (base + min(cost.values())) * (1 + NOISE) - base
-        g = min(gg for gg, c in cost.items() if c <= bound + 1e-12)
+        best = min(cost.values())
+        bound = best + NOISE * abs(base + best)
+        g = min(gg for gg, c in cost.items() if c <= bound + 1e-12)  # the optimum itself always qualifies
         counts, k = [], self.L
         while k:
             counts.append(k)

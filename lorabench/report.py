@@ -318,6 +318,8 @@ def agnostic_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str) -> list[str]:
     if ag.empty:
         return []
     wrong = {(c.kernels, c.max_loras, c.strategy) for c in cfg.itertuples() if c.correct is False}
+    failed = sorted({(k, int(m)) for k, m, s in zip(ag.kernels, ag.max_loras, ag.strategy) if (k, m, s) in wrong})
+    ag = ag[[(k, m, s) not in wrong for k, m, s in zip(ag.kernels, ag.max_loras, ag.strategy)]]  # wrong can look fast
     others = over[~over.strategy.isin(BUCKET_GRID)]
     others = others[[(k, m, s) not in wrong for k, m, s in zip(others.kernels, others.max_loras, others.strategy)]]
     out = ["## Count-agnostic vs specialised", "",
@@ -325,6 +327,8 @@ def agnostic_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str) -> list[str]:
            "whatever n; `best other` is the fastest other strategy of the same kernels that passed its check, "
            f"per point ({u}, median). Specialisation is unnecessary where agnostic is within "
            f"{100 * AGNOSTIC_WITHIN:.0f} % everywhere.", ""]
+    out += [f"**{k}, max_loras = {m}**: agnostic failed its correctness check (see Correctness); not compared.\n"
+            for k, m in failed]
     summary = []
     for (k, m), g in sorted(ag.groupby(["kernels", "max_loras"]), key=lambda kv: (backend_rank(kv[0][0]), kv[0][1])):
         rows, worst = [], -np.inf
@@ -358,10 +362,11 @@ def roofline_md(fl: pd.DataFrame, plot: Path | None) -> list[str]:
     if fl.empty:
         return []
     gbs, us = fl.probe_copy_gbs.median(), fl.probe_kernel_us.median()
+    kernels = "/".join(str(int(k)) for k in sorted(fl.min_kernels.unique()))
     best = fl.loc[fl.groupby(["kernels", "max_loras", "concurrency", "n_active"]).overhead_ms.idxmin()]
     best = _order(best, by=("kernels", "max_loras", "concurrency", "n_active"))
     out = ["## Roofline: LoRA overhead vs its floor", "",
-           f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({int(fl.min_kernels.iloc[0])} per step) "
+           f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({kernels} per step) "
            f"x the cost of one more kernel in a graph; measured by each worker: copy bandwidth {gbs:.0f} GB/s, "
            f"{us:.2f} us per extra kernel (medians). overhead = step - the same configuration's n = 0 step; "
            "the fastest strategy per point.", ""]

@@ -222,12 +222,22 @@ def _resolve_tuned(spec: SweepSpec) -> None:
         if wants:
             raise UserError(f"--kernels {wants[0]}: needs --tuned DIR (the output of `lorabench tune`)")
         return
-    from lorabench.tune import tuned_table, vllm_folder
+    from lorabench.tune import tuned_file, tuned_table, vllm_folder
 
     folder = Path(spec.tuned)
     if not folder.is_dir():
         raise UserError(f"--tuned: {folder} is not a folder (run `lorabench tune --out {folder}` first)")
     spec.tuned = str(folder.resolve())
+    meta = tuned_file(folder)
+    if meta:  # configs chosen by timings on another machine or dtype are not this sweep's tuned configs
+        import torch
+
+        gpu = torch.cuda.get_device_name() if spec.device == "cuda" else None
+        for what, theirs, ours in (("device", meta.get("device"), spec.device), ("GPU", meta.get("gpu"), gpu),
+                                   ("dtype", meta.get("dtype"), spec.dtype)):
+            if theirs != ours:
+                raise UserError(f"--tuned: {folder} was tuned for {what} {theirs}, this sweep runs {ours} "
+                                f"(tune again here: lorabench tune --out DIR)")
     for k in list(spec.kernels):
         if k in TUNABLE and k + TUNED not in spec.kernels:
             spec.kernels.insert(spec.kernels.index(k) + 1, k + TUNED)

@@ -394,9 +394,14 @@ class Tuner:
         self.dtype = SUPPORTED_DTYPES[spec.dtype]
         self.sm90 = self.cuda and torch.cuda.get_device_capability() == (9, 0)
         self.out = Path(spec.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out: cannot make the folder {self.out}: {e.strerror}") from None
         gpu = torch.cuda.get_device_name() if self.cuda else None
-        self.cache = Cache(self.out / "cache.jsonl", {"device": spec.device, "gpu": gpu, "dtype": spec.dtype}, fresh)
+        identity = {"device": spec.device, "gpu": gpu, "dtype": spec.dtype,  # timings of one kind only
+                    "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1}
+        self.cache = Cache(self.out / "cache.jsonl", identity, fresh)
         self.shapes = build_shapes(spec)
         self.share = spec.budget_s / len(self.shapes)
         self.session = f"{time.strftime('%Y%m%dT%H%M%S')}-{id(self):x}"
@@ -424,7 +429,7 @@ class Tuner:
         todo = candidates(shape, default, self.spec.rank, self.dtype.itemsize, self.sm90, self.spec.seed)
         self.viable[shape] = len(todo)
         todo = [c for c in todo if _cid(c) not in done]
-        old = [r for r in rows if r["default"]]
+        old = [r for r in rows if r["default"] and _cid(r["config"]) == _cid(default)]  # today's default only
         if old and (old[0]["status"] != "ok" or not todo or (spent >= self.share and tried)):
             return  # nothing to compare against, or this shape's budget is spent (resume)
         problem = Problem(shape, self.spec.rank, self.dtype, self.spec.device, self.spec.seed)
@@ -510,10 +515,23 @@ def _write_json(path: Path, data) -> None:
     tmp.replace(path)  # an interrupt never leaves half a file
 
 
+def tuned_file(out_dir) -> dict:
+    """A ``lorabench tune`` folder's lorabench_tuned.json ({} if it has none); UserError if unreadable."""
+    path = Path(out_dir) / "lorabench_tuned.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("entries", []), list):
+            raise ValueError("no list of entries")
+        return data
+    except ValueError as e:
+        raise UserError(f"--tuned: {path} is not a lorabench tune file ({e})") from None
+
+
 def tuned_table(out_dir) -> list[dict]:
     """The fused kernel's tuned entries in a ``lorabench tune`` folder ([] if it has none)."""
-    path = Path(out_dir) / "lorabench_tuned.json"
-    return json.loads(path.read_text())["entries"] if path.is_file() else []
+    return tuned_file(out_dir).get("entries", [])
 
 
 def vllm_folder(out_dir) -> Path:

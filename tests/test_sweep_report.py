@@ -346,3 +346,15 @@ def test_agnostic_against_the_best_specialised(tmp_path, factor, verdict, capsys
     assert summary.startswith("| triton | 4 |") and f"| {verdict} |" in summary
     if factor > 1:
         assert "+10.0 %" in sec or "+9." in sec or "+10." in sec
+
+
+def test_a_wrong_agnostic_is_never_called_good_enough(tmp_path, capsys):
+    run = synthetic_run(tmp_path)
+    df = pd.read_parquet(run / "points.parquet")
+    ag = df[df.strategy == "max"].assign(strategy="agnostic", correct=False, check_detail=WRONG)
+    for col in ["step_ms_median", "step_ms_mean", "step_ms_p10", "step_ms_p90"]:
+        ag[col] *= 0.5  # skipping work looks fast
+    pd.concat([df, ag]).to_parquet(run / "points.parquet", schema=SCHEMA)
+    _, md = report(run)
+    sec = section(md, "Count-agnostic vs specialised")
+    assert "agnostic failed its correctness check" in sec and "| yes |" not in sec

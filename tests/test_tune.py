@@ -215,20 +215,49 @@ def test_vllm_expand_candidates_reach_vllms_kernel(tmp_path):
 
 
 def test_a_sweep_given_tuned_runs_the_tuned_configs_next_to_the_defaults(tmp_path):
-    """--tuned DIR adds fused+tuned beside fused: same graphs and check, DIR's configs, rows saying so."""
+    """--tuned DIR adds fused+tuned beside fused, and its workers really run DIR's configs: here
+    one that cannot launch (block_n 0) for the o linear, so fused+tuned fails and fused does not."""
     import pandas as pd
 
     tuned = tmp_path / "tuned"
-    assert main(["tune", "--model", "tiny", "--kernels", "fused", "--tokens", "1,2", "--max-loras", "2",
-                 "--budget-s", "1", "--out", str(tuned)]) == 0
-    assert tune.tuned_table(tuned)
+    tuned.mkdir()
+    bad = {**fused_lora.config_dict(fused_lora.FusedConfig()), "block_n": 0}
+    meta = {"device": "cpu", "gpu": None, "dtype": "float32"}  # what a CPU sweep runs
+    (tuned / "lorabench_tuned.json").write_text(json.dumps({**meta, "entries": [
+        {"shape": list(fused_lora.shape_key(1, 128, 128, 16, 1, 1)), "config": bad}]}))  # tiny's o linear
     out = tmp_path / "runs"
     assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--strategy", "max", "--max-loras", "2",
                  "--concurrency", "1,2", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
     df = pd.read_parquet(next(out.glob("*/points.parquet")))
-    assert set(df.kernels) == {"fused", "fused+tuned"} and (df.status == "ok").all()
-    assert df[df.kernels == "fused+tuned"].tuned.eq(str(tuned.resolve())).all() and df[df.kernels == "fused"].tuned.isna().all()
-    assert df.correct.all()
+    assert set(df.kernels) == {"fused", "fused+tuned"}
+    plain, tuned_rows = df[df.kernels == "fused"], df[df.kernels == "fused+tuned"]
+    assert (plain.status == "ok").all() and plain.correct.all() and plain.tuned.isna().all()
+    assert (tuned_rows.status == "failed").all() and tuned_rows.error.str.contains("ZeroDivisionError").all()
+    assert tuned_rows.tuned.eq(str(tuned.resolve())).all()
+
+
+def test_a_tune_folder_is_used_only_where_it_was_tuned(tmp_path, capsys):
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    entry = {"shape": [1, 128, 128, 16, 1, 1], "config": fused_lora.config_dict(fused_lora.FusedConfig())}
+    (tuned / "lorabench_tuned.json").write_text(json.dumps({"device": "cuda", "gpu": "NVIDIA H200", "dtype": "float16",
+                                                            "entries": [entry]}))
+    assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tuned for device cuda" in err[0]
+    (tuned / "lorabench_tuned.json").write_text("{not json")
+    assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a lorabench tune file" in err[0]
+
+
+def test_tune_into_a_file_is_one_line(tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("")
+    assert main(["tune", "--model", "tiny", "--kernels", "fused", "--tokens", "1", "--max-loras", "1",
+                 "--budget-s", "1", "--out", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "Traceback" not in err[0]
 
 
 @pytest.mark.parametrize("args,needle", [
