@@ -229,7 +229,8 @@ def tune(
     vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume."""
     import torch
 
-    from lorabench.tune import Tuner, build_tune_spec, interpreter_child, summary_table
+    from lorabench.tune import Tuner, build_tune_spec, interpreter_child
+    from lorabench.tune_files import summary_table
 
     flags = dict(kernels=kernels, model=model, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
                  budget_s=budget_s, out=out, device=device, seed=seed)

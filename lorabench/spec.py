@@ -222,7 +222,7 @@ def _resolve_tuned(spec: SweepSpec) -> None:
         if wants:
             raise UserError(f"--kernels {wants[0]}: needs --tuned DIR (the output of `lorabench tune`)")
         return
-    from lorabench.tune import tuned_file, tuned_table, vllm_folder
+    from lorabench.tune_files import tuned_file, tuned_table, vllm_folder
 
     folder = Path(spec.tuned)
     if not folder.is_dir():

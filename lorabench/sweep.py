@@ -120,7 +120,7 @@ class Sweep:
         if self.spec.device == "cpu" and backend_of(job["kernels"]) in TRITON_BACKENDS:
             child_env["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU run in its interpreter
         if job["kernels"] == "vllm" + TUNED:  # vLLM reads its tuned configs from here, and only then
-            from lorabench.tune import vllm_folder
+            from lorabench.tune_files import vllm_folder
 
             child_env["VLLM_TUNED_CONFIG_FOLDER"] = str(vllm_folder(self.spec.tuned))
         elif job["kernels"] == "vllm":

@@ -67,7 +67,7 @@ class Worker:
         self.backend = backend_of(job["kernels"])
         self.vllm = self.backend == "vllm"
         if job["kernels"] == "fused" + TUNED:
-            from lorabench.tune import tuned_table
+            from lorabench.tune_files import tuned_table
 
             fused_lora.load_tuned(tuned_table(self.spec["tuned"]))
         if job.get("counts"):  # strategy auto: chosen when the sweep was planned

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA
 
-from lorabench import tune
+from lorabench import tune, tune_files
 from lorabench.cli import main
 from lorabench.kernels import fused_lora, vllm_lora
 
@@ -99,7 +99,7 @@ def test_failing_and_wrong_configs_are_pruned_and_tuned_configs_load(tmp_path, r
     status = Counter((r["config"]["block_n"], r["config"]["split_k"], r["status"]) for r in rows if not r["default"])
     assert status == {(32, 1, "ok"): 1, (64, 1, "wrong"): 1, (32, 2, "pruned"): 1, (64, 2, "pruned"): 1}
     assert all("rigged" in r["error"] for r in rows if r["status"] == "pruned")
-    entries = tune.tuned_table(tmp_path)
+    entries = tune_files.tuned_table(tmp_path)
     try:
         fused_lora.load_tuned(entries)
         e = next(e for e in entries if tuple(e["shape"]) == shape.key)
@@ -179,7 +179,7 @@ def test_vllm_files_are_read_by_vllms_own_loader(tmp_path, monkeypatch):
                                 "config": cfg, "default": cfg is default, "status": "ok", "us": us, "p10_us": us,
                                 "p90_us": us, "timing": "cpu_wall", "spent_s": 0.1, "session": "s"})
     tuner.write()
-    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tune.vllm_folder(tmp_path)))
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tune_files.vllm_folder(tmp_path)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: tuner.meta["gpu"] or "CPU")  # "CPU": files of a CPU tune
     utils.load_lora_op_config.cache_clear()
     utils.get_lora_op_configs.cache_clear()
