@@ -54,7 +54,7 @@ def get_backend(name: str):
 
 
 BACKENDS = ("triton", "fused", "torch", "vllm")
-TUNABLE = ("fused", "vllm")  # backends `lorabench tune` writes configs for
+TUNABLE = ("triton", "fused", "vllm")  # backends `lorabench tune` writes configs for
 TUNED = "+tuned"  # "fused+tuned": a backend run with the configs of a sweep's --tuned DIR
 
 

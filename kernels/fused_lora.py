@@ -176,7 +176,8 @@ def load_tuned(entries: list[dict]) -> None:
     """Install tuned entries (``{"shape": [...], "config": {...}}``, as ``lorabench tune`` writes)."""
     TUNED.clear()
     for e in entries:
-        TUNED[tuple(e["shape"])] = FusedConfig(**e["config"])
+        if e.get("kernel", "fused") == "fused":
+            TUNED[tuple(e["shape"])] = FusedConfig(**e["config"])
 
 
 def config_dict(cfg: FusedConfig) -> dict:

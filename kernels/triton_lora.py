@@ -176,6 +176,45 @@ class ExpandConfig:
     num_stages: int = 2
 
 
+SEARCH_SPACE = {  # what `lorabench tune` tries, per op
+    "shrink": {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "block_k": [32, 64, 128, 256, 512],
+               "split_k": [1, 2, 4, 8, 16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3, 4]},
+    "expand": {"block_m": [16, 32, 64], "block_n": [32, 64, 128, 256], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},
+}
+CONFIGS = {"shrink": ShrinkConfig, "expand": ExpandConfig}
+
+# Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``, kernels triton+tuned).
+TUNED: dict[tuple, ShrinkConfig | ExpandConfig] = {}
+
+
+def shape_key(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int) -> tuple:
+    """What a tuned config is chosen by. shrink: (K, slices·rank, 0); expand: (rank, widest
+    slice, slices); both with the token bucket and the launch count."""
+    return (op, tokens, k_in, n_out, slices, launch)
+
+
+def default_config(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
+    return shrink_config(tokens, k_in, n_out) if op == "shrink" else expand_config(tokens, n_out)
+
+
+def config_for(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
+    """The tuned config of the nearest tuned shape with the same op and sizes (nearest token
+    bucket, then nearest launch count; ties go to the larger), else the default."""
+    same = [key for key in TUNED if (key[0], *key[2:5]) == (op, k_in, n_out, slices)]
+    if not same:
+        return default_config(op, tokens, k_in, n_out, slices, launch)
+    best = min(same, key=lambda key: (abs(key[1] - tokens), -key[1], abs(key[5] - launch), -key[5]))
+    return TUNED[best]
+
+
+def load_tuned(entries: list[dict]) -> None:
+    """Install the triton entries of a tune (``{"kernel": "triton", "shape": [...], "config": {...}}``)."""
+    TUNED.clear()
+    for e in entries:
+        if e.get("kernel") == "triton":
+            TUNED[tuple(e["shape"])] = CONFIGS[e["shape"][0]](**e["config"])
+
+
 def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32 if tokens <= 64 else 64
 
@@ -196,7 +235,7 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split."""
     tokens, k = x.shape
     n = lora_a.shape[1]
-    cfg = config or shrink_config(tokens, k, n)
+    cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
     grid = (cfg.split_k * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1, launch_count)
     _shrink_kernel[grid](
         x, lora_a, out, meta.sorted_tokens, meta.active_slots, meta.slot_start,
@@ -220,7 +259,7 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     widest = max(b - a for a, b in zip(slice_starts, slice_starts[1:]))
     tokens = y.shape[0]
     rank = lora_b.shape[2]
-    cfg = config or expand_config(tokens, widest)
+    cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
     grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
     _expand_kernel[grid](
         h, lora_b, y, meta.sorted_tokens, meta.active_slots, meta.slot_start,

@@ -215,8 +215,8 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
 
 
 def _resolve_tuned(spec: SweepSpec) -> None:
-    """--tuned DIR: every tunable backend swept also runs as "<backend>+tuned" with DIR's configs,
-    next to its defaults in the same run."""
+    """--tuned DIR: every swept backend DIR has configs for also runs as "<backend>+tuned" with
+    them, next to its defaults in the same run."""
     wants = [k for k in spec.kernels if k.endswith(TUNED)]
     if not spec.tuned:
         if wants:
@@ -238,16 +238,18 @@ def _resolve_tuned(spec: SweepSpec) -> None:
             if theirs != ours:
                 raise UserError(f"--tuned: {folder} was tuned for {what} {theirs}, this sweep runs {ours} "
                                 f"(tune again here: lorabench tune --out DIR)")
-    for k in list(spec.kernels):
-        if k in TUNABLE and k + TUNED not in spec.kernels:
+    entries = tuned_table(folder)
+    has = {"triton": any(e.get("kernel") == "triton" for e in entries),
+           "fused": any(e.get("kernel", "fused") == "fused" for e in entries),
+           "vllm": any(vllm_folder(folder).glob("*.json"))}
+    for k in wants:
+        if not has[backend_of(k)]:
+            raise UserError(f"--kernels {k}: {folder} holds no tuned configs for {backend_of(k)}")
+    for k in list(spec.kernels):  # every swept backend the folder has configs for
+        if k in TUNABLE and has[k] and k + TUNED not in spec.kernels:
             spec.kernels.insert(spec.kernels.index(k) + 1, k + TUNED)
-    for k in spec.kernels:
-        if k == "fused" + TUNED and not tuned_table(folder):
-            raise UserError(f"--tuned: {folder} holds no tuned configs for the fused kernel (lorabench_tuned.json)")
-        if k == "vllm" + TUNED and not any(vllm_folder(folder).glob("*.json")):
-            raise UserError(f"--tuned: {folder} holds no vLLM config files ({vllm_folder(folder)}/*.json)")
     if not any(k.endswith(TUNED) for k in spec.kernels):
-        raise UserError(f"--tuned applies to the tunable backends ({', '.join(TUNABLE)}); --kernels has none")
+        raise UserError(f"--tuned: {folder} holds no tuned configs for any of --kernels {','.join(spec.kernels)}")
 
 
 def _resolve_auto(spec: SweepSpec) -> str | None:

@@ -2,9 +2,9 @@
 budget, and write them where lorabench (``lorabench_tuned.json``) and vLLM
 (``VLLM_TUNED_CONFIG_FOLDER`` = ``vllm/``) read them.
 
-Shapes are the model's four LoRA linears at every token bucket. The fused kernel is keyed like
-``fused_lora.shape_key``; its launch count is the timing batch's active adapters, 1 and
-min(tokens, max_loras). vLLM's shrink and expand are keyed as vLLM looks them up,
+Shapes are the model's four LoRA linears at every token bucket. lorabench's kernels (triton's
+shrink and expand, fused) are keyed like their ``shape_key``; their launch count is the timing
+batch's active adapters, 1 and min(tokens, max_loras). vLLM's shrink and expand are keyed as vLLM looks them up,
 (max_loras + 1, slices, m, k, n), and timed at vLLM's default grid (max_loras + 1, no
 --specialize-active-lora) over a batch of min(m, max_loras) adapters.
 
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from unittest import mock
 
@@ -40,13 +40,13 @@ from rich.progress import Progress
 
 from lorabench import env
 from lorabench.batches import fixed_batch
-from lorabench.kernels import SUPPORTED_DTYPES, SUPPORTED_RANKS, fused_lora, vllm_lora
+from lorabench.kernels import SUPPORTED_DTYPES, SUPPORTED_RANKS, fused_lora, triton_lora, vllm_lora
 from lorabench.lora_meta import MetaBuffer
 from lorabench.model import PRESETS, preset
 from lorabench.spec import MAX_TOKENS, UserError, split_list
-from lorabench.tune_files import fused_entries, markdown, summarise, vllm_folder, write_json, write_vllm
+from lorabench.tune_files import lorabench_entries, markdown, summarise, vllm_folder, write_json, write_vllm
 
-KERNELS = ("fused", "vllm")
+KERNELS = ("triton", "fused", "vllm")
 SMEM_BYTES = 232448  # shared memory one block may use on sm90 (227 KiB)
 TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}  # vs the default's output, relative to its largest |value|
 LAUNCHES, REPLAYS, CPU_CALLS = 20, 100, 3
@@ -104,7 +104,7 @@ def build_tune_spec(flags: dict, cuda: bool) -> tuple[TuneSpec, str | None]:
     kernels = split_list(flags["kernels"]) if flags.get("kernels") else None
     notices = []
     if kernels is None:  # vLLM's too where it can run fast: the interpreter makes its shrink slow
-        kernels = ["fused", "vllm"] if device == "cuda" and vllm_lora.available() else ["fused"]
+        kernels = ["triton", "fused"] + (["vllm"] if device == "cuda" and vllm_lora.available() else [])
         notices.append(f"tuning {', '.join(kernels)} (--kernels to choose)")
     if flags.get("model") is None and device == "cpu":
         notices.append("On the CPU: tuning the tiny preset in Triton's interpreter; its times are CPU figures, not GPU results")
@@ -148,18 +148,18 @@ def _check(spec: TuneSpec) -> None:
 
 @dataclass(frozen=True)
 class Shape:
-    """One tuned key: the kernel ("fused" or "vllm"), its op, the key it is looked up by, and
-    what the timing problem is built from."""
+    """One tuned key: the kernel ("triton", "fused" or "vllm"), its op, the key it is looked up
+    by, and what the timing problem is built from."""
 
     kernel: str
     op: str  # "fused", "shrink" or "expand"
     linear: str  # qkv, o, gate_up, down; "o/down" where two linears share a vLLM key
-    key: tuple  # fused: shape_key(tokens, k, widest, rank, slices, launch); vLLM: (max_loras + 1, slices, m, k, n)
+    key: tuple  # triton/fused: their shape_key (launch count last); vLLM: (max_loras + 1, slices, m, k, n)
     k: int
     slices: tuple
     tokens: int
     max_loras: int
-    active: int  # adapters in the timing batch = the fused kernel's launch count
+    active: int  # adapters in the timing batch = lorabench's kernels' launch count
 
     @property
     def label(self) -> str:
@@ -185,20 +185,25 @@ def build_shapes(spec: TuneSpec) -> list[Shape]:
     for m, L, (name, (k, slices)) in itertools.product(spec.tokens, spec.max_loras, linears(spec.model).items()):
         widest, r = max(slices), spec.rank
         common = dict(linear=name, k=k, slices=slices, tokens=m, max_loras=L)
-        if "fused" in spec.kernels:
-            for n in sorted({1, min(m, L)}):
+        for n in sorted({1, min(m, L)}):
+            if "triton" in spec.kernels:
+                add(Shape("triton", "shrink", key=triton_lora.shape_key("shrink", m, k, len(slices) * r, 0, n), active=n, **common))
+                add(Shape("triton", "expand", key=triton_lora.shape_key("expand", m, r, widest, len(slices), n), active=n, **common))
+            if "fused" in spec.kernels:
                 add(Shape("fused", "fused", key=fused_lora.shape_key(m, k, widest, r, len(slices), n), active=n, **common))
         if "vllm" in spec.kernels:
             add(Shape("vllm", "shrink", key=(L + 1, len(slices), m, k, r), active=min(m, L), **common))
             add(Shape("vllm", "expand", key=(L + 1, len(slices), m, r, widest), active=min(m, L), **common))
-    return sorted(found.values(), key=lambda s: ("fused", "shrink", "expand").index(s.op))
+    return sorted(found.values(), key=lambda s: (KERNELS.index(s.kernel), ("fused", "shrink", "expand").index(s.op)))
 
 
 def default_config(shape: Shape) -> dict:
-    """The untuned config: the fused kernel's ``default_config``; vLLM's built-in default (as
+    """The untuned config: lorabench's kernels' ``default_config``; vLLM's built-in default (as
     ``get_lora_op_configs`` returns it with no tuned folder)."""
     if shape.kernel == "fused":
         return fused_lora.config_dict(fused_lora.default_config(*shape.key))
+    if shape.kernel == "triton":
+        return asdict(triton_lora.default_config(*shape.key))
     utils = importlib.import_module("vllm.lora.ops.triton_ops.utils")
     max_loras, slices, m, k, n = shape.key
     hidden, rank = (k, n) if shape.op == "shrink" else (n, k)
@@ -209,7 +214,7 @@ def default_config(shape: Shape) -> dict:
 
 def static_reason(shape: Shape, c: dict, rank: int, elem: int, sm90: bool, default: dict) -> str | None:
     """Why a config need not run: it cannot compile, or it only pads a smaller config's tiles."""
-    bm, bn, bk, stages = c["block_m"], c["block_n"], c["block_k"], c["num_stages"]
+    bm, bn, bk, stages = c["block_m"], c["block_n"], c.get("block_k", 16), c["num_stages"]
     p2 = triton.next_power_of_2
     if min(bm, bn, bk) < 16:
         return "a block below 16 (tl.dot's minimum)"
@@ -219,6 +224,12 @@ def static_reason(shape: Shape, c: dict, rank: int, elem: int, sm90: bool, defau
     if shape.op == "fused":
         redundant = bk > p2(shape.k) or bn > p2(widest) or bk * (c["split_k"] - 1) >= shape.k
         smem = (stages * (bm * bk + bk * br) + br * bn) * elem
+    elif shape.kernel == "triton" and shape.op == "shrink":  # lorabench's: fp32 atomics when split
+        redundant = bn > max(16, p2(len(shape.slices) * rank)) or bk * (c["split_k"] - 1) >= shape.k
+        smem = stages * (bm * bk + bk * bn) * elem
+    elif shape.kernel == "triton":  # lorabench's expand: its fp32 input tile, then B
+        redundant = bn > p2(widest)
+        smem = stages * (bm * br * 4 + br * bn * elem)
     elif shape.op == "shrink":
         redundant = bn > br or bk * (c["split_k"] - 1) >= shape.k  # splits with no K left to reduce
         smem = stages * (bm * bk + bk * bn) * elem
@@ -234,7 +245,7 @@ def static_reason(shape: Shape, c: dict, rank: int, elem: int, sm90: bool, defau
 
 def candidates(shape: Shape, default: dict, rank: int, elem: int, sm90: bool, seed: int) -> list[dict]:
     """The configs worth running besides the default, in a seeded random order."""
-    space = fused_lora.SEARCH_SPACE if shape.kernel == "fused" else VLLM_SPACE[shape.op]
+    space = {"fused": fused_lora.SEARCH_SPACE, "triton": triton_lora.SEARCH_SPACE.get(shape.op)}.get(shape.kernel) or VLLM_SPACE[shape.op]
     configs = [{**default, **dict(zip(space, values))} for values in itertools.product(*space.values())]
     viable = [c for c in configs if c != default and not static_reason(shape, c, rank, elem, sm90, default)]
     random.Random(f"{seed}/{shape.kernel}/{shape.op}/{shape.key}").shuffle(viable)
@@ -257,10 +268,12 @@ class Problem:
         self.lora_b = randn(L, sum(slices), rank, std=rank**-0.5)
         self.starts = tuple(itertools.accumulate(slices, initial=0))
         slots = fixed_batch(m, shape.active, L, random.Random(seed))
-        if shape.kernel == "fused":
+        if shape.kernel in ("triton", "fused"):
             self.meta = MetaBuffer(m, L, device)
             self.meta.load(self.meta.pack(slots)[0])
-            self.output = torch.zeros(m, sum(slices), dtype=dtype, device=device)
+            self.h = randn(m, len(slices) * rank, dt=torch.float32)  # the expand's input
+            self.output = (torch.zeros_like(self.h) if shape.op == "shrink"  # zeroed per check run; timing adds on
+                           else torch.zeros(m, sum(slices), dtype=dtype, device=device))
             return
         from lorabench.vllm_rules import VllmRules
 
@@ -281,7 +294,7 @@ class Problem:
     def configured(self, cfg: dict):
         """vLLM's ops read their config from ``get_lora_op_configs``, which their modules import
         by name: within this context that name returns ``cfg``."""
-        if self.shape.kernel == "fused":
+        if self.shape.kernel != "vllm":
             return nullcontext()
         module = importlib.import_module(f"vllm.lora.ops.triton_ops.lora_{self.shape.op}_op")
         return mock.patch.object(module, "get_lora_op_configs", lambda *a, **kw: cfg)
@@ -291,6 +304,13 @@ class Problem:
             fc = fused_lora.FusedConfig(**cfg)
             return lambda: fused_lora.lora_apply(self.output, self.x, self.lora_a, self.lora_b, self.starts,
                                                  self.meta.meta, self.shape.active, 1.0, config=fc)
+        if self.shape.kernel == "triton":
+            tc = triton_lora.CONFIGS[self.shape.op](**cfg)
+            if self.shape.op == "shrink":
+                return lambda: triton_lora.lora_shrink(self.x, self.lora_a, self.output, self.meta.meta,
+                                                       self.shape.active, 1.0, config=tc)
+            return lambda: triton_lora.lora_expand(self.h, self.lora_b, self.output, self.starts, self.meta.meta,
+                                                   self.shape.active, config=tc)
         shrink, expand = self.ops[:2]
         if self.shape.op == "shrink":
             return lambda: shrink(self.x, self.a, self.output, *self.args, 1.0)
@@ -458,7 +478,7 @@ class Tuner:
     def write(self) -> list[dict]:
         """Rewrite every output from the cache; returns one summary per shape."""
         results = [summarise(s, self.cache.of(s), self.viable.get(s)) for s in self.shapes]
-        write_json(self.out / "lorabench_tuned.json", {**self.meta, "entries": fused_entries(results)})
+        write_json(self.out / "lorabench_tuned.json", {**self.meta, "entries": lorabench_entries(results)})
         if "vllm" in self.spec.kernels:
             write_vllm(vllm_folder(self.out), self.meta["gpu"], results)
         (self.out / "tune.md").write_text(markdown(self.meta, results))

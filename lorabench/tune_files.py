@@ -27,12 +27,13 @@ def summarise(shape, rows: list[dict], viable: int | None) -> dict:
             "same_process": best["session"] == default["session"]}
 
 
-def fused_entries(results: list[dict]) -> list[dict]:
-    """``fused_lora.load_tuned``'s entries, with what was measured."""
-    return [{"shape": list(r["shape"].key), "op": r["shape"].linear, "config": r["best"]["config"],
+def lorabench_entries(results: list[dict]) -> list[dict]:
+    """lorabench's kernels' tuned entries (``fused_lora.load_tuned``, ``triton_lora.load_tuned``),
+    with what was measured."""
+    return [{"kernel": r["shape"].kernel, "shape": list(r["shape"].key), "op": r["shape"].linear, "config": r["best"]["config"],
              "default_us": r["default_us"], "tuned_us": r["tuned_us"], "speedup": r["speedup"],
              "tuned_p10_us": r["best"]["p10_us"], "tuned_p90_us": r["best"]["p90_us"], "same_process": r["same_process"]}
-            for r in results if r["shape"].kernel == "fused" and r["best"]]
+            for r in results if r["shape"].kernel in ("triton", "fused") and r["best"]]
 
 
 def write_vllm(folder: Path, gpu: str | None, results: list[dict]) -> None:
@@ -89,7 +90,7 @@ COLUMNS = ["kernel", "linear", "shape", "default µs", "tuned µs", "speed-up", 
 
 def _cells(r: dict) -> list[str]:
     s, best = r["shape"], r["best"]
-    head = [f"{s.kernel} {s.op}" if s.kernel == "vllm" else s.kernel, s.linear, ",".join(map(str, s.key))]
+    head = [s.kernel if s.op == "fused" else f"{s.kernel} {s.op}", s.linear, ",".join(map(str, s.key))]
     failed = ", ".join(f"{r[k]} {k}" for k in ("pruned", "wrong") if r[k])
     tried = f"{r['tried']}/{'?' if r['viable'] is None else r['viable']}" + (f" ({failed})" if failed else "")
     if best is None:
@@ -109,7 +110,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
              f"- {meta['model']}, rank {meta['rank']}, {meta['dtype']}, budget {meta['budget_s']:g} s; timing "
              + ("per launch, median of CUDA-graph replays of "
                 f"{meta['launches_per_graph']} launches" if meta["device"] == "cuda" else "CPU wall time in Triton's interpreter"),
-             "- shapes: fused (tokens, k, widest slice, rank, slices, launch count); vLLM (max_loras + 1, "
+             "- shapes: triton (op, tokens, K or rank, slices·rank or widest slice, slices, launch count); fused (tokens, k, widest slice, rank, slices, launch count); vLLM (max_loras + 1, "
              "slices, m, k, n), as vLLM looks them up",
              "- tried/viable: candidates timed besides the default, of those left after static pruning",
              "- `*`: tuned and default were timed in different processes (a resumed tune)", ""]

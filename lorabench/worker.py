@@ -22,7 +22,7 @@ from lorabench import env, roofline
 from lorabench.batches import fixed_batch
 from lorabench.check import check
 from lorabench.dispatch import Dispatcher
-from lorabench.kernels import SUPPORTED_DTYPES, TRITON_BACKENDS, TUNED, backend_of, fused_lora, get_backend, vllm_lora
+from lorabench.kernels import SUPPORTED_DTYPES, TRITON_BACKENDS, TUNED, backend_of, fused_lora, get_backend, triton_lora, vllm_lora
 from lorabench.model import LlamaLoRA, preset
 from lorabench.strategies import BUCKET_GRID, capture_counts
 from lorabench.timing import summarize, time_steps
@@ -66,10 +66,10 @@ class Worker:
         self.max_loras = job["max_loras"]
         self.backend = backend_of(job["kernels"])
         self.vllm = self.backend == "vllm"
-        if job["kernels"] == "fused" + TUNED:
+        if job["kernels"] in ("fused" + TUNED, "triton" + TUNED):
             from lorabench.tune_files import tuned_table
 
-            fused_lora.load_tuned(tuned_table(self.spec["tuned"]))
+            (fused_lora if self.backend == "fused" else triton_lora).load_tuned(tuned_table(self.spec["tuned"]))
         if job.get("counts"):  # strategy auto: chosen when the sweep was planned
             self.counts = job["counts"]
         elif self.vllm:

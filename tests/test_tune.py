@@ -112,7 +112,7 @@ def test_failing_and_wrong_configs_are_pruned_and_tuned_configs_load(tmp_path, r
 
 BAD = [
     (["--kernels", "cutlass"], "--kernels"),
-    (["--kernels", "triton"], "--kernels"),
+    (["--kernels", "torch"], "--kernels"),
     (["--tokens", "0"], "--tokens"),
     (["--tokens", "1,x"], "--tokens"),
     (["--tokens", "1024"], "--tokens"),
@@ -269,3 +269,29 @@ def test_bad_tuned_sweeps_are_one_line(tmp_path, capsys, args, needle):
     assert main(["sweep", "--out", str(tmp_path / "runs")] + args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
+    """lorabench's unfused pair: each op tuned per shape, its entries loaded by triton_lora, and a
+    sweep runs triton+tuned next to triton, correct."""
+    import pandas as pd
+
+    from lorabench.kernels import triton_lora
+
+    out = tmp_path / "tuned"
+    assert main(["tune", "--model", "tiny", "--kernels", "triton", "--tokens", "1", "--max-loras", "1",
+                 "--budget-s", "2", "--out", str(out), "--dtype", "float32"]) == 0
+    entries = tune_files.tuned_table(out)
+    ops = sorted(e["shape"][0] for e in entries)
+    assert ops == ["expand"] * 3 + ["shrink"] * 4 and all(e["kernel"] == "triton" for e in entries)  # o and down share an expand
+    try:
+        triton_lora.load_tuned(entries)
+        for e in entries:
+            assert triton_lora.config_for(*e["shape"]) == triton_lora.CONFIGS[e["shape"][0]](**e["config"])
+    finally:
+        triton_lora.load_tuned([])
+    runs = tmp_path / "runs"
+    assert main(["sweep", "--kernels", "triton", "--tuned", str(out), "--strategy", "max", "--max-loras", "1",
+                 "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(runs)]) == 0
+    df = pd.read_parquet(next(runs.glob("*/points.parquet")))
+    assert set(df.kernels) == {"triton", "triton+tuned"} and (df.status == "ok").all() and df.correct.all()
