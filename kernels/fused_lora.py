@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES, LoRAMeta
+from .triton_lora import slice_bounds
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 dots upcast there (see triton_lora)
 
@@ -69,9 +70,7 @@ def _fused_kernel(
         return
     start = tl.load(start_ptr + lora_idx)
     count = tl.load(start_ptr + lora_idx + 1) - start
-    n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
-    n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
-    max_slice = tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
+    n_lo, n_hi, max_slice = slice_bounds(s, n1, n2, n3)
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_sk = pid % SPLIT_K
     pid_n = (pid // SPLIT_K) % num_n

@@ -96,6 +96,14 @@ def _shrink_kernel(
 
 
 @triton.jit
+def slice_bounds(s, n1, n2, n3):
+    """Slice ``s``'s output columns [n_lo, n_hi) and the widest slice, from the boundaries n1..n3."""
+    n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
+    n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
+    return n_lo, n_hi, tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
+
+
+@triton.jit
 def _expand_kernel(
     h_ptr,  # [T, S·R] float32 shrink output
     b_ptr,  # [L, N, R] stacked B weights
@@ -119,9 +127,7 @@ def _expand_kernel(
         return
     start = tl.load(start_ptr + lora_idx)
     count = tl.load(start_ptr + lora_idx + 1) - start
-    n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
-    n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
-    max_slice = tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
+    n_lo, n_hi, max_slice = slice_bounds(s, n1, n2, n3)
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n

@@ -174,14 +174,7 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     spec.kernels = list(dict.fromkeys(spec.kernels))
     _resolve_tuned(spec)
     if any(backend_of(k) == "vllm" for k in spec.kernels):
-        from lorabench.kernels import vllm_lora
-
-        if spec.dtype == "float32":
-            raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
-        try:
-            vllm_lora.load_ops()
-        except vllm_lora.VllmUnavailable as e:
-            raise UserError(str(e)) from None
+        require_vllm(spec.dtype)
     if max(spec.concurrency + spec.capture_sizes) > MAX_TOKENS:
         raise UserError(f"--concurrency/--capture-sizes: at most {MAX_TOKENS} tokens per step are supported")
     for s in spec.strategy:
@@ -212,6 +205,18 @@ def build_spec(flags: dict, spec_file: Path | None, cuda_available: bool) -> tup
     elif spec.auto_from or spec.graph_memory_budget or spec.startup_budget:
         raise UserError("--auto-from and the budgets apply to --strategy auto only")
     return spec, notice
+
+
+def require_vllm(dtype: str) -> None:
+    """--kernels vllm: vLLM importable and a dtype its ops take, or one line saying what to do."""
+    from lorabench.kernels import vllm_lora
+
+    if dtype == "float32":
+        raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
+    try:
+        vllm_lora.load_ops()
+    except vllm_lora.VllmUnavailable as e:
+        raise UserError(str(e)) from None
 
 
 def _resolve_tuned(spec: SweepSpec) -> None:

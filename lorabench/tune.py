@@ -43,7 +43,7 @@ from lorabench.batches import fixed_batch
 from lorabench.kernels import SUPPORTED_DTYPES, SUPPORTED_RANKS, fused_lora, triton_lora, vllm_lora
 from lorabench.lora_meta import MetaBuffer
 from lorabench.model import PRESETS, preset
-from lorabench.spec import MAX_TOKENS, UserError, split_list
+from lorabench.spec import MAX_TOKENS, UserError, require_vllm, split_list
 from lorabench.tune_files import lorabench_entries, markdown, summarise, vllm_folder, write_json, write_vllm
 
 KERNELS = ("triton", "fused", "vllm")
@@ -138,12 +138,7 @@ def _check(spec: TuneSpec) -> None:
     if spec.device == "cpu" and not fused_lora._INTERPRET:
         raise UserError("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1 before lorabench's kernels are imported")
     if "vllm" in spec.kernels:
-        if spec.dtype == "float32":
-            raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
-        try:
-            vllm_lora.load_ops()
-        except vllm_lora.VllmUnavailable as e:
-            raise UserError(str(e)) from None
+        require_vllm(spec.dtype)
 
 
 @dataclass(frozen=True)
