@@ -60,7 +60,7 @@ def sweep(
     auto_from: str = typer.Option(None, "--auto-from", help="Strategy auto: the run whose points price the capture sets (see `lorabench recommend`)."),
     graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Strategy auto: most graph memory the set may take, MiB."),
     startup_budget: str = typer.Option(None, "--startup-budget", help="Strategy auto: most startup the set may take, s."),
-    tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: fused and vllm also run as fused+tuned / vllm+tuned with its configs."),
+    tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: each swept backend it has configs for (triton, fused, vllm) also runs as <backend>+tuned."),
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
     import torch
@@ -213,10 +213,10 @@ def report(
 
 @app.command()
 def tune(
-    kernels: str = typer.Option(None, "--kernels", help=f"Kernels to tune, {LIST}: fused (lorabench's), vllm (vLLM's shrink and expand) [default: fused, plus vllm on a GPU when vLLM is installed]."),
+    kernels: str = typer.Option(None, "--kernels", help=f"Kernels to tune, {LIST}: triton (lorabench's shrink and expand), fused (lorabench's), vllm (vLLM's shrink and expand) [default: triton,fused, plus vllm on a GPU when vLLM is installed]."),
     model: Model = None,
     rank: Rank = None,
-    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (fused only) [default: float16]."),
+    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (lorabench's kernels only) [default: float16]."),
     max_loras: MaxLoras = None,
     tokens: str = typer.Option(None, "--tokens", help=f"Token buckets (tokens per decode step) to tune, {LIST} [default: 1,8,32]."),
     budget_s: str = typer.Option(None, "--budget-s", help="Seconds of search, shared equally by the shapes (each still gets its default and one candidate) [default: 300]."),
