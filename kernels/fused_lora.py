@@ -19,8 +19,13 @@ each A part is read once per output tile and each B tile once per K part (from L
 
 The grid is ``(m tiles · K parts · output tiles, slices, launch count)``; as in the unfused
 kernels, program ``i`` on the last axis serves ``active_slots[i]`` and exits at once when that
-entry is -1 or its tile lies past that slot's tokens. Base-model tokens are never read or
-written.
+entry is -1 or its tile holds none of that slot's tokens. Base-model tokens are masked out.
+
+A decode launch is a chain of dependent memory round trips, so the chain is kept to two: the
+slot and the token tile (batch order, ``token_tile``) load together; then x, the A part and the
+B tile load together (B is issued before the K loop). On sm90+ the kernel is launched with PDL
+(see ``triton_lora``): it starts while the base GEMM before it finishes and waits only before it
+updates y, the GEMM's output.
 """
 
 import os
@@ -31,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES, LoRAMeta
-from .triton_lora import slice_bounds
+from .triton_lora import pdl_enabled, pdl_launch, pdl_wait, slice_bounds, sorted_tiles, token_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 dots upcast there (see triton_lora)
 
@@ -44,9 +49,11 @@ def _fused_kernel(
     a_ptr,  # [L, S·R, K] stacked A weights
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
+    token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
     start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
+    T,  # tokens in the batch
     K,  # input features
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
@@ -60,32 +67,32 @@ def _fused_kernel(
     BLOCK_K: tl.constexpr,  # reduction step of the shrink
     BLOCK_R: tl.constexpr,  # >= R, at least 16
     SPLIT_K: tl.constexpr,  # K parts: programs per output tile, each over a strided part of K
+    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see token_tile)
+    USE_PDL: tl.constexpr,  # PDL-launched: wait for the GEMM before updating y
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     lora_idx = tl.program_id(2)
-    slot = tl.load(active_ptr + lora_idx)
-    if slot < 0:
-        return
-    start = tl.load(start_ptr + lora_idx)
-    count = tl.load(start_ptr + lora_idx + 1) - start
     n_lo, n_hi, max_slice = slice_bounds(s, n1, n2, n3)
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_sk = pid % SPLIT_K
     pid_n = (pid // SPLIT_K) % num_n
     pid_m = (pid // SPLIT_K) // num_n
-    if pid_m * BLOCK_M >= count:
-        return
-    if pid_n * BLOCK_N >= n_hi - n_lo:
+    slot = tl.load(active_ptr + lora_idx)
+    rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
+    if (slot < 0) | (pid_n * BLOCK_N >= n_hi - n_lo) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
+        pdl_wait(USE_PDL)
         return
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     slot64 = slot.to(tl.int64)
+    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_hi
+    # B first: it needs only the slot, so it loads alongside the shrink's first tiles
+    b = tl.load(b_ptr + slot64 * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
 
     # shrink, this program's part of K: h = x[rows, K_j] @ A[slot][s·R : s·R + R, K_j]ᵀ
     a_base = a_ptr + slot64 * stride_al + (s * R + offs_r)[None, :] * stride_an
@@ -103,16 +110,13 @@ def _fused_kernel(
     h *= scale
 
     # expand that part onto this program's output tile
-    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_hi
-    b = tl.load(b_ptr + slot64 * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     if UPCAST:
         delta = tl.dot(h, b.to(tl.float32))
     else:
         delta = tl.dot(h.to(b.dtype), b)  # as the unfused expand rounds its fp32 input
     mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    pdl_wait(USE_PDL)
     if SPLIT_K == 1:
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
@@ -198,8 +202,9 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     rank = lora_b.shape[2]
     cfg = config or config_for(tokens, k, widest, rank, num_slices, launch_count)
     grid = (triton.cdiv(tokens, cfg.block_m) * cfg.split_k * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
+    pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
-        x, lora_a, lora_b, y, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        x, lora_a, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start, tokens,
         k, rank, *bounds,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
@@ -208,6 +213,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLIT_K=cfg.split_k,
+        SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

@@ -2,13 +2,20 @@
 
 Both kernels launch a grid whose last axis is the *launch count*: program ``i`` on that axis
 serves ``active_slots[i]`` and exits at once when that entry is -1 (fewer adapters active than
-launched) or when its tile lies past that adapter's tokens. Base-model tokens never appear in
-``sorted_tokens``, so they are never read or written.
+launched) or when its tile holds none of that adapter's tokens. Base-model tokens are masked
+out, so they are never read or written.
 
 shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ      split over K; fp32 atomics when split
 expand: y[t, slice s] += scratch[t, s·R:(s+1)·R] @ B[slot][slice s]ᵀ
+
+Decode kernels are latency-bound: a launch is a chain of dependent memory round trips, so the
+kernels keep that chain short (``token_tile``) and, on sm90+, launch with programmatic dependent
+launch (PDL, ``pdl_enabled``): a kernel starts while its predecessor finishes, loads its weights,
+and waits (``gdc_wait``) only before it touches what the predecessor writes. The shrink lets the
+expand launch at once; the expand's B tile is then loaded while the shrink still runs.
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -26,14 +33,71 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NEEDS_ZEROED_SCRATCH = True
 
 
+@functools.cache
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether lorabench's Triton kernels launch with programmatic dependent launch on ``device``:
+    CUDA sm90 or newer, not the interpreter, and not switched off with ``LORABENCH_PDL=0``."""
+    if _INTERPRET or device.type != "cuda" or os.environ.get("LORABENCH_PDL", "1") == "0":
+        return False
+    return _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(use: bool) -> dict:
+    """Launch options for a kernel that takes ``USE_PDL``: ``launch_pdl`` only when used (the
+    interpreter and older Triton launchers do not know it)."""
+    return {"launch_pdl": True} if use else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the kernel this one was PDL-launched after has finished and its writes are
+    visible. Every program of a PDL-launched kernel calls it before it writes and before it
+    exits, so a grid's completion still implies its predecessors' (stream order stays transitive)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def token_tile(pid_m, lora_idx, slot, tokens, token_slot_ptr, sorted_ptr, start_ptr,
+               BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+    """Rows (int64) and mask of token tile ``pid_m`` of ``slot``, the adapter at ``lora_idx``.
+
+    SORTED: the tile is entries [pid_m·BLOCK_M, +BLOCK_M) of the slot's range of
+    ``sorted_ptr``, which takes two dependent loads (the range, then the rows). Otherwise the tile
+    is tokens [pid_m·BLOCK_M, +BLOCK_M) in batch order with the mask ``token_slot == slot``: one
+    load that does not wait for ``slot``. Launchers use it when one tile holds the whole batch
+    (decode), where it saves a round trip; for many tiles every adapter would scan them all."""
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SORTED:
+        start = tl.load(start_ptr + lora_idx)
+        count = tl.load(start_ptr + lora_idx + 1) - start
+        mask = offs < count
+        rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0)
+    else:
+        mask = tl.load(token_slot_ptr + offs, mask=offs < tokens, other=-1) == slot
+        rows = offs
+    return rows.to(tl.int64), mask
+
+
+def sorted_tiles(tokens: int, block_m: int) -> bool:
+    """Whether a launch needs the slot-sorted token tiles (more than one tile of tokens)."""
+    return tokens > block_m
+
+
 @triton.jit
 def _shrink_kernel(
     x_ptr,  # [T, K] input activations
     a_ptr,  # [L, N, K] stacked A weights, N = slices · rank
     out_ptr,  # [T, N] float32 scratch; must be zero when SPLIT_K > 1
+    token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
     start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
+    T,  # tokens in the batch
     K,  # input features
     N,  # slices · rank
     stride_xm, stride_xk,
@@ -44,25 +108,24 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,  # rank columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a strided part of K
+    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see token_tile)
+    USE_PDL: tl.constexpr,  # PDL-launched: let the expand launch now, wait before writing
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
 ):
     pid = tl.program_id(0)
     lora_idx = tl.program_id(2)
-    slot = tl.load(active_ptr + lora_idx)
-    if slot < 0:
-        return
-    start = tl.load(start_ptr + lora_idx)
-    count = tl.load(start_ptr + lora_idx + 1) - start
     num_n = tl.cdiv(N, BLOCK_N)
     pid_sk = pid % SPLIT_K
     pid_m = (pid // SPLIT_K) // num_n
     pid_n = (pid // SPLIT_K) % num_n
-    if pid_m * BLOCK_M >= count:
+    slot = tl.load(active_ptr + lora_idx)
+    rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if (slot < 0) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
+        pdl_wait(USE_PDL)
         return
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     a_base = a_ptr + slot.to(tl.int64) * stride_al
@@ -87,6 +150,7 @@ def _shrink_kernel(
         acc += tl.dot(x, a)
     acc *= scale
 
+    pdl_wait(USE_PDL)
     out = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -108,7 +172,7 @@ def _expand_kernel(
     h_ptr,  # [T, S·R] float32 shrink output
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
-    sorted_ptr, active_ptr, start_ptr,  # as in the shrink
+    token_slot_ptr, sorted_ptr, active_ptr, start_ptr, T,  # as in the shrink
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
     stride_hm, stride_hn,
@@ -117,41 +181,37 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= R, at least 16 (tl.dot's minimum)
+    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see token_tile)
+    USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     lora_idx = tl.program_id(2)
-    slot = tl.load(active_ptr + lora_idx)
-    if slot < 0:
-        return
-    start = tl.load(start_ptr + lora_idx)
-    count = tl.load(start_ptr + lora_idx + 1) - start
     n_lo, n_hi, max_slice = slice_bounds(s, n1, n2, n3)
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if pid_m * BLOCK_M >= count:
-        return
-    if pid_n * BLOCK_N >= n_hi - n_lo:
+    slot = tl.load(active_ptr + lora_idx)
+    rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
+    if (slot < 0) | (pid_n * BLOCK_N >= n_hi - n_lo) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
+        pdl_wait(USE_PDL)
         return
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
 
-    h = tl.load(
-        h_ptr + rows[:, None] * stride_hm + (s * R + offs_r)[None, :] * stride_hn,
-        mask=m_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
     b = tl.load(
         b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
         mask=n_mask[None, :] & r_mask[:, None],
+        other=0.0,
+    )
+    pdl_wait(USE_PDL)
+    h = tl.load(
+        h_ptr + rows[:, None] * stride_hm + (s * R + offs_r)[None, :] * stride_hn,
+        mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
     if UPCAST:
@@ -243,16 +303,18 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     n = lora_a.shape[1]
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
     grid = (cfg.split_k * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1, launch_count)
+    pdl = pdl_enabled(x.device)
     _shrink_kernel[grid](
-        x, lora_a, out, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        k, n,
+        x, lora_a, out, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        tokens, k, n,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 
 
@@ -267,15 +329,17 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
     grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
+    pdl = pdl_enabled(y.device)
     _expand_kernel[grid](
-        h, lora_b, y, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        h, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start, tokens,
         rank, *bounds,
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 
 

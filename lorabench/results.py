@@ -53,6 +53,7 @@ SCHEMA = pa.schema(
         ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.roofline)
         ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
         ("tuned", STR),  # "+tuned" kernels: the `lorabench tune` folder whose configs they ran with
+        ("pdl", BOOL),  # lorabench's Triton kernels launched with programmatic dependent launch (sm90+; LORABENCH_PDL=0 turns it off)
     ]
 )
 COLUMNS = SCHEMA.names

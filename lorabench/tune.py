@@ -20,7 +20,9 @@ them), replayed under CUDA events: per-launch median, p10, p90. On the CPU, the 
 wall time per call, labelled ``cpu_wall``: CPU figures, never GPU results.
 """
 
+import hashlib
 import importlib
+import inspect
 import itertools
 import json
 import os
@@ -312,6 +314,11 @@ class Problem:
         return lambda: expand(self.h, self.b, self.output, *self.args, offset_start=0, add_inputs=True)
 
 
+def kernels_rev() -> str:
+    """A hash of lorabench's kernel sources: a cache's timings are reused only for the same kernels."""
+    return hashlib.sha256((inspect.getsource(triton_lora) + inspect.getsource(fused_lora)).encode()).hexdigest()[:12]
+
+
 def _stats(us, timing: str) -> dict:
     p10, p50, p90 = np.percentile(np.asarray(us), [10, 50, 90])
     return {"us": float(p50), "p10_us": float(p10), "p90_us": float(p90), "timing": timing}
@@ -415,7 +422,8 @@ class Tuner:
             raise UserError(f"--out: cannot make the folder {self.out}: {e.strerror}") from None
         gpu = torch.cuda.get_device_name() if self.cuda else None
         identity = {"device": spec.device, "gpu": gpu, "dtype": spec.dtype,  # timings of one kind only
-                    "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1}
+                    "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1,
+                    "kernels_rev": kernels_rev(), "pdl": triton_lora.pdl_enabled(torch.device(spec.device))}
         self.cache = Cache(self.out / "cache.jsonl", identity, fresh)
         self.shapes = build_shapes(spec)
         self.share = spec.budget_s / len(self.shapes)
@@ -424,7 +432,8 @@ class Tuner:
         self.viable: dict[Shape, int] = {}  # configs left after static pruning, per shape
         self.meta = {"gpu": gpu, "device": spec.device, "timing": "cuda_graph" if self.cuda else "cpu_wall",
                      "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "command": command,
-                     "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device)}
+                     "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device),
+                     "pdl": identity["pdl"]}
 
     def run(self) -> list[dict]:
         with Progress(console=self.console, transient=True) as progress:

@@ -90,6 +90,8 @@ class Worker:
             "timing": "cuda_events" if self.cuda else "cpu_wall",
             "vllm": vllm_lora.version() if self.vllm else None,
             "tuned": self.spec.get("tuned") if job["kernels"].endswith(TUNED) else None,
+            "pdl": (triton_lora.pdl_enabled(torch.device(self.spec["device"]))
+                    if self.backend in ("triton", "fused") else None),
         }
         self.startup: dict = {}
 

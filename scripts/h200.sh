@@ -20,6 +20,8 @@
 #   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,vllm) into results/tuned-h200 (kept on a warm machine for
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
+#   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
+#            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
 set -uo pipefail
@@ -41,6 +43,10 @@ for stage in "$@"; do
   case "$stage" in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
+    linear-bench)
+      tuned=(); [ -d results/tuned-h200 ] && tuned=(--tuned results/tuned-h200)
+      python3 scripts/linear_bench.py --max-loras "${LB_LORAS:-4}" --points "${LB_POINTS:-1:1,8:4}" "${tuned[@]}" \
+        --json "$OUT/linear-bench-$SECONDS.json" 2>&1 | tee -a "$OUT/linear-bench.log" ;;
     kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py \
                     -k "${TESTS_K:-fused or agnostic}" 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
     kernels-32|kernels-128) timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;

@@ -37,6 +37,7 @@ class Recorder:
 
 def compile_call(fn, args, kwargs):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    kwargs.pop("launch_pdl", None)  # a launch option: the kernel's USE_PDL is what compiles differently
     signature, constexprs = {}, {}
     for name, value in zip(fn.arg_names, list(args) + [kwargs[n] for n in fn.arg_names[len(args):]]):
         if isinstance(value, torch.Tensor):
@@ -59,6 +60,11 @@ def record_launches():
         recs[name] = Recorder(getattr(module, name))
         setattr(module, name, recs[name])
     return recs
+
+
+def use_pdl(on: bool) -> None:
+    """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
+    triton_lora.pdl_enabled = fused_lora.pdl_enabled = lambda device: on
 
 
 def launch_everything(dtype, tokens):
@@ -90,9 +96,11 @@ def main() -> int:
         print("this Triton cannot compile ahead of time")
         return 3
     recorders = record_launches()
-    for dtype in (torch.float16, torch.bfloat16):
-        for tokens in (1, 8, 128):
-            launch_everything(dtype, tokens)
+    for pdl in (False, True):
+        use_pdl(pdl)
+        for dtype in (torch.float16, torch.bfloat16):
+            for tokens in (1, 8, 128):  # 128: more than one token tile, the slot-sorted tiles
+                launch_everything(dtype, tokens)
     compiled, seen = 0, set()
     for name, rec in recorders.items():
         if not rec.calls:
@@ -103,7 +111,12 @@ def main() -> int:
             if key not in seen:
                 seen.add(key)
                 kernel = compile_call(rec.fn, args, dict(kwargs))
-                print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory")
+                waits = kernel.asm["ptx"].count("griddepcontrol.wait")
+                if kwargs.get("USE_PDL") and not waits or not kwargs.get("USE_PDL") and waits:
+                    print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait in its PTX")
+                    return 1
+                print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
+                      f"{', PDL' if waits else ''}")
                 compiled += 1
     print(f"compiled {compiled} kernel variants for sm_90")
     return 0

@@ -1,0 +1,163 @@
+"""What one LoRA linear adds after its base GEMM, per kernel design, on the GPU. (GPU only.)
+
+    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4] [--tuned DIR] [--json OUT.json]
+
+For each Llama-2-7B LoRA linear (qkv, o, gate_up, down) and each (tokens : active adapters)
+point, one CUDA graph holds ``REPEAT`` copies of "base GEMM, then the LoRA kernels", the way a
+decode step runs them (the GEMM is the LoRA kernel's predecessor, which is what PDL overlaps).
+Its replays are timed with CUDA events; the same graph without the LoRA kernels is the baseline,
+measured alternately with it. Per-linear overhead = (with − without) / REPEAT, and the step
+estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pair and ``fused``
+kernel, each with PDL on and off (``LORABENCH_PDL``), their ``+tuned`` configs with --tuned, and
+``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present.
+The sweep (``lorabench sweep``) is what measures whole steps; this isolates one design choice.
+"""
+
+import argparse
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+from lorabench.batches import fixed_batch
+from lorabench.kernels import fused_lora, triton_lora
+from lorabench.lora_meta import MetaBuffer
+from lorabench.tune import linears
+
+REPEAT, REPLAYS, RANK, LAYERS = 32, 40, 16, 32
+
+
+def variants(tuned: str | None) -> dict:
+    """name -> (apply function, PDL on)."""
+    v = {"triton": (triton_lora.lora_apply, True), "triton/no-pdl": (triton_lora.lora_apply, False),
+         "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False)}
+    try:
+        from lorabench.kernels import _fused_v1
+        v["fused-v1"] = (_fused_v1.lora_apply, False)
+    except ImportError:
+        pass
+    if tuned:
+        from lorabench.tune_files import tuned_table
+
+        table = tuned_table(tuned)
+        triton_lora.load_tuned(table)
+        fused_lora.load_tuned(table)
+        saved = {"triton": dict(triton_lora.TUNED), "fused": dict(fused_lora.TUNED)}
+        triton_lora.TUNED.clear()
+        fused_lora.TUNED.clear()
+
+        def with_table(module, name, fn):
+            def apply(*args, **kw):
+                module.TUNED.update(saved[name])
+                try:
+                    fn(*args, **kw)
+                finally:
+                    module.TUNED.clear()
+            return apply
+
+        v["triton+tuned"] = (with_table(triton_lora, "triton", triton_lora.lora_apply), True)
+        v["fused+tuned"] = (with_table(fused_lora, "fused", fused_lora.lora_apply), True)
+    return v
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compile and warm outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def time_pair(g_base, g_lora) -> tuple[list[float], list[float]]:
+    """Alternating replays of both graphs, each timed with CUDA events (ms)."""
+    for g in (g_base, g_lora) * 3:
+        g.replay()
+    base, lora = [], []
+    for _ in range(REPLAYS):
+        for g, out in ((g_base, base), (g_lora, lora)):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            out.append(e0.elapsed_time(e1))
+    return base, lora
+
+
+def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0) -> dict:
+    dev, dt = torch.device("cuda"), torch.float16
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    n = sum(slices)
+    starts = tuple(int(v) for v in np.cumsum((0,) + tuple(slices)))
+    x = torch.randn(tokens, k, device=dev, dtype=dt, generator=gen)
+    w = torch.randn(n, k, device=dev, dtype=dt, generator=gen) * k**-0.5
+    a = torch.randn(max_loras, len(slices) * RANK, k, device=dev, dtype=dt, generator=gen) * k**-0.5
+    b = torch.randn(max_loras, n, RANK, device=dev, dtype=dt, generator=gen) * RANK**-0.5
+    y = torch.empty(tokens, n, device=dev, dtype=dt)
+    scratch = torch.zeros(REPEAT, tokens, len(slices) * RANK, device=dev, dtype=torch.float32)
+    meta = MetaBuffer(tokens, max_loras, dev)
+    slots = fixed_batch(tokens, active, max_loras, random.Random(seed))
+    meta.load(meta.pack(slots)[0])
+    os.environ["LORABENCH_PDL"] = "1" if pdl else "0"
+
+    def base():
+        for _ in range(REPEAT):
+            torch.matmul(x, w.t(), out=y)
+
+    def with_lora():
+        scratch.zero_()  # as the model does, once per step
+        for i in range(REPEAT):
+            torch.matmul(x, w.t(), out=y)
+            apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
+
+    g_base, g_lora = capture(base), capture(with_lora)
+    tb, tl = time_pair(g_base, g_lora)
+    g_base.replay()  # correctness: the LoRA graph's y against the reference, for the last copy
+    g_lora.replay()
+    torch.cuda.synchronize()
+    from lorabench.kernels.reference import lora_delta
+
+    ref = (x @ w.t()).float() + lora_delta(x, a, b, starts, meta.meta.token_slot[:tokens], 0.5)
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    over = (np.median(tl) - np.median(tb)) * 1000 / REPEAT
+    return {"linear": name, "tokens": tokens, "active": active, "base_us": np.median(tb) * 1000 / REPEAT,
+            "overhead_us": over, "spread_us": (np.percentile(tl, 90) - np.percentile(tl, 10)) * 1000 / REPEAT,
+            "rel_err": err}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--points", default="1:1,8:4", help="tokens:active pairs")
+    ap.add_argument("--tuned", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+    rows = []
+    print(f"{torch.cuda.get_device_name()}; per-linear LoRA overhead after the base GEMM, µs "
+          f"(median of {REPLAYS} replays of {REPEAT} copies); step estimate = sum × {LAYERS} layers")
+    for vname, (apply, pdl) in variants(args.tuned).items():
+        for tokens, active in points:
+            per = []
+            for lname, (k, slices) in linears("llama-2-7b").items():
+                r = bench_linear(lname, k, slices, tokens, active, args.max_loras, apply, pdl)
+                per.append(r)
+                rows.append({"variant": vname, "max_loras": args.max_loras, **r})
+            cells = "  ".join(f"{r['linear']} {r['overhead_us']:5.2f}±{r['spread_us']:.2f}" for r in per)
+            worst = max(r["rel_err"] for r in per)
+            step = sum(r["overhead_us"] for r in per) * LAYERS / 1000
+            print(f"{vname:14s} c={tokens:<3d} n={active:<3d} {cells}  step≈{step:.3f} ms  max rel err {worst:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
