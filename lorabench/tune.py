@@ -16,7 +16,8 @@ measurement is appended to ``OUT/cache.jsonl`` as it is made, so a rerun resumes
 one stopped; the outputs are rewritten after every shape.
 
 Timing: on a GPU, ``LAUNCHES`` back-to-back launches captured in one CUDA graph (how serving runs
-them), replayed under CUDA events: per-launch median, p10, p90. On the CPU, the interpreter's
+them), replayed under CUDA events: per-launch median, p10, p90; lorabench's kernels without PDL, so
+each launch's full latency is timed. On the CPU, the interpreter's
 wall time per call, labelled ``cpu_wall``: CPU figures, never GPU results.
 """
 
@@ -423,7 +424,7 @@ class Tuner:
         gpu = torch.cuda.get_device_name() if self.cuda else None
         identity = {"device": spec.device, "gpu": gpu, "dtype": spec.dtype,  # timings of one kind only
                     "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1,
-                    "kernels_rev": kernels_rev(), "pdl": triton_lora.pdl_enabled(torch.device(spec.device))}
+                    "kernels_rev": kernels_rev(), "pdl": False}
         self.cache = Cache(self.out / "cache.jsonl", identity, fresh)
         self.shapes = build_shapes(spec)
         self.share = spec.budget_s / len(self.shapes)
@@ -433,10 +434,12 @@ class Tuner:
         self.meta = {"gpu": gpu, "device": spec.device, "timing": "cuda_graph" if self.cuda else "cpu_wall",
                      "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "command": command,
                      "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device),
-                     "pdl": identity["pdl"]}
+                     "pdl": False}
 
     def run(self) -> list[dict]:
-        with Progress(console=self.console, transient=True) as progress:
+        # lorabench's kernels are timed without PDL: back-to-back PDL launches of one kernel overlap
+        # one another, which times their throughput, not the latency a decode step waits for.
+        with mock.patch.dict(os.environ, {"LORABENCH_PDL": "0"}), Progress(console=self.console, transient=True) as progress:
             task = progress.add_task("tuning", total=len(self.shapes))
             for shape in self.shapes:
                 progress.update(task, description=shape.label)

@@ -110,7 +110,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
              f"- {meta['model']}, rank {meta['rank']}, {meta['dtype']}, budget {meta['budget_s']:g} s; timing "
              + ("per launch, median of CUDA-graph replays of "
                 f"{meta['launches_per_graph']} launches" if meta["device"] == "cuda" else "CPU wall time in Triton's interpreter")
-             + ("; lorabench's kernels launched with PDL" if meta.get("pdl") else ""),
+             + ("; lorabench's kernels without PDL (back-to-back PDL launches overlap, which times throughput, not latency)"
+                if meta["device"] == "cuda" else ""),
              "- shapes: triton (op, tokens, K or rank, slices·rank or widest slice, slices, launch count); fused (tokens, k, widest slice, rank, slices, launch count); vLLM (max_loras + 1, "
              "slices, m, k, n), as vLLM looks them up",
              "- tried/viable: candidates timed besides the default, of those left after static pruning",
