@@ -16,7 +16,7 @@
 #   kernel-tests - the kernel, graph and check tests selected by TESTS_K (default: fused or agnostic)
 #   STAGE_TIMEOUT - seconds a sweep stage may run before it is stopped (its finished rows stay)
 #   kernels-card, kernels-32, kernels-128 - sweeps/kernels-*.toml: fused vs triton vs vLLM, strategy agnostic
-#            (kernels-card adds the +tuned kernels when the tune stage ran on this machine; CARD_KERNELS overrides its kernels)
+#            (kernels-card adds the +tuned kernels when the tune stage ran on this machine; SWEEP_KERNELS overrides the kernels of all three)
 #   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,vllm) into results/tuned-h200 (kept on a warm machine for
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
@@ -49,10 +49,12 @@ for stage in "$@"; do
         --json "$OUT/linear-bench-$SECONDS.json" 2>&1 | tee -a "$OUT/linear-bench.log" ;;
     kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py \
                     -k "${TESTS_K:-fused or agnostic}" 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
-    kernels-32|kernels-128) timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
+    kernels-32|kernels-128)
+      kern=(); [ -n "${SWEEP_KERNELS:-}" ] && kern=(--kernels "$SWEEP_KERNELS")
+      timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec "sweeps/$stage.toml" "${kern[@]}" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
     kernels-card)  # with the tune stage's configs when it ran on this machine (fused+tuned, vllm+tuned)
       tuned=(); [ -d results/tuned-h200 ] && tuned=(--tuned results/tuned-h200)
-      kern=(); [ -n "${CARD_KERNELS:-}" ] && kern=(--kernels "$CARD_KERNELS")
+      kern=(); [ -n "${SWEEP_KERNELS:-}" ] && kern=(--kernels "$SWEEP_KERNELS")
       timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec sweeps/kernels-card.toml "${tuned[@]}" "${kern[@]}" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
     tune) lorabench tune --kernels "${TUNE_KERNELS:-triton,fused,vllm}" --tokens "${TUNE_TOKENS:-1,8,32}" --max-loras "${TUNE_LORAS:-4,32}" --budget-s "${TUNE_BUDGET_S:-150}" \
             --out results/tuned-h200 2>&1 | tail -n 60 | tee -a "$OUT/tune.log" ;;
