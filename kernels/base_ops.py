@@ -4,11 +4,17 @@ Without fusion a Llama layer's norms, rotary embedding, cache writes and SwiGLU 
 kernels; in a 32-layer decode graph their launch gaps alone add ~2.5 ms to a ~4 ms step, which
 would make every LoRA overhead look smaller than a real server's. Fused, they are three kernels
 per layer (as in vLLM). ``fused=False`` picks the torch twins (the CPU path and the tests' reference).
+
+On sm90+ each kernel is launched with PDL and waits for its predecessor before anything else
+(``pdl_wait`` first): no work overlaps, but its launch does. After a LoRA kernel, which lets its
+dependents launch at once, that hides the consumer's launch behind the LoRA kernel's run.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from .triton_lora import pdl_enabled, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -22,7 +28,9 @@ def _add_rmsnorm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,  # >= H
+    USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -47,9 +55,10 @@ def add_rmsnorm(x, delta, weight, eps, fused=True):
     t, hidden = x.shape
     res = torch.empty_like(x) if delta is not None else x
     out = torch.empty_like(x)
+    pdl = pdl_enabled(x.device)
     _add_rmsnorm_kernel[(t,)](
         x, delta if delta is not None else x, weight, res, out, hidden, eps,
-        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=8,
+        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden), USE_PDL=pdl, num_warps=8, **pdl_launch(pdl),
     )
     return out, res
 
@@ -66,7 +75,9 @@ def _rope_cache_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -105,10 +116,11 @@ def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads
         cache_v[rows, :, positions] = v.reshape(t, kv_heads, d)
         return _rotate(q.reshape(t, heads, d), cos, sin)
     q = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device)
+    pdl = pdl_enabled(qkv.device)
     _rope_cache_kernel[(t, heads + kv_heads)](
         qkv, cos_table, sin_table, positions, q, cache_k, cache_v,
         qkv.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        HQ=heads, HKV=kv_heads, D=d, num_warps=1,
+        HQ=heads, HKV=kv_heads, D=d, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
     )
     return q
 
@@ -120,7 +132,8 @@ def _rotate(x, cos, sin):
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -137,5 +150,7 @@ def silu_mul(gate_up, fused=True):
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, num_warps=4)
+    pdl = pdl_enabled(gate_up.device)
+    _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, USE_PDL=pdl,
+                                                          num_warps=4, **pdl_launch(pdl))
     return out

@@ -25,7 +25,7 @@ A decode launch is a chain of dependent memory round trips, so the chain is kept
 slot and the token tile (batch order, ``token_tile``) load together; then x, the A part and the
 B tile load together (B is issued before the K loop). On sm90+ the kernel is launched with PDL
 (see ``triton_lora``): it starts while the base GEMM before it finishes and waits only before it
-updates y, the GEMM's output.
+updates y, the GEMM's output; it lets its consumer launch at once.
 """
 
 import os
@@ -81,6 +81,8 @@ def _fused_kernel(
     pid_m = (pid // SPLIT_K) // num_n
     slot = tl.load(active_ptr + lora_idx)
     rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
+    if USE_PDL:  # the consumer of y (a base op that waits first) may launch now
+        tl.extra.cuda.gdc_launch_dependents()
     if (slot < 0) | (pid_n * BLOCK_N >= n_hi - n_lo) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
         pdl_wait(USE_PDL)
         return

@@ -12,7 +12,8 @@ Decode kernels are latency-bound: a launch is a chain of dependent memory round 
 kernels keep that chain short (``token_tile``) and, on sm90+, launch with programmatic dependent
 launch (PDL, ``pdl_enabled``): a kernel starts while its predecessor finishes, loads its weights,
 and waits (``gdc_wait``) only before it touches what the predecessor writes. The shrink lets the
-expand launch at once; the expand's B tile is then loaded while the shrink still runs.
+expand launch at once; the expand's B tile is then loaded while the shrink still runs. The
+expand in turn lets its consumer (a base op, PDL-launched, that waits before anything) launch.
 """
 
 import functools
@@ -194,6 +195,8 @@ def _expand_kernel(
     pid_n = pid % num_n
     slot = tl.load(active_ptr + lora_idx)
     rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
+    if USE_PDL:  # the consumer of y (a base op that waits first) may launch now
+        tl.extra.cuda.gdc_launch_dependents()
     if (slot < 0) | (pid_n * BLOCK_N >= n_hi - n_lo) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
         pdl_wait(USE_PDL)
         return

@@ -64,7 +64,7 @@ def record_launches():
 
 def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
-    triton_lora.pdl_enabled = fused_lora.pdl_enabled = lambda device: on
+    triton_lora.pdl_enabled = fused_lora.pdl_enabled = base_ops.pdl_enabled = lambda device: on
 
 
 def launch_everything(dtype, tokens):
