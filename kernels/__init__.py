@@ -44,7 +44,8 @@ MAX_SLICES = 3
 
 def get_backend(name: str):
     """A kernel backend: one module with ``lora_apply(y, x, lora_a, lora_b, slice_starts, meta,
-    launch_count, scale, scratch)`` and ``NEEDS_ZEROED_SCRATCH``. ``reference`` is the ground
+    launch_count, scale, scratch)`` and ``NEEDS_ZEROED_SCRATCH`` (optionally ``LETS_CONSUMER_LAUNCH``:
+    its kernels let the next kernel launch early, so the model PDL-launches the base ops). ``reference`` is the ground
     truth (it ignores the launch count), the others are what sweeps measure: ``triton`` (shrink
     + expand), ``fused`` (one launch per LoRA linear), ``torch``, and ``vllm``, which wraps
     vLLM's own ops and takes vLLM's metadata (``lorabench.vllm_rules``) instead of ``LoRAMeta``."""

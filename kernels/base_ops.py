@@ -5,9 +5,12 @@ kernels; in a 32-layer decode graph their launch gaps alone add ~2.5 ms to a ~4 
 would make every LoRA overhead look smaller than a real server's. Fused, they are three kernels
 per layer (as in vLLM). ``fused=False`` picks the torch twins (the CPU path and the tests' reference).
 
-On sm90+ each kernel is launched with PDL and waits for its predecessor before anything else
-(``pdl_wait`` first): no work overlaps, but its launch does. After a LoRA kernel, which lets its
-dependents launch at once, that hides the consumer's launch behind the LoRA kernel's run.
+With ``pdl=True`` (and on sm90+, see ``triton_lora.pdl_enabled``) a kernel is launched with PDL
+and waits for its predecessor before anything else (``pdl_wait`` first): no work overlaps, but
+its launch does. The model asks for it only after lorabench's LoRA kernels, which let their
+dependents launch at once (``LETS_CONSUMER_LAUNCH``), so the consumer's launch hides behind the
+LoRA kernel's run. Not after vLLM's: measured on an H200, PDL-launched base ops made vLLM's LoRA
+steps ~0.08 ms slower, and the baseline must not pay for lorabench's launch scheme.
 """
 
 import torch
@@ -46,7 +49,7 @@ def _add_rmsnorm_kernel(
     tl.store(out_ptr + row * H + offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(x, delta, weight, eps, fused=True):
+def add_rmsnorm(x, delta, weight, eps, fused=True, pdl=False):
     """(rmsnorm(x + delta) * weight, x + delta); ``delta`` may be None. x: [T, H] contiguous."""
     if not fused:
         h = x if delta is None else x + delta
@@ -55,7 +58,7 @@ def add_rmsnorm(x, delta, weight, eps, fused=True):
     t, hidden = x.shape
     res = torch.empty_like(x) if delta is not None else x
     out = torch.empty_like(x)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl and pdl_enabled(x.device)
     _add_rmsnorm_kernel[(t,)](
         x, delta if delta is not None else x, weight, res, out, hidden, eps,
         HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden), USE_PDL=pdl, num_warps=8, **pdl_launch(pdl),
@@ -103,7 +106,7 @@ def _rope_cache_kernel(
         tl.store(cv_ptr + c_off + D // 2 + half, tl.load(v_src + D // 2 + half))
 
 
-def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads, kv_heads, fused=True):
+def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads, kv_heads, fused=True, pdl=False):
     """Rotary embedding on q and k (rotate-half form) and the new k, v written into the caches at
     each token's position. qkv: [T, (heads + 2·kv_heads)·D]; returns q [T, heads, D]."""
     t = qkv.shape[0]
@@ -116,7 +119,7 @@ def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads
         cache_v[rows, :, positions] = v.reshape(t, kv_heads, d)
         return _rotate(q.reshape(t, heads, d), cos, sin)
     q = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device)
-    pdl = pdl_enabled(qkv.device)
+    pdl = pdl and pdl_enabled(qkv.device)
     _rope_cache_kernel[(t, heads + kv_heads)](
         qkv, cos_table, sin_table, positions, q, cache_k, cache_v,
         qkv.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
@@ -142,7 +145,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.co
     tl.store(out_ptr + t * inter + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up, fused=True):
+def silu_mul(gate_up, fused=True, pdl=False):
     """SwiGLU: silu(gate) * up for gate_up = [gate | up], [T, 2·I] -> [T, I]."""
     if not fused:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -150,7 +153,7 @@ def silu_mul(gate_up, fused=True):
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    pdl = pdl_enabled(gate_up.device)
+    pdl = pdl and pdl_enabled(gate_up.device)
     _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, USE_PDL=pdl,
                                                           num_warps=4, **pdl_launch(pdl))
     return out

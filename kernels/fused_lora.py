@@ -26,6 +26,9 @@ slot and the token tile (batch order, ``token_tile``) load together; then x, the
 B tile load together (B is issued before the K loop). On sm90+ the kernel is launched with PDL
 (see ``triton_lora``): it starts while the base GEMM before it finishes and waits only before it
 updates y, the GEMM's output; it lets its consumer launch at once.
+
+Measured on an H200 (BENCHMARKS.md, issue 4) the shrink + expand pair with PDL beats it at every
+point, one adapter included: what this kernel pays is the A re-reads and the atomics, not latency.
 """
 
 import os
@@ -41,6 +44,7 @@ from .triton_lora import pdl_enabled, pdl_launch, pdl_wait, slice_bounds, sorted
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 dots upcast there (see triton_lora)
 
 NEEDS_ZEROED_SCRATCH = False
+LETS_CONSUMER_LAUNCH = True  # see triton_lora
 
 
 @triton.jit

@@ -32,6 +32,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The shrink splits K with fp32 atomics, so its output buffer must start at zero.
 NEEDS_ZEROED_SCRATCH = True
+# The expand lets its dependents launch at once, so the model PDL-launches the base op after it.
+# Contract: the kernel after a LoRA kernel must wait (gdc_wait) before it reads anything; the
+# shrink and the fused kernel read x before they wait, so x must not be written by a kernel that
+# lets its dependents launch early (e.g. no lora_apply whose x is the previous lora_apply's y).
+LETS_CONSUMER_LAUNCH = True
 
 
 @functools.cache
@@ -78,7 +83,7 @@ def token_tile(pid_m, lora_idx, slot, tokens, token_slot_ptr, sorted_ptr, start_
         count = tl.load(start_ptr + lora_idx + 1) - start
         mask = offs < count
         rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0)
-    else:
+    else:  # padding and base tokens are -1: the caller's `slot < 0` exit keeps slot -1 from matching them
         mask = tl.load(token_slot_ptr + offs, mask=offs < tokens, other=-1) == slot
         rows = offs
     return rows.to(tl.int64), mask

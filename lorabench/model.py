@@ -98,19 +98,21 @@ class Block(nn.Module):
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
         self.register_buffer("cache_v", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
 
-    def forward(self, x, delta, pos, rope, lora, scratch, fused):
+    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl):
         """x: residual stream [T, hidden]; delta: the previous block's output still to be added
-        (fused into this block's first norm). Returns (residual stream, this block's delta)."""
+        (fused into this block's first norm). Returns (residual stream, this block's delta).
+        pdl: PDL-launch the base ops that follow a LoRA kernel (it lets them launch early); the
+        first layer's first norm follows the embedding gather instead."""
         cfg, t = self.cfg, x.shape[0]
-        h, x = add_rmsnorm(x, delta, self.attn_norm, cfg.norm_eps, fused)
+        h, x = add_rmsnorm(x, delta, self.attn_norm, cfg.norm_eps, fused, pdl and delta is not None)
         qkv = self.qkv(h, lora, scratch[0])
-        q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused)
+        q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
         )
         attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
-        h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused)
-        return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused), lora, scratch[3])
+        h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
+        return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused, pdl), lora, scratch[3])
 
 
 class LlamaLoRA(nn.Module):
@@ -145,9 +147,10 @@ class LlamaLoRA(nn.Module):
             self.scratch[:, :, :t].zero_()
         x, delta = self.embed[input_ids], None
         rope = (self.rope_cos, self.rope_sin)
+        pdl = lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused)
-        h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused)
+            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl)
+        h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
         return F.linear(h, self.lm_head)
 
     def lora_bytes_per_slot(self) -> int:

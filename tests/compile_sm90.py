@@ -83,12 +83,12 @@ def launch_everything(dtype, tokens):
         fused_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0)  # split over K (atomics) up to 128 tokens
         fused_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0, config=fused_lora.FusedConfig(split_k=1))
     x = torch.empty(tokens, hidden, dtype=dtype)
-    base_ops.add_rmsnorm(x, x, torch.empty(hidden, dtype=dtype), 1e-5)
-    base_ops.add_rmsnorm(x, None, torch.empty(hidden, dtype=dtype), 1e-5)
+    base_ops.add_rmsnorm(x, x, torch.empty(hidden, dtype=dtype), 1e-5, pdl=True)
+    base_ops.add_rmsnorm(x, None, torch.empty(hidden, dtype=dtype), 1e-5, pdl=True)
     cache = torch.empty(tokens, 8, 64, 128, dtype=dtype)
     base_ops.rope_and_cache(torch.empty(tokens, (32 + 16) * 128, dtype=dtype), torch.empty(64, 64), torch.empty(64, 64),
-                            torch.empty(tokens, dtype=torch.int64), cache, cache, 32, 8)
-    base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype))
+                            torch.empty(tokens, dtype=torch.int64), cache, cache, 32, 8, pdl=True)
+    base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), pdl=True)
 
 
 def main() -> int:
@@ -111,9 +111,15 @@ def main() -> int:
             if key not in seen:
                 seen.add(key)
                 kernel = compile_call(rec.fn, args, dict(kwargs))
-                waits = kernel.asm["ptx"].count("griddepcontrol.wait")
-                if kwargs.get("USE_PDL") and not waits or not kwargs.get("USE_PDL") and waits:
-                    print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait in its PTX")
+                ptx = kernel.asm["ptx"]
+                waits, triggers = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
+                # LoRA kernels wait on both paths (early exit, write) and let dependents launch once;
+                # base ops wait once, first, and trigger nothing.
+                lora = name in ("_shrink_kernel", "_expand_kernel", "_fused_kernel")
+                want = ((2, 1) if lora else (1, 0)) if kwargs.get("USE_PDL") else (0, 0)
+                if (min(waits, want[0]) if lora else waits, triggers) != want:
+                    print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "
+                          f"{triggers} launch_dependents in its PTX (want {want})")
                     return 1
                 print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
                       f"{', PDL' if waits else ''}")

@@ -1,5 +1,7 @@
 """The fused base-model ops against their plain-torch twins."""
 
+import inspect
+
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
@@ -48,3 +50,34 @@ def test_rope_and_cache(dtype, heads, kv_heads):
 def test_silu_mul(dtype, inter):
     gu = torch.randn(4, 2 * inter, device=DEVICE).to(dtype)
     assert close(silu_mul(gu, fused=True), silu_mul(gu, fused=False), dtype)
+
+
+@pytest.mark.parametrize("backend, pdl", [("triton", True), ("fused", True), ("torch", False), (None, False)])
+def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, backend, pdl):
+    """The base ops are PDL-launched only in steps whose LoRA kernels let their consumer launch
+    early (lorabench's); never in the n = 0 step nor after other backends' kernels, whose steps
+    PDL-launched base ops slowed on the H200. (This checks the flag the model passes; what PDL
+    does is tested on the GPU, by tests/test_graphs.py's captured graphs against the reference.)"""
+    from lorabench import model as model_mod
+    from lorabench.kernels import get_backend
+    from lorabench.lora_meta import MetaBuffer
+
+    seen = []
+
+    def recording(real):
+        def call(*a, **kw):
+            seen.append(inspect.signature(real).bind(*a, **kw).arguments.get("pdl", False))
+            return real(*a, **kw)
+        return call
+
+    for name in ("add_rmsnorm", "rope_and_cache", "silu_mul"):
+        monkeypatch.setattr(model_mod, name, recording(getattr(model_mod, name)))
+    m = model_mod.LlamaLoRA(model_mod.PRESETS["tiny"], max_loras=2, rank=8, max_tokens=2, context_len=8,
+                            dtype=torch.float32, device="cpu")
+    buf = MetaBuffer(2, 2, "cpu")
+    buf.load(buf.pack([0, -1])[0])
+    step = model_mod.LoRAStep(get_backend(backend), buf.meta, 1, 0.5) if backend else None
+    m(torch.tensor([1, 2]), torch.tensor([3, 4]), step)
+    assert len(seen) == 2 * 4 + 1
+    assert seen[0] is False, "the first norm follows the embedding gather, not a LoRA kernel"
+    assert set(seen[1:]) == {pdl}

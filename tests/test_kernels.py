@@ -151,3 +151,26 @@ def test_fused_tuned_configs_are_looked_up_by_nearest_shape():
         assert fused_lora.config_for(1, 11008, 4096, 16, 1, 1) == fused_lora.default_config(1, 11008, 4096, 16, 1, 1)
     finally:
         fused_lora.load_tuned([])
+
+
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+@pytest.mark.parametrize("sorted_path", [True, False], ids=["sorted-tiles", "batch-order-tiles"])
+@pytest.mark.parametrize("padded", [False, True], ids=["exact-buffer", "padded-buffer"])
+@pytest.mark.parametrize("short", [False, True], ids=["launch-n", "launch-below-n"])
+def test_both_token_tile_paths_agree_with_the_reference(monkeypatch, backend, sorted_path, padded, short):
+    """Each kernel's two token-tile paths (slot-sorted, batch order with a slot mask), forced on the
+    same batch: a metadata buffer longer than the batch (padding tokens are -1) and a launch count
+    below the active count (the last active slot's tokens stay as they were)."""
+    monkeypatch.setattr(triton_lora, "sorted_tiles", lambda tokens, block_m: sorted_path)
+    monkeypatch.setattr(fused_lora, "sorted_tiles", lambda tokens, block_m: sorted_path)
+    slots = [2, -1, 0, 3, 2, -1, 0, 3, 3, -1, 2, 0]
+    x, a, b, y, _, starts = make_case(len(slots), 64, (32, 16), 8, 4, torch.float16, 0.0, 7)
+    buf = MetaBuffer(len(slots) + (5 if padded else 0), 4, DEVICE)
+    packed, n = buf.pack(slots)
+    buf.load(packed)
+    launch = n - 1 if short else n
+    served = sorted(set(s for s in slots if s >= 0))[:launch]  # active slots are sorted
+    out = y.clone()
+    scratch = torch.zeros(len(slots), a.shape[1], dtype=torch.float32, device=DEVICE)
+    get_backend(backend).lora_apply(out, x, a, b, starts, buf.meta, launch, 0.5, scratch)
+    check(out, y, x, a, b, [s if s in served else -1 for s in slots], starts)
