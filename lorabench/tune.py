@@ -316,7 +316,8 @@ class Problem:
 
 
 def kernels_rev() -> str:
-    """A hash of lorabench's kernel sources: a cache's timings are reused only for the same kernels."""
+    """A hash of lorabench's kernel sources: a cache's timings of lorabench's kernels are reused only
+    for the same kernels (vLLM's rows do not depend on it)."""
     return hashlib.sha256((inspect.getsource(triton_lora) + inspect.getsource(fused_lora)).encode()).hexdigest()[:12]
 
 
@@ -380,13 +381,15 @@ def _cid(cfg: dict) -> str:
 
 class Cache:
     """OUT/cache.jsonl: one line per measured (shape, config), appended the moment it exists.
-    Rows of another device, GPU or dtype are kept in the file and ignored."""
+    Rows of another device, GPU or dtype, and rows of lorabench's kernels timed from other kernel
+    sources (``revs``: kernel -> ``kernels_rev``), are kept in the file and ignored."""
 
-    def __init__(self, path: Path, identity: dict, fresh: bool):
-        self.path, self.identity = path, identity
+    def __init__(self, path: Path, identity: dict, fresh: bool, revs: dict[str, str] | None = None):
+        self.path, self.identity, self.revs = path, identity, revs or {}
         if fresh and path.exists():
             path.replace(path.with_name(path.name + ".prev"))
-        self.rows = [r for r in self._read() if all(r.get(k) == v for k, v in identity.items())]
+        self.rows = [r for r in self._read() if all(r.get(k) == v for k, v in identity.items())
+                     and r.get("kernels_rev") == self.revs.get(r.get("kernel"))]
 
     def _read(self) -> list[dict]:
         rows = []
@@ -402,7 +405,7 @@ class Cache:
         return [r for r in self.rows if (r["kernel"], r["op"], r["shape"]) == (shape.kernel, shape.op, key)]
 
     def append(self, row: dict) -> None:
-        row = {**row, **self.identity}
+        row = {**row, **self.identity, "kernels_rev": self.revs.get(row["kernel"])}
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -423,9 +426,9 @@ class Tuner:
             raise UserError(f"--out: cannot make the folder {self.out}: {e.strerror}") from None
         gpu = torch.cuda.get_device_name() if self.cuda else None
         identity = {"device": spec.device, "gpu": gpu, "dtype": spec.dtype,  # timings of one kind only
-                    "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1,
-                    "kernels_rev": kernels_rev(), "pdl": False}
-        self.cache = Cache(self.out / "cache.jsonl", identity, fresh)
+                    "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1}
+        rev = kernels_rev()
+        self.cache = Cache(self.out / "cache.jsonl", identity, fresh, {"triton": rev, "fused": rev})
         self.shapes = build_shapes(spec)
         self.share = spec.budget_s / len(self.shapes)
         self.session = f"{time.strftime('%Y%m%dT%H%M%S')}-{id(self):x}"
@@ -433,8 +436,7 @@ class Tuner:
         self.viable: dict[Shape, int] = {}  # configs left after static pruning, per shape
         self.meta = {"gpu": gpu, "device": spec.device, "timing": "cuda_graph" if self.cuda else "cpu_wall",
                      "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "command": command,
-                     "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device),
-                     "pdl": False}
+                     "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device)}
 
     def run(self) -> list[dict]:
         # lorabench's kernels are timed without PDL: back-to-back PDL launches of one kernel overlap

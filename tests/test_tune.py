@@ -65,6 +65,23 @@ def test_a_rerun_resumes_from_the_cache(tmp_path):
     assert {r["session"] for r in cache_rows(tmp_path)}.isdisjoint(r["session"] for r in before)
 
 
+def test_timings_of_other_kernel_sources_are_not_reused(tmp_path):
+    """A cache written by other versions of lorabench's kernels (another ``kernels_rev``) is kept in
+    the file but not resumed from: every shape is timed again. vLLM's rows carry no revision."""
+    assert run_tune(tmp_path) == 0
+    before = cache_rows(tmp_path)
+    assert {r["kernels_rev"] for r in before} == {tune.kernels_rev()}
+    (tmp_path / "cache.jsonl").write_text("".join(json.dumps({**r, "kernels_rev": "0ld"}) + "\n" for r in before))
+    assert run_tune(tmp_path) == 0
+    after = cache_rows(tmp_path)
+    assert after[: len(before)] == [{**r, "kernels_rev": "0ld"} for r in before]
+    fresh = after[len(before):]
+    assert by_shape(fresh).keys() == by_shape(before).keys() and all(r["kernels_rev"] == tune.kernels_rev() for r in fresh)
+    cache = tune.Cache(tmp_path / "other.jsonl", {}, False, {"fused": "abc"})
+    cache.append({"kernel": "vllm", "op": "shrink", "shape": [1], "config": {}})
+    assert cache.rows[0]["kernels_rev"] is None
+
+
 @pytest.fixture
 def rigged_fused(monkeypatch):
     """A four-config search space where split_k=2 raises, block_n=64 gives wrong sums and block_n=32
