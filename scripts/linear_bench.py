@@ -27,6 +27,7 @@ from lorabench.lora_meta import MetaBuffer
 from lorabench.tune import linears
 
 REPEAT, REPLAYS, RANK, LAYERS = 32, 40, 16, 32
+TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_kernels.py
 
 
 def variants(tuned: str | None) -> dict:
@@ -129,7 +130,7 @@ def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0)
     over = (np.median(tl) - np.median(tb)) * 1000 / REPEAT
     return {"linear": name, "tokens": tokens, "active": active, "base_us": np.median(tb) * 1000 / REPEAT,
             "overhead_us": over, "spread_us": (np.percentile(tl, 90) - np.percentile(tl, 10)) * 1000 / REPEAT,
-            "rel_err": err}
+            "rel_err": err, "correct": err < TOLERANCE}
 
 
 def main() -> None:
@@ -153,7 +154,8 @@ def main() -> None:
             cells = "  ".join(f"{r['linear']} {r['overhead_us']:5.2f}±{r['spread_us']:.2f}" for r in per)
             worst = max(r["rel_err"] for r in per)
             step = sum(r["overhead_us"] for r in per) * LAYERS / 1000
-            print(f"{vname:14s} c={tokens:<3d} n={active:<3d} {cells}  step≈{step:.3f} ms  max rel err {worst:.1e}")
+            verdict = "" if worst < TOLERANCE else "  WRONG (timings of a wrong result)"
+            print(f"{vname:14s} c={tokens:<3d} n={active:<3d} {cells}  step≈{step:.3f} ms  max rel err {worst:.1e}{verdict}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
