@@ -22,7 +22,7 @@ kernels, program ``i`` on the last axis serves ``active_slots[i]`` and exits at 
 entry is -1 or its tile holds none of that slot's tokens. Base-model tokens are masked out.
 
 A decode launch is a chain of dependent memory round trips, so the chain is kept to two: the
-slot and the token tile (batch order, ``token_tile``) load together; then x, the A part and the
+slot and the token tile (batch order, ``adapter_tile``) load together; then x, the A part and the
 B tile load together (B is issued before the K loop). On sm90+ the kernel is launched with PDL
 (see ``triton_lora``): it starts while the base GEMM before it finishes and waits only before it
 updates y, the GEMM's output; it lets its consumer launch at once.
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES, LoRAMeta
-from .triton_lora import pdl_enabled, pdl_launch, pdl_wait, slice_bounds, sorted_tiles, token_tile
+from .triton_lora import adapter_tile, pdl_enabled, pdl_launch, pdl_wait, slice_bounds, sorted_tiles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 dots upcast there (see triton_lora)
 
@@ -71,7 +71,7 @@ def _fused_kernel(
     BLOCK_K: tl.constexpr,  # reduction step of the shrink
     BLOCK_R: tl.constexpr,  # >= R, at least 16
     SPLIT_K: tl.constexpr,  # K parts: programs per output tile, each over a strided part of K
-    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see token_tile)
+    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the GEMM before updating y
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
@@ -83,11 +83,9 @@ def _fused_kernel(
     pid_sk = pid % SPLIT_K
     pid_n = (pid // SPLIT_K) % num_n
     pid_m = (pid // SPLIT_K) // num_n
-    slot = tl.load(active_ptr + lora_idx)
-    rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
-    if USE_PDL:  # the consumer of y (a base op that waits first) may launch now
-        tl.extra.cuda.gdc_launch_dependents()
-    if (slot < 0) | (pid_n * BLOCK_N >= n_hi - n_lo) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
+    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                            BLOCK_M, SORTED, USE_PDL)
+    if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return
 

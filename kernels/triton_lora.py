@@ -9,7 +9,7 @@ shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ      split over K; fp32 at
 expand: y[t, slice s] += scratch[t, s·R:(s+1)·R] @ B[slot][slice s]ᵀ
 
 Decode kernels are latency-bound: a launch is a chain of dependent memory round trips, so the
-kernels keep that chain short (``token_tile``) and, on sm90+, launch with programmatic dependent
+kernels keep that chain short (``adapter_tile``) and, on sm90+, launch with programmatic dependent
 launch (PDL, ``pdl_enabled``): a kernel starts while its predecessor finishes, loads its weights,
 and waits (``gdc_wait``) only before it touches what the predecessor writes. The shrink lets the
 expand launch at once; the expand's B tile is then loaded while the shrink still runs. The
@@ -68,25 +68,32 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def token_tile(pid_m, lora_idx, slot, tokens, token_slot_ptr, sorted_ptr, start_ptr,
-               BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
-    """Rows (int64) and mask of token tile ``pid_m`` of ``slot``, the adapter at ``lora_idx``.
+def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                 BLOCK_M: tl.constexpr, SORTED: tl.constexpr, USE_PDL: tl.constexpr):
+    """What program (pid_m, adapter lora_idx) serves: its slot (``active_ptr[lora_idx]``), the rows
+    (int64) and mask of its token tile ``pid_m``, and whether it is idle (slot -1, or none of the
+    slot's tokens in the tile). Under PDL it also lets the next kernel launch now, so every caller
+    must ``pdl_wait`` before it writes and before it exits.
 
-    SORTED: the tile is entries [pid_m·BLOCK_M, +BLOCK_M) of the slot's range of
-    ``sorted_ptr``, which takes two dependent loads (the range, then the rows). Otherwise the tile
-    is tokens [pid_m·BLOCK_M, +BLOCK_M) in batch order with the mask ``token_slot == slot``: one
-    load that does not wait for ``slot``. Launchers use it when one tile holds the whole batch
-    (decode), where it saves a round trip; for many tiles every adapter would scan them all."""
+    SORTED: the tile is entries [pid_m·BLOCK_M, +BLOCK_M) of the slot's range of ``sorted_ptr``,
+    which takes two dependent loads after the slot's (the range, then the rows). Otherwise the tile
+    is tokens [pid_m·BLOCK_M, +BLOCK_M) in batch order with the mask ``token_slot == slot``: one load,
+    issued alongside the slot's. Launchers use it when one tile holds the whole batch (decode),
+    where it saves a round trip; for many tiles every adapter would scan them all."""
+    slot = tl.load(active_ptr + lora_idx)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if SORTED:
         start = tl.load(start_ptr + lora_idx)
         count = tl.load(start_ptr + lora_idx + 1) - start
         mask = offs < count
         rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0)
-    else:  # padding and base tokens are -1: the caller's `slot < 0` exit keeps slot -1 from matching them
+    else:  # padding and base tokens are -1, as is an unused slot: `idle` keeps those apart
         mask = tl.load(token_slot_ptr + offs, mask=offs < tokens, other=-1) == slot
         rows = offs
-    return rows.to(tl.int64), mask
+    if USE_PDL:  # the next kernel (the expand, or the base op that consumes y) may launch now
+        tl.extra.cuda.gdc_launch_dependents()
+    idle = (slot < 0) | (tl.max(mask.to(tl.int32), axis=0) == 0)
+    return slot, rows.to(tl.int64), mask, idle
 
 
 def sorted_tiles(tokens: int, block_m: int) -> bool:
@@ -114,7 +121,7 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,  # rank columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a strided part of K
-    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see token_tile)
+    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched: let the expand launch now, wait before writing
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
 ):
@@ -124,11 +131,9 @@ def _shrink_kernel(
     pid_sk = pid % SPLIT_K
     pid_m = (pid // SPLIT_K) // num_n
     pid_n = (pid // SPLIT_K) % num_n
-    slot = tl.load(active_ptr + lora_idx)
-    rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if (slot < 0) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
+    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                            BLOCK_M, SORTED, USE_PDL)
+    if idle:
         pdl_wait(USE_PDL)
         return
 
@@ -187,7 +192,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= R, at least 16 (tl.dot's minimum)
-    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see token_tile)
+    SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
 ):
@@ -198,11 +203,9 @@ def _expand_kernel(
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    slot = tl.load(active_ptr + lora_idx)
-    rows, m_mask = token_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr, BLOCK_M, SORTED)
-    if USE_PDL:  # the consumer of y (a base op that waits first) may launch now
-        tl.extra.cuda.gdc_launch_dependents()
-    if (slot < 0) | (pid_n * BLOCK_N >= n_hi - n_lo) | (tl.max(m_mask.to(tl.int32), axis=0) == 0):
+    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                            BLOCK_M, SORTED, USE_PDL)
+    if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return
 
