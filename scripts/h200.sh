@@ -20,6 +20,8 @@
 #   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,vllm) into results/tuned-h200 (kept on a warm machine for
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
+#   card-check - issue 4's same-run check of the committed kernels: sweeps/kernels-card.toml at c = 1, 8, triton and
+#            vllm (default and +tuned with results/reference-tuned-pdl), max and pow2 (~3 min)
 #   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
 #            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
@@ -43,6 +45,8 @@ for stage in "$@"; do
   case "$stage" in
     tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
+    card-check) lorabench sweep --spec sweeps/kernels-card.toml --kernels triton,vllm --strategy max,pow2 --concurrency 1,8 \
+                  --tuned results/reference-tuned-pdl --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
     linear-bench)
       tuned=(); [ -d results/tuned-h200 ] && tuned=(--tuned results/tuned-h200)
       python3 scripts/linear_bench.py --max-loras "${LB_LORAS:-4}" --points "${LB_POINTS:-1:1,8:4}" "${tuned[@]}" \
