@@ -20,19 +20,21 @@ from lorabench.analysis import lora_overhead
 LORA_LINEARS_PER_LAYER = 4
 
 
-def _graph_ms(graph, replays: int = 50) -> float:
-    """Median ms of one replay over ``replays``, CUDA events around each."""
+def replay_ms(graph) -> float:
+    """One replay of a CUDA graph between CUDA events, waited for (ms)."""
     import torch
 
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return float(np.median(times))
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    graph.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+def _graph_ms(graph, replays: int = 50) -> float:
+    """Median ms of one replay over ``replays``."""
+    return float(np.median([replay_ms(graph) for _ in range(replays)]))
 
 
 def probe(kernels: int = 256, copy_mib: int = 512) -> dict:

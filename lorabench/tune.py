@@ -326,17 +326,23 @@ def _stats(us, timing: str) -> dict:
     return {"us": float(p50), "p10_us": float(p10), "p90_us": float(p90), "timing": timing}
 
 
-def time_cuda(fn, launches: int = LAUNCHES, replays: int = REPLAYS) -> dict:
-    """``launches`` calls captured in one CUDA graph, replayed ``replays`` times under events."""
+def capture_graph(warm, body=None) -> "torch.cuda.CUDAGraph":
+    """Run ``warm`` once off the capture stream (compiles, as torch advises), then capture ``body``
+    (default: ``warm``) into a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the capture stream, as torch advises
-        fn()
+    with torch.cuda.stream(side):
+        warm()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
+        (body or warm)()
+    return graph
+
+
+def time_cuda(fn, launches: int = LAUNCHES, replays: int = REPLAYS) -> dict:
+    """``launches`` calls captured in one CUDA graph, replayed ``replays`` times under events."""
+    graph = capture_graph(fn, lambda: [fn() for _ in range(launches)])
     for _ in range(5):
         graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]

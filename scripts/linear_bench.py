@@ -24,7 +24,8 @@ import torch
 from lorabench.batches import fixed_batch
 from lorabench.kernels import fused_lora, triton_lora
 from lorabench.lora_meta import MetaBuffer
-from lorabench.tune import linears
+from lorabench.roofline import replay_ms
+from lorabench.tune import capture_graph, linears
 
 REPEAT, REPLAYS, RANK, LAYERS = 32, 40, 16, 32
 TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_kernels.py
@@ -63,32 +64,14 @@ def variants(tuned: str | None) -> dict:
     return v
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compile and warm outside the graph
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def time_pair(g_base, g_lora) -> tuple[list[float], list[float]]:
     """Alternating replays of both graphs, each timed with CUDA events (ms)."""
     for g in (g_base, g_lora) * 3:
         g.replay()
     base, lora = [], []
     for _ in range(REPLAYS):
-        for g, out in ((g_base, base), (g_lora, lora)):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            out.append(e0.elapsed_time(e1))
+        base.append(replay_ms(g_base))
+        lora.append(replay_ms(g_lora))
     return base, lora
 
 
@@ -118,7 +101,7 @@ def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0)
             torch.matmul(x, w.t(), out=y)
             apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
 
-    g_base, g_lora = capture(base), capture(with_lora)
+    g_base, g_lora = capture_graph(base), capture_graph(with_lora)
     tb, tl = time_pair(g_base, g_lora)
     g_base.replay()  # correctness: the LoRA graph's y against the reference, for the last copy
     g_lora.replay()
