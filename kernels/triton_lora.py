@@ -271,7 +271,7 @@ def shape_key(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: 
 
 
 def default_config(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
-    return shrink_config(tokens, k_in, n_out) if op == "shrink" else expand_config(tokens, n_out)
+    return shrink_config(tokens, k_in, n_out, launch) if op == "shrink" else expand_config(tokens, n_out)
 
 
 def config_for(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
@@ -296,11 +296,25 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32 if tokens <= 64 else 64
 
 
-def shrink_config(tokens: int, k: int, n: int) -> ShrinkConfig:
-    """Default shrink tiling: split K wide for decode-sized batches (the A reads dominate)."""
-    block_k = 128
-    split_k = min(32, triton.next_power_of_2(max(1, k // (2 * block_k)))) if tokens <= 64 else 4
-    return ShrinkConfig(_block_m(tokens), min(64, max(16, triton.next_power_of_2(n))), block_k, split_k)
+SHRINK_PROGRAMS = 512  # ~4 per SM on a 132-SM H200: enough programs in flight to stream the A tiles
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
+    """Default shrink tiling. A decode-sized shrink is a GEMV over A, so it is as fast as the A
+    reads in flight: split K until the launch has about ``SHRINK_PROGRAMS`` programs (at most 64
+    splits, each at least one 64-wide K block), with 2 warps per program once many slots already
+    fill the GPU. Chosen from a grid of block_k x split_k x warps x stages on an H200 (BENCHMARKS.md,
+    "Default shrink tiling"): within 5 % of each shape's best, where the old fixed split was up to 26 % off."""
+    block_m, block_n = _block_m(tokens), min(64, max(16, triton.next_power_of_2(n)))
+    if tokens > 64:
+        return ShrinkConfig(block_m, block_n, 128, min(4, _pow2_floor(k // 128)))
+    tiles = launch * triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+    split_k = min(64, _pow2_floor(SHRINK_PROGRAMS // tiles), _pow2_floor(k // 64))
+    return ShrinkConfig(block_m, block_n, 64, split_k, num_warps=4 if tiles <= 8 else 2, num_stages=3)
 
 
 def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:

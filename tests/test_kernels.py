@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE, HAS_CUDA
 
 from lorabench.kernels import SUPPORTED_RANKS, get_backend
@@ -120,6 +121,20 @@ def test_triton_shrink_configs(split_k, block_m):
     ref = 0.5 * torch.einsum("tk,trk->tr", x.float(), a[idx].float())
     ref[torch.tensor(slots, device=DEVICE) < 0] = 0
     assert rel_err(h, ref) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32, 128])
+@pytest.mark.parametrize("launch", [1, 4, 32])
+def test_default_shrink_split_fits_the_shape(tokens, launch):
+    """The default split gives every split K to reduce and sizes a decode launch to the program
+    target: splitting stops at 64, at one 64-wide K block per split, or at the target."""
+    for k, n in [(64, 16), (256, 48), (4096, 16), (4096, 48), (11008, 16)]:
+        cfg = triton_lora.shrink_config(tokens, k, n, launch)
+        assert cfg.block_k * (cfg.split_k - 1) < k
+        tiles = launch * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        if tokens <= 64:
+            assert cfg.split_k * tiles <= max(triton_lora.SHRINK_PROGRAMS, tiles)
+            assert cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k or 2 * cfg.split_k * tiles > triton_lora.SHRINK_PROGRAMS
 
 
 @pytest.mark.parametrize("cfg", [
