@@ -297,6 +297,7 @@ def _block_m(tokens: int) -> int:
 
 
 SHRINK_PROGRAMS = 512  # ~4 per SM on a 132-SM H200: enough programs in flight to stream the A tiles
+FEW_TILES = 8  # launched slots x token tiles x output tiles up to which a shrink is split to SHRINK_PROGRAMS
 
 
 def _pow2_floor(x: int) -> int:
@@ -304,17 +305,22 @@ def _pow2_floor(x: int) -> int:
 
 
 def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
-    """Default shrink tiling. A decode-sized shrink is a GEMV over A, so it is as fast as the A
-    reads in flight: split K until the launch has about ``SHRINK_PROGRAMS`` programs (at most 64
-    splits, each at least one 64-wide K block), with 2 warps per program once many slots already
-    fill the GPU. Chosen from a grid of block_k x split_k x warps x stages on an H200 (BENCHMARKS.md,
-    "Default shrink tiling"): within 5 % of each shape's best, where the old fixed split was up to 26 % off."""
+    """Default shrink tiling. A decode-sized shrink is a GEMV over A: with few launched slots it
+    is as fast as the A reads in flight, so K is split (64-wide blocks, 3 stages) until the launch
+    has about ``SHRINK_PROGRAMS`` programs, at most 64 splits. With many launched slots a graph
+    usually serves fewer active ones, whose programs then carry the step: there the tiling stays
+    the earlier default (block_k 128, K in ~256-wide parts up to 32, 4 warps, 2 stages), which
+    measured faster in the step at 32 slots than the tiling the isolated grid favoured (64 / 16 /
+    2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, "Default shrink tiling";
+    scripts/shrink_grid.py)."""
     block_m, block_n = _block_m(tokens), min(64, max(16, triton.next_power_of_2(n)))
+    tiles = launch * triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
     if tokens > 64:
         return ShrinkConfig(block_m, block_n, 128, min(4, _pow2_floor(k // 128)))
-    tiles = launch * triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+    if tiles > FEW_TILES:
+        return ShrinkConfig(block_m, block_n, 128, min(32, triton.next_power_of_2(max(1, k // 256))))
     split_k = min(64, _pow2_floor(SHRINK_PROGRAMS // tiles), _pow2_floor(k // 64))
-    return ShrinkConfig(block_m, block_n, 64, split_k, num_warps=4 if tiles <= 8 else 2, num_stages=3)
+    return ShrinkConfig(block_m, block_n, 64, split_k, num_stages=3)
 
 
 def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:

@@ -126,13 +126,13 @@ def test_triton_shrink_configs(split_k, block_m):
 @pytest.mark.parametrize("tokens", [1, 8, 32, 128])
 @pytest.mark.parametrize("launch", [1, 4, 32])
 def test_default_shrink_split_fits_the_shape(tokens, launch):
-    """The default split gives every split K to reduce and sizes a decode launch to the program
-    target: splitting stops at 64, at one 64-wide K block per split, or at the target."""
+    """The default split gives every split K to reduce, and a decode launch of few tiles is split
+    to the program target: splitting stops at 64, at one 64-wide K block per split, or at the target."""
     for k, n in [(64, 16), (256, 48), (4096, 16), (4096, 48), (11008, 16)]:
         cfg = triton_lora.shrink_config(tokens, k, n, launch)
         assert cfg.block_k * (cfg.split_k - 1) < k
         tiles = launch * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        if tokens <= 64:
+        if tokens <= 64 and tiles <= triton_lora.FEW_TILES:
             assert cfg.split_k * tiles <= max(triton_lora.SHRINK_PROGRAMS, tiles)
             assert cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k or 2 * cfg.split_k * tiles > triton_lora.SHRINK_PROGRAMS
 
