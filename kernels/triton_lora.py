@@ -314,9 +314,9 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, "Default shrink tiling";
     scripts/shrink_grid.py)."""
     block_m, block_n = _block_m(tokens), min(64, max(16, triton.next_power_of_2(n)))
-    tiles = launch * triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
     if tokens > 64:
         return ShrinkConfig(block_m, block_n, 128, min(4, _pow2_floor(k // 128)))
+    tiles = launch * triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
     if tiles > FEW_TILES:
         return ShrinkConfig(block_m, block_n, 128, min(32, triton.next_power_of_2(max(1, k // 256))))
     split_k = min(64, _pow2_floor(SHRINK_PROGRAMS // tiles), _pow2_floor(k // 64))
