@@ -311,7 +311,7 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     usually serves fewer active ones, whose programs then carry the step: there the tiling stays
     the earlier default (block_k 128, K in ~256-wide parts up to 32, 4 warps, 2 stages), which
     measured faster in the step at 32 slots than the tiling the isolated grid favoured (64 / 16 /
-    2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, "Default shrink tiling";
+    2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, issue 4, "Third session";
     scripts/shrink_grid.py)."""
     block_m, block_n = _block_m(tokens), min(64, max(16, triton.next_power_of_2(n)))
     if tokens > 64:

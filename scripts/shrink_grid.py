@@ -15,12 +15,10 @@ import json
 import os
 from dataclasses import asdict
 
-os.environ["LORABENCH_PDL"] = "0"  # before the kernels are imported: isolated launches, as the tune times them
+import torch
 
-import torch  # noqa: E402
-
-from lorabench import tune  # noqa: E402
-from lorabench.kernels import triton_lora  # noqa: E402
+from lorabench import tune
+from lorabench.kernels import triton_lora
 
 GRID = {"block_k": [64, 128, 256], "split_k": [8, 16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [2, 3]}
 
@@ -29,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every timed config here")
     args = ap.parse_args()
+    os.environ["LORABENCH_PDL"] = "0"  # read per launch: isolated launches, as the tune times them
     spec = tune.TuneSpec(kernels=["triton"], model="llama-2-7b", rank=16, dtype="float16", max_loras=[4, 32],
                          tokens=[1, 8, 32], budget_s=0, out="", device="cuda")
     shapes = [s for s in tune.build_shapes(spec)
