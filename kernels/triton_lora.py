@@ -68,19 +68,19 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+def adapter_tile(pid_m, lora_idx, slot, tokens, token_slot_ptr, sorted_ptr, start_ptr,
                  BLOCK_M: tl.constexpr, SORTED: tl.constexpr, USE_PDL: tl.constexpr):
-    """What program (pid_m, adapter lora_idx) serves: its slot (``active_ptr[lora_idx]``), the rows
-    (int64) and mask of its token tile ``pid_m``, and whether it is idle (slot -1, or none of the
-    slot's tokens in the tile). Under PDL it also lets the next kernel launch now, so every caller
-    must ``pdl_wait`` before it writes and before it exits.
+    """What program (pid_m, adapter lora_idx) of slot ``slot`` (``active_ptr[lora_idx]``, loaded by
+    the caller so that its load is in flight with this one's) serves: the rows (int64) and mask of
+    its token tile ``pid_m``, and whether it is idle (slot -1, or none of the slot's tokens in the
+    tile). Under PDL it also lets the next kernel launch now, so every caller must ``pdl_wait``
+    before it writes and before it exits.
 
     SORTED: the tile is entries [pid_m·BLOCK_M, +BLOCK_M) of the slot's range of ``sorted_ptr``,
     which takes two dependent loads after the slot's (the range, then the rows). Otherwise the tile
     is tokens [pid_m·BLOCK_M, +BLOCK_M) in batch order with the mask ``token_slot == slot``: one load,
     issued alongside the slot's. Launchers use it when one tile holds the whole batch (decode),
     where it saves a round trip; for many tiles every adapter would scan them all."""
-    slot = tl.load(active_ptr + lora_idx)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if SORTED:
         start = tl.load(start_ptr + lora_idx)
@@ -93,7 +93,24 @@ def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr
     if USE_PDL:  # the next kernel (the expand, or the base op that consumes y) may launch now
         tl.extra.cuda.gdc_launch_dependents()
     idle = (slot < 0) | (tl.max(mask.to(tl.int32), axis=0) == 0)
-    return slot, rows.to(tl.int64), mask, idle
+    return rows.to(tl.int64), mask, idle
+
+
+@triton.jit
+def live_share(lora_idx, active_ptr, launch, LAUNCH_P2: tl.constexpr):
+    """Count-agnostic work sharing for a grid of ``launch`` adapter programs: with n active slots
+    (the entries of ``active_ptr[:launch]`` that are not -1, read at run time), program ``lora_idx``
+    serves active entry ``lora_idx % n`` as share ``lora_idx // n`` of ``launch // n`` (the rest
+    idle). Returns (entry, slot, share, shares); one load, of the whole active list.
+    A graph captured for more slots than are active thus puts its idle programs to work."""
+    idx = tl.arange(0, LAUNCH_P2)
+    live = tl.load(active_ptr + idx, mask=idx < launch, other=-1)
+    n = tl.maximum(tl.sum((live >= 0).to(tl.int32), axis=0), 1)
+    entry = lora_idx % n
+    share = lora_idx // n
+    shares = launch // n
+    slot = tl.sum(tl.where(idx == entry, live, 0), axis=0)
+    return entry, tl.where(share < shares, slot, -1), share, shares
 
 
 def sorted_tiles(tokens: int, block_m: int) -> bool:
@@ -105,7 +122,7 @@ def sorted_tiles(tokens: int, block_m: int) -> bool:
 def _shrink_kernel(
     x_ptr,  # [T, K] input activations
     a_ptr,  # [L, N, K] stacked A weights, N = slices · rank
-    out_ptr,  # [T, N] float32 scratch; must be zero when SPLIT_K > 1
+    out_ptr,  # [T, N] float32 scratch; must be zero when SPLIT_K > 1 or SHARE
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
@@ -113,6 +130,7 @@ def _shrink_kernel(
     T,  # tokens in the batch
     K,  # input features
     N,  # slices · rank
+    launch,  # the grid's adapter programs (its last axis)
     stride_xm, stride_xk,
     stride_al, stride_an, stride_ak,
     stride_om, stride_on,
@@ -121,6 +139,7 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,  # rank columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a strided part of K
+    SHARE: tl.constexpr,  # power of two >= launch to share idle adapter programs (live_share); 0: off
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched: let the expand launch now, wait before writing
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
@@ -131,9 +150,15 @@ def _shrink_kernel(
     pid_sk = pid % SPLIT_K
     pid_m = (pid // SPLIT_K) // num_n
     pid_n = (pid // SPLIT_K) % num_n
-    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                            BLOCK_M, SORTED, USE_PDL)
-    if idle:
+    if SHARE:  # K split SPLIT_K · shares ways among the programs of one active slot
+        entry, slot, share, shares = live_share(lora_idx, active_ptr, launch, SHARE)
+        part = share * SPLIT_K + pid_sk
+        parts = shares * SPLIT_K
+    else:
+        entry, slot, part, parts = lora_idx, tl.load(active_ptr + lora_idx), pid_sk, SPLIT_K
+    rows, m_mask, idle = adapter_tile(pid_m, entry, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
+                                      BLOCK_M, SORTED, USE_PDL)
+    if idle | (part * BLOCK_K >= K):
         pdl_wait(USE_PDL)
         return
 
@@ -142,7 +167,7 @@ def _shrink_kernel(
     a_base = a_ptr + slot.to(tl.int64) * stride_al
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(pid_sk * BLOCK_K, K, SPLIT_K * BLOCK_K):
+    for k0 in range(part * BLOCK_K, K, parts * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(
@@ -164,7 +189,9 @@ def _shrink_kernel(
     pdl_wait(USE_PDL)
     out = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if SHARE:  # shared programs add their parts
+        tl.atomic_add(out, acc, mask=mask)
+    elif SPLIT_K == 1:
         tl.store(out, acc, mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
@@ -203,8 +230,9 @@ def _expand_kernel(
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                            BLOCK_M, SORTED, USE_PDL)
+    slot = tl.load(active_ptr + lora_idx)
+    rows, m_mask, idle = adapter_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
+                                      BLOCK_M, SORTED, USE_PDL)
     if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return
@@ -327,9 +355,18 @@ def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
     return ExpandConfig(_block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice))))
 
 
+def share_programs(launch_count: int) -> int:
+    """The shrink's SHARE: with more than one adapter program, the programs of slots that are not
+    active split the active slots' K further (``live_share``), unless ``LORABENCH_SHARE=0``."""
+    if launch_count <= 1 or os.environ.get("LORABENCH_SHARE", "1") == "0":
+        return 0
+    return triton.next_power_of_2(launch_count)
+
+
 def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float, config=None):
     """out[t] (+)= scale · x[t] @ lora_a[slot(t)]ᵀ for adapter tokens of the first
-    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split."""
+    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when the K is split
+    or more than one adapter program is launched (both add partial sums)."""
     tokens, k = x.shape
     n = lora_a.shape[1]
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
@@ -337,12 +374,13 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     pdl = pdl_enabled(x.device)
     _shrink_kernel[grid](
         x, lora_a, out, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        tokens, k, n,
+        tokens, k, n, launch_count,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        SHARE=share_programs(launch_count),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
@@ -376,8 +414,8 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
 
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
     """Shrink then expand into ``y`` in place. ``scratch`` is a float32 [>=T, >=S·R] buffer;
-    when the shrink splits K it must be zero on entry (the model zeroes all its scratch once per
-    step). Without one, a zeroed buffer is allocated (not allowed inside graph capture)."""
+    when the shrink splits K or shares programs it must be zero on entry (the model zeroes all its
+    scratch once per step). Without one, a zeroed buffer is allocated (not allowed inside graph capture)."""
     if launch_count <= 0:
         return
     tokens = x.shape[0]

@@ -24,6 +24,7 @@
 #            vllm (default and +tuned with results/reference-tuned-pdl), max and pow2 (~3 min)
 #   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
 #            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
+#            (tokens:active[:launch]), LB_VARIANTS (e.g. triton,triton/no-share)
 #   shrink-grid - scripts/shrink_grid.py: the shrink configs of a small grid per shape against the default (~3 min)
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
@@ -50,7 +51,8 @@ for stage in "$@"; do
                   --tuned results/reference-tuned-pdl --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
     linear-bench)
       tuned=(); [ -d results/tuned-h200 ] && tuned=(--tuned results/tuned-h200)
-      python3 scripts/linear_bench.py --max-loras "${LB_LORAS:-4}" --points "${LB_POINTS:-1:1,8:4}" "${tuned[@]}" \
+      vars=(); [ -n "${LB_VARIANTS:-}" ] && vars=(--variants "$LB_VARIANTS")
+      python3 scripts/linear_bench.py --max-loras "${LB_LORAS:-4}" --points "${LB_POINTS:-1:1,8:4}" "${tuned[@]}" "${vars[@]}" \
         --json "$OUT/linear-bench-$SECONDS.json" 2>&1 | tee -a "$OUT/linear-bench.log" ;;
     shrink-grid) python3 scripts/shrink_grid.py --json "$OUT/shrink-grid.json" 2>&1 | tee -a "$OUT/shrink-grid.log" ;;
     kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py \

@@ -1,15 +1,17 @@
 """What one LoRA linear adds after its base GEMM, per kernel design, on the GPU. (GPU only.)
 
-    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4] [--tuned DIR] [--json OUT.json]
+    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4,32:1:32] [--variants triton,triton/no-share]
+                                   [--tuned DIR] [--json OUT.json]
 
 For each Llama-2-7B LoRA linear (qkv, o, gate_up, down) and each (tokens : active adapters)
-point, one CUDA graph holds ``REPEAT`` copies of "base GEMM, then the LoRA kernels", the way a
+point (tokens : active[: launch count], the launch count defaulting to the active count), one CUDA graph holds ``REPEAT`` copies of "base GEMM, then the LoRA kernels", the way a
 decode step runs them (the GEMM is the LoRA kernel's predecessor, which is what PDL overlaps).
 Its replays are timed with CUDA events; the same graph without the LoRA kernels is the baseline,
 measured alternately with it. Per-linear overhead = (with − without) / REPEAT, and the step
 estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pair and ``fused``
-kernel, each with PDL on and off (``LORABENCH_PDL``), their ``+tuned`` configs with --tuned, and
-``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present.
+kernel, each with PDL on and off (``LORABENCH_PDL``), the pair without the shrink's program sharing
+(``LORABENCH_SHARE=0``), their ``+tuned`` configs with --tuned, and ``fused-v1`` (the previous fused
+kernel) when ``kernels/_fused_v1.py`` is present.
 The sweep (``lorabench sweep``) is what measures whole steps; this isolates one design choice.
 """
 
@@ -32,8 +34,9 @@ TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_ker
 
 
 def variants(tuned: str | None) -> dict:
-    """name -> (apply function, PDL on)."""
+    """name -> (apply function, PDL on[, shrink program sharing on])."""
     v = {"triton": (triton_lora.lora_apply, True), "triton/no-pdl": (triton_lora.lora_apply, False),
+         "triton/no-share": (triton_lora.lora_apply, True, False),
          "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False)}
     try:
         from lorabench.kernels import _fused_v1
@@ -75,7 +78,7 @@ def time_pair(g_base, g_lora) -> tuple[list[float], list[float]]:
     return base, lora
 
 
-def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0) -> dict:
+def bench_linear(name, k, slices, tokens, active, launch, max_loras, apply, pdl, share=True, seed=0) -> dict:
     dev, dt = torch.device("cuda"), torch.float16
     gen = torch.Generator(device=dev).manual_seed(seed)
     n = sum(slices)
@@ -90,6 +93,7 @@ def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0)
     slots = fixed_batch(tokens, active, max_loras, random.Random(seed))
     meta.load(meta.pack(slots)[0])
     os.environ["LORABENCH_PDL"] = "1" if pdl else "0"
+    os.environ["LORABENCH_SHARE"] = "1" if share else "0"
 
     def base():
         for _ in range(REPEAT):
@@ -99,7 +103,7 @@ def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0)
         scratch.zero_()  # as the model does, once per step
         for i in range(REPEAT):
             torch.matmul(x, w.t(), out=y)
-            apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
+            apply(y, x, a, b, starts, meta.meta, launch, 0.5, scratch[i])
 
     g_base, g_lora = capture_graph(base), capture_graph(with_lora)
     tb, tl = time_pair(g_base, g_lora)
@@ -111,7 +115,7 @@ def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0)
     ref = (x @ w.t()).float() + lora_delta(x, a, b, starts, meta.meta.token_slot[:tokens], 0.5)
     err = ((y.float() - ref).norm() / ref.norm()).item()
     over = (np.median(tl) - np.median(tb)) * 1000 / REPEAT
-    return {"linear": name, "tokens": tokens, "active": active, "base_us": np.median(tb) * 1000 / REPEAT,
+    return {"linear": name, "tokens": tokens, "active": active, "launch": launch, "base_us": np.median(tb) * 1000 / REPEAT,
             "overhead_us": over, "spread_us": (np.percentile(tl, 90) - np.percentile(tl, 10)) * 1000 / REPEAT,
             "rel_err": err, "correct": err < TOLERANCE}
 
@@ -119,26 +123,31 @@ def bench_linear(name, k, slices, tokens, active, max_loras, apply, pdl, seed=0)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-loras", type=int, default=4)
-    ap.add_argument("--points", default="1:1,8:4", help="tokens:active pairs")
+    ap.add_argument("--points", default="1:1,8:4", help="tokens:active[:launch count] points")
+    ap.add_argument("--variants", default=None, help="the variants to run (default: all)")
     ap.add_argument("--tuned", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+    points = [(p[0], p[1], p[2] if len(p) > 2 else p[1]) for p in points]
     rows = []
     print(f"{torch.cuda.get_device_name()}; per-linear LoRA overhead after the base GEMM, µs "
           f"(median of {REPLAYS} replays of {REPEAT} copies); step estimate = sum × {LAYERS} layers")
-    for vname, (apply, pdl) in variants(args.tuned).items():
-        for tokens, active in points:
+    chosen = variants(args.tuned)
+    if args.variants:
+        chosen = {name: chosen[name] for name in args.variants.split(",")}
+    for vname, (apply, *flags) in chosen.items():
+        for tokens, active, launch in points:
             per = []
             for lname, (k, slices) in linears("llama-2-7b").items():
-                r = bench_linear(lname, k, slices, tokens, active, args.max_loras, apply, pdl)
+                r = bench_linear(lname, k, slices, tokens, active, launch, args.max_loras, apply, *flags)
                 per.append(r)
                 rows.append({"variant": vname, "max_loras": args.max_loras, **r})
             cells = "  ".join(f"{r['linear']} {r['overhead_us']:5.2f}±{r['spread_us']:.2f}" for r in per)
             worst = max(r["rel_err"] for r in per)
             step = sum(r["overhead_us"] for r in per) * LAYERS / 1000
             verdict = "" if worst < TOLERANCE else "  WRONG (timings of a wrong result)"
-            print(f"{vname:14s} c={tokens:<3d} n={active:<3d} {cells}  step≈{step:.3f} ms  max rel err {worst:.1e}{verdict}")
+            print(f"{vname:15s} c={tokens:<3d} n={active:<3d} L={launch:<3d} {cells}  step≈{step:.3f} ms  max rel err {worst:.1e}{verdict}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -123,6 +123,43 @@ def test_triton_shrink_configs(split_k, block_m):
     assert rel_err(h, ref) < 1e-2
 
 
+@pytest.mark.parametrize("share", ["1", "0"])
+@pytest.mark.parametrize("tokens", [8, 40])  # one token tile (batch order), several (slot-sorted)
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_shrink_shares_idle_programs_at_every_active_count(monkeypatch, share, tokens, split_k):
+    """A shrink launched for 8 slots serves 0..8 active ones; with sharing on, the programs of the
+    slots that are not active split the active slots' K further (more parts than K blocks
+    included): the intermediate is the reference's at every active count, base tokens stay zero."""
+    monkeypatch.setenv("LORABENCH_SHARE", share)
+    launch, k = 8, 256
+    g = torch.Generator().manual_seed(tokens + split_k)
+    x = torch.randn(tokens, k, generator=g).to(DEVICE, torch.float16)
+    a = (torch.randn(launch, 32, k, generator=g) / k**0.5).to(DEVICE, torch.float16)
+    cfg = triton_lora.ShrinkConfig(block_m=16, block_n=16, block_k=32, split_k=split_k)
+    rnd = random.Random(split_k)
+    for n in range(launch + 1):
+        active = rnd.sample(range(launch), n)
+        slots = [-1 if t % 3 == 2 or not active else active[t % n] for t in range(tokens)]
+        buf = MetaBuffer(tokens, launch, DEVICE)
+        buf.load(buf.pack(slots)[0])
+        h = torch.zeros(tokens, 32, dtype=torch.float32, device=DEVICE)
+        triton_lora.lora_shrink(x, a, h, buf.meta, launch, 0.5, config=cfg)
+        idx = torch.tensor([max(s, 0) for s in slots], device=DEVICE)
+        ref = 0.5 * torch.einsum("tk,trk->tr", x.float(), a[idx].float())
+        base = torch.tensor(slots, device=DEVICE) < 0
+        ref[base] = 0
+        assert torch.equal(h[base], ref[base]), n
+        if n:
+            assert rel_err(h, ref) < 1e-2, n
+
+
+def test_shrink_shares_only_launches_of_several_slots(monkeypatch):
+    assert triton_lora.share_programs(1) == 0
+    assert triton_lora.share_programs(5) == 8 and triton_lora.share_programs(32) == 32
+    monkeypatch.setenv("LORABENCH_SHARE", "0")
+    assert triton_lora.share_programs(32) == 0
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32, 128])
 @pytest.mark.parametrize("launch", [1, 4, 32])
 def test_default_shrink_split_fits_the_shape(tokens, launch):
