@@ -8,6 +8,10 @@ out, so they are never read or written.
 shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ      split over K; fp32 atomics when split
 expand: y[t, slice s] += scratch[t, s·R:(s+1)·R] @ B[slot][slice s]ᵀ
 
+A graph captured for more slots than are active would leave the programs of the slots that are
+not active idle; instead they read the live active count and take over part of the active slots'
+work (``live_share``), so one graph set serves every count nearly as fast as specialised ones.
+
 Decode kernels are latency-bound: a launch is a chain of dependent memory round trips, so the
 kernels keep that chain short (``adapter_tile``) and, on sm90+, launch with programmatic dependent
 launch (PDL, ``pdl_enabled``): a kernel starts while its predecessor finishes, loads its weights,
@@ -211,56 +215,72 @@ def _expand_kernel(
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
     token_slot_ptr, sorted_ptr, active_ptr, start_ptr, T,  # as in the shrink
+    launch,  # the grid's adapter programs (its last axis)
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
+    num_groups,  # programs per token tile and slice on the grid's first axis
     stride_hm, stride_hn,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= R, at least 16 (tl.dot's minimum)
+    SHARE: tl.constexpr,  # power of two >= launch to share idle adapter programs (live_share); 0: off
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
 ):
+    """A slot's output tiles of one slice are dealt out to its programs (num_groups per token
+    tile, times the shares when SHARE): each loops over every P-th tile, P its programs, and
+    share 0's programs take the first num_groups tiles, so a graph with one tile per program
+    works in the programs the GPU starts first, as without sharing."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     lora_idx = tl.program_id(2)
-    n_lo, n_hi, max_slice = slice_bounds(s, n1, n2, n3)
-    num_n = tl.cdiv(max_slice, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    slot = tl.load(active_ptr + lora_idx)
-    rows, m_mask, idle = adapter_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
+    n_lo, n_hi, _ = slice_bounds(s, n1, n2, n3)
+    pid_m = pid // num_groups
+    group = pid % num_groups
+    if SHARE:
+        entry, slot, share, shares = live_share(lora_idx, active_ptr, launch, SHARE)
+    else:
+        entry, slot, share, shares = lora_idx, tl.load(active_ptr + lora_idx), 0, 1
+    rows, m_mask, idle = adapter_tile(pid_m, entry, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
                                       BLOCK_M, SORTED, USE_PDL)
-    if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
+    if idle:
         pdl_wait(USE_PDL)
         return
 
-    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_hi
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-        mask=n_mask[None, :] & r_mask[:, None],
-        other=0.0,
-    )
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
+    y_base = y_ptr + rows[:, None] * stride_ym
+    programs = num_groups * shares
+    first = share * num_groups + group  # share 0 (the first programs the GPU starts) first
+    # The first B tile loads before the wait (a tile past the slice is all masked); each later one
+    # is prefetched by the previous iteration. Every load of h and y stays after the wait: a loop
+    # the compiler pipelines would hoist a first-iteration load of them above a wait inside it.
+    offs_n = n_lo + first * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.load(b_base + offs_n[None, :] * stride_bn, mask=(offs_n < n_hi)[None, :] & r_mask[:, None], other=0.0)
     pdl_wait(USE_PDL)
     h = tl.load(
         h_ptr + rows[:, None] * stride_hm + (s * R + offs_r)[None, :] * stride_hn,
         mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
-    if UPCAST:
-        acc = tl.dot(h, b.to(tl.float32))
-    else:
-        acc = tl.dot(h.to(b.dtype), b)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    for tile in range(first, tl.cdiv(n_hi - n_lo, BLOCK_N), programs):
+        offs_n = n_lo + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_hi
+        if UPCAST:
+            acc = tl.dot(h, b.to(tl.float32))
+        else:
+            acc = tl.dot(h.to(b.dtype), b)
+        y_ptrs = y_base + offs_n[None, :] * stride_yn
+        mask = m_mask[:, None] & n_mask[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        offs_next = offs_n + programs * BLOCK_N
+        b = tl.load(b_base + offs_next[None, :] * stride_bn, mask=(offs_next < n_hi)[None, :] & r_mask[:, None],
+                    other=0.0)
 
 
 @dataclass(frozen=True)
@@ -279,6 +299,7 @@ class ExpandConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    tiles_n: int = 1  # output tiles per program (a launch has tiles_n times fewer programs)
 
 
 SEARCH_SPACE = {  # what `lorabench tune` tries, per op
@@ -299,7 +320,9 @@ def shape_key(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: 
 
 
 def default_config(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
-    return shrink_config(tokens, k_in, n_out, launch) if op == "shrink" else expand_config(tokens, n_out)
+    if op == "shrink":
+        return shrink_config(tokens, k_in, n_out, launch)
+    return expand_config(tokens, n_out, slices, launch)
 
 
 def config_for(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
@@ -351,13 +374,25 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     return ShrinkConfig(block_m, block_n, 64, split_k, num_stages=3)
 
 
-def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
-    return ExpandConfig(_block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice))))
+EXPAND_PROGRAMS = 2048  # a launch past this many programs gives each program several output tiles
+
+
+def expand_config(tokens: int, n_max_slice: int, slices: int = 1, launch: int = 1) -> ExpandConfig:
+    """Default expand tiling: 128-wide output tiles, one per program, until a launch would exceed
+    ``EXPAND_PROGRAMS`` programs. A graph captured for many slots mostly serves fewer: its programs
+    of slots that are not active only start and exit, and the GPU launches them all; with fewer
+    programs, each loops over more tiles, and programs of slots that are not active take over
+    tiles of the active ones (``live_share``)."""
+    block_m, block_n = _block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice)))
+    programs = triton.cdiv(tokens, block_m) * triton.cdiv(n_max_slice, block_n) * slices * launch
+    tiles_n = min(triton.next_power_of_2(triton.cdiv(programs, EXPAND_PROGRAMS)), triton.cdiv(n_max_slice, block_n))
+    return ExpandConfig(block_m, block_n, tiles_n=tiles_n)
 
 
 def share_programs(launch_count: int) -> int:
-    """The shrink's SHARE: with more than one adapter program, the programs of slots that are not
-    active split the active slots' K further (``live_share``), unless ``LORABENCH_SHARE=0``."""
+    """Both kernels' SHARE: with more than one adapter program, the programs of slots that are not
+    active take over work of the active ones (``live_share``): the shrink's split K, the expand's
+    output tiles. ``LORABENCH_SHARE=0`` switches it off (for A/B runs)."""
     if launch_count <= 1 or os.environ.get("LORABENCH_SHARE", "1") == "0":
         return 0
     return triton.next_power_of_2(launch_count)
@@ -397,15 +432,17 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     tokens = y.shape[0]
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
-    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
+    groups = triton.cdiv(triton.cdiv(widest, cfg.block_n), cfg.tiles_n)
+    grid = (triton.cdiv(tokens, cfg.block_m) * groups, num_slices, launch_count)
     pdl = pdl_enabled(y.device)
     _expand_kernel[grid](
         h, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start, tokens,
-        rank, *bounds,
+        launch_count, rank, *bounds, groups,
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        SHARE=share_programs(launch_count),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),

@@ -153,6 +153,48 @@ def test_shrink_shares_idle_programs_at_every_active_count(monkeypatch, share, t
             assert rel_err(h, ref) < 1e-2, n
 
 
+@pytest.mark.parametrize("share", ["1", "0"])
+@pytest.mark.parametrize("tokens", [8, 40])
+@pytest.mark.parametrize("tiles_n", [1, 2, 8])
+def test_expand_shares_tiles_at_every_active_count(monkeypatch, share, tokens, tiles_n):
+    """An expand launched for 8 slots, each program looping over ``tiles_n`` output tiles (more
+    than a slice has included), serves 0..8 active slots of two slices of unequal width exactly:
+    adapter rows get the reference's update, base rows are untouched."""
+    monkeypatch.setenv("LORABENCH_SHARE", share)
+    launch, rank, slice_sizes = 8, 16, (96, 64)
+    starts = (0, 96, 160)
+    g = torch.Generator().manual_seed(tokens + tiles_n)
+    h = torch.randn(tokens, 2 * rank, generator=g).to(DEVICE)
+    b = torch.randn(launch, sum(slice_sizes), rank, generator=g).to(DEVICE, torch.float16)
+    y = torch.randn(tokens, sum(slice_sizes), generator=g).to(DEVICE, torch.float16)
+    cfg = triton_lora.ExpandConfig(block_m=16, block_n=16, tiles_n=tiles_n)
+    rnd = random.Random(tiles_n)
+    for n in range(launch + 1):
+        active = rnd.sample(range(launch), n)
+        slots = [-1 if t % 3 == 2 or not active else active[t % n] for t in range(tokens)]
+        buf = MetaBuffer(tokens, launch, DEVICE)
+        buf.load(buf.pack(slots)[0])
+        out = y.clone()
+        triton_lora.lora_expand(h, b, out, starts, buf.meta, launch, config=cfg)
+        ref = y.float().clone()
+        for t, slot in enumerate(slots):
+            if slot >= 0:
+                for i in range(2):
+                    lo, hi = starts[i], starts[i + 1]
+                    ref[t, lo:hi] += b[slot, lo:hi].float() @ h[t, i * rank:(i + 1) * rank].half().float()
+        base = torch.tensor(slots, device=DEVICE) < 0
+        assert torch.equal(out[base], y[base]), n
+        assert rel_err(out, ref) < 1e-2, n
+
+
+def test_default_expand_loops_over_tiles_only_for_large_launches():
+    """One output tile per program up to EXPAND_PROGRAMS programs, then fewer programs."""
+    assert triton_lora.expand_config(8, 11008, 2, 4).tiles_n == 1  # 86 x 2 x 4 = 688 programs
+    big = triton_lora.expand_config(32, 11008, 2, 32)  # 86 x 2 x 32 = 5504
+    assert big.tiles_n > 1 and 86 * 2 * 32 / big.tiles_n <= triton_lora.EXPAND_PROGRAMS
+    assert triton_lora.expand_config(1, 16, 1, 128).tiles_n == 1  # no more tiles than the slice has
+
+
 def test_shrink_shares_only_launches_of_several_slots(monkeypatch):
     assert triton_lora.share_programs(1) == 0
     assert triton_lora.share_programs(5) == 8 and triton_lora.share_programs(32) == 32
