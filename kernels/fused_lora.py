@@ -83,9 +83,8 @@ def _fused_kernel(
     pid_sk = pid % SPLIT_K
     pid_n = (pid // SPLIT_K) % num_n
     pid_m = (pid // SPLIT_K) // num_n
-    slot = tl.load(active_ptr + lora_idx)
-    rows, m_mask, idle = adapter_tile(pid_m, lora_idx, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
-                                      BLOCK_M, SORTED, USE_PDL)
+    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                            BLOCK_M, SORTED, USE_PDL)
     if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return

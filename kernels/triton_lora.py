@@ -8,10 +8,6 @@ out, so they are never read or written.
 shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ      split over K; fp32 atomics when split
 expand: y[t, slice s] += scratch[t, s·R:(s+1)·R] @ B[slot][slice s]ᵀ
 
-A graph captured for more slots than are active would leave the programs of the slots that are
-not active idle; instead they read the live active count and take over part of the active slots'
-work (``live_share``), so one graph set serves every count nearly as fast as specialised ones.
-
 Decode kernels are latency-bound: a launch is a chain of dependent memory round trips, so the
 kernels keep that chain short (``adapter_tile``) and, on sm90+, launch with programmatic dependent
 launch (PDL, ``pdl_enabled``): a kernel starts while its predecessor finishes, loads its weights,
@@ -72,19 +68,19 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def adapter_tile(pid_m, lora_idx, slot, tokens, token_slot_ptr, sorted_ptr, start_ptr,
+def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
                  BLOCK_M: tl.constexpr, SORTED: tl.constexpr, USE_PDL: tl.constexpr):
-    """What program (pid_m, adapter lora_idx) of slot ``slot`` (``active_ptr[lora_idx]``, loaded by
-    the caller so that its load is in flight with this one's) serves: the rows (int64) and mask of
-    its token tile ``pid_m``, and whether it is idle (slot -1, or none of the slot's tokens in the
-    tile). Under PDL it also lets the next kernel launch now, so every caller must ``pdl_wait``
-    before it writes and before it exits.
+    """What program (pid_m, adapter lora_idx) serves: its slot (``active_ptr[lora_idx]``), the rows
+    (int64) and mask of its token tile ``pid_m``, and whether it is idle (slot -1, or none of the
+    slot's tokens in the tile). Under PDL it also lets the next kernel launch now, so every caller
+    must ``pdl_wait`` before it writes and before it exits.
 
     SORTED: the tile is entries [pid_m·BLOCK_M, +BLOCK_M) of the slot's range of ``sorted_ptr``,
     which takes two dependent loads after the slot's (the range, then the rows). Otherwise the tile
     is tokens [pid_m·BLOCK_M, +BLOCK_M) in batch order with the mask ``token_slot == slot``: one load,
     issued alongside the slot's. Launchers use it when one tile holds the whole batch (decode),
     where it saves a round trip; for many tiles every adapter would scan them all."""
+    slot = tl.load(active_ptr + lora_idx)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if SORTED:
         start = tl.load(start_ptr + lora_idx)
@@ -97,24 +93,7 @@ def adapter_tile(pid_m, lora_idx, slot, tokens, token_slot_ptr, sorted_ptr, star
     if USE_PDL:  # the next kernel (the expand, or the base op that consumes y) may launch now
         tl.extra.cuda.gdc_launch_dependents()
     idle = (slot < 0) | (tl.max(mask.to(tl.int32), axis=0) == 0)
-    return rows.to(tl.int64), mask, idle
-
-
-@triton.jit
-def live_share(lora_idx, active_ptr, launch, LAUNCH_P2: tl.constexpr):
-    """Count-agnostic work sharing for a grid of ``launch`` adapter programs: with n active slots
-    (the entries of ``active_ptr[:launch]`` that are not -1, read at run time), program ``lora_idx``
-    serves active entry ``lora_idx % n`` as share ``lora_idx // n`` of ``launch // n`` (the rest
-    idle). Returns (entry, slot, share, shares); one load, of the whole active list.
-    A graph captured for more slots than are active thus puts its idle programs to work."""
-    idx = tl.arange(0, LAUNCH_P2)
-    live = tl.load(active_ptr + idx, mask=idx < launch, other=-1)
-    n = tl.maximum(tl.sum((live >= 0).to(tl.int32), axis=0), 1)
-    entry = lora_idx % n
-    share = lora_idx // n
-    shares = launch // n
-    slot = tl.sum(tl.where(idx == entry, live, 0), axis=0)
-    return entry, tl.where(share < shares, slot, -1), share, shares
+    return slot, rows.to(tl.int64), mask, idle
 
 
 def sorted_tiles(tokens: int, block_m: int) -> bool:
@@ -126,7 +105,7 @@ def sorted_tiles(tokens: int, block_m: int) -> bool:
 def _shrink_kernel(
     x_ptr,  # [T, K] input activations
     a_ptr,  # [L, N, K] stacked A weights, N = slices · rank
-    out_ptr,  # [T, N] float32 scratch; must be zero when SPLIT_K > 1 or SHARE
+    out_ptr,  # [T, N] float32 scratch; must be zero when SPLIT_K > 1
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
@@ -134,7 +113,6 @@ def _shrink_kernel(
     T,  # tokens in the batch
     K,  # input features
     N,  # slices · rank
-    launch,  # the grid's adapter programs (its last axis)
     stride_xm, stride_xk,
     stride_al, stride_an, stride_ak,
     stride_om, stride_on,
@@ -143,7 +121,6 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,  # rank columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a strided part of K
-    SHARE: tl.constexpr,  # power of two >= launch to share idle adapter programs (live_share); 0: off
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched: let the expand launch now, wait before writing
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
@@ -154,15 +131,9 @@ def _shrink_kernel(
     pid_sk = pid % SPLIT_K
     pid_m = (pid // SPLIT_K) // num_n
     pid_n = (pid // SPLIT_K) % num_n
-    if SHARE:  # K split SPLIT_K · shares ways among the programs of one active slot
-        entry, slot, share, shares = live_share(lora_idx, active_ptr, launch, SHARE)
-        part = share * SPLIT_K + pid_sk
-        parts = shares * SPLIT_K
-    else:
-        entry, slot, part, parts = lora_idx, tl.load(active_ptr + lora_idx), pid_sk, SPLIT_K
-    rows, m_mask, idle = adapter_tile(pid_m, entry, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
-                                      BLOCK_M, SORTED, USE_PDL)
-    if idle | (part * BLOCK_K >= K):
+    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                            BLOCK_M, SORTED, USE_PDL)
+    if idle:
         pdl_wait(USE_PDL)
         return
 
@@ -171,7 +142,7 @@ def _shrink_kernel(
     a_base = a_ptr + slot.to(tl.int64) * stride_al
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(part * BLOCK_K, K, parts * BLOCK_K):
+    for k0 in range(pid_sk * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(
@@ -193,9 +164,7 @@ def _shrink_kernel(
     pdl_wait(USE_PDL)
     out = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = m_mask[:, None] & n_mask[None, :]
-    if SHARE:  # shared programs add their parts
-        tl.atomic_add(out, acc, mask=mask)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         tl.store(out, acc, mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
@@ -215,72 +184,55 @@ def _expand_kernel(
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
     token_slot_ptr, sorted_ptr, active_ptr, start_ptr, T,  # as in the shrink
-    launch,  # the grid's adapter programs (its last axis)
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
-    num_groups,  # programs per token tile and slice on the grid's first axis
     stride_hm, stride_hn,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= R, at least 16 (tl.dot's minimum)
-    SHARE: tl.constexpr,  # power of two >= launch to share idle adapter programs (live_share); 0: off
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
 ):
-    """A slot's output tiles of one slice are dealt out to its programs (num_groups per token
-    tile, times the shares when SHARE): each loops over every P-th tile, P its programs, and
-    share 0's programs take the first num_groups tiles, so a graph with one tile per program
-    works in the programs the GPU starts first, as without sharing."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     lora_idx = tl.program_id(2)
-    n_lo, n_hi, _ = slice_bounds(s, n1, n2, n3)
-    pid_m = pid // num_groups
-    group = pid % num_groups
-    if SHARE:
-        entry, slot, share, shares = live_share(lora_idx, active_ptr, launch, SHARE)
-    else:
-        entry, slot, share, shares = lora_idx, tl.load(active_ptr + lora_idx), 0, 1
-    rows, m_mask, idle = adapter_tile(pid_m, entry, slot, T, token_slot_ptr, sorted_ptr, start_ptr,
-                                      BLOCK_M, SORTED, USE_PDL)
-    if idle:
+    n_lo, n_hi, max_slice = slice_bounds(s, n1, n2, n3)
+    num_n = tl.cdiv(max_slice, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                            BLOCK_M, SORTED, USE_PDL)
+    if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return
 
+    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_hi
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    b_base = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
-    y_base = y_ptr + rows[:, None] * stride_ym
-    programs = num_groups * shares
-    first = share * num_groups + group  # share 0 (the first programs the GPU starts) first
-    # The first B tile loads before the wait (a tile past the slice is all masked); each later one
-    # is prefetched by the previous iteration. Every load of h and y stays after the wait: a loop
-    # the compiler pipelines would hoist a first-iteration load of them above a wait inside it.
-    offs_n = n_lo + first * BLOCK_N + tl.arange(0, BLOCK_N)
-    b = tl.load(b_base + offs_n[None, :] * stride_bn, mask=(offs_n < n_hi)[None, :] & r_mask[:, None], other=0.0)
+
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+        mask=n_mask[None, :] & r_mask[:, None],
+        other=0.0,
+    )
     pdl_wait(USE_PDL)
     h = tl.load(
         h_ptr + rows[:, None] * stride_hm + (s * R + offs_r)[None, :] * stride_hn,
         mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
-    for tile in range(first, tl.cdiv(n_hi - n_lo, BLOCK_N), programs):
-        offs_n = n_lo + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
-        if UPCAST:
-            acc = tl.dot(h, b.to(tl.float32))
-        else:
-            acc = tl.dot(h.to(b.dtype), b)
-        y_ptrs = y_base + offs_n[None, :] * stride_yn
-        mask = m_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
-        offs_next = offs_n + programs * BLOCK_N
-        b = tl.load(b_base + offs_next[None, :] * stride_bn, mask=(offs_next < n_hi)[None, :] & r_mask[:, None],
-                    other=0.0)
+    if UPCAST:
+        acc = tl.dot(h, b.to(tl.float32))
+    else:
+        acc = tl.dot(h.to(b.dtype), b)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -299,7 +251,6 @@ class ExpandConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    tiles_n: int = 1  # output tiles per program (a launch has tiles_n times fewer programs)
 
 
 SEARCH_SPACE = {  # what `lorabench tune` tries, per op
@@ -320,9 +271,7 @@ def shape_key(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: 
 
 
 def default_config(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
-    if op == "shrink":
-        return shrink_config(tokens, k_in, n_out, launch)
-    return expand_config(tokens, n_out, slices, launch)
+    return shrink_config(tokens, k_in, n_out, launch) if op == "shrink" else expand_config(tokens, n_out)
 
 
 def config_for(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
@@ -374,34 +323,13 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     return ShrinkConfig(block_m, block_n, 64, split_k, num_stages=3)
 
 
-EXPAND_PROGRAMS = 2048  # a launch past this many programs gives each program several output tiles
-
-
-def expand_config(tokens: int, n_max_slice: int, slices: int = 1, launch: int = 1) -> ExpandConfig:
-    """Default expand tiling: 128-wide output tiles, one per program, until a launch would exceed
-    ``EXPAND_PROGRAMS`` programs. A graph captured for many slots mostly serves fewer: its programs
-    of slots that are not active only start and exit, and the GPU launches them all; with fewer
-    programs, each loops over more tiles, and programs of slots that are not active take over
-    tiles of the active ones (``live_share``)."""
-    block_m, block_n = _block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice)))
-    programs = triton.cdiv(tokens, block_m) * triton.cdiv(n_max_slice, block_n) * slices * launch
-    tiles_n = min(triton.next_power_of_2(triton.cdiv(programs, EXPAND_PROGRAMS)), triton.cdiv(n_max_slice, block_n))
-    return ExpandConfig(block_m, block_n, tiles_n=tiles_n)
-
-
-def share_programs(launch_count: int) -> int:
-    """Both kernels' SHARE: with more than one adapter program, the programs of slots that are not
-    active take over work of the active ones (``live_share``): the shrink's split K, the expand's
-    output tiles. ``LORABENCH_SHARE=0`` switches it off (for A/B runs)."""
-    if launch_count <= 1 or os.environ.get("LORABENCH_SHARE", "1") == "0":
-        return 0
-    return triton.next_power_of_2(launch_count)
+def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
+    return ExpandConfig(_block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice))))
 
 
 def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float, config=None):
     """out[t] (+)= scale · x[t] @ lora_a[slot(t)]ᵀ for adapter tokens of the first
-    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when the K is split
-    or more than one adapter program is launched (both add partial sums)."""
+    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split."""
     tokens, k = x.shape
     n = lora_a.shape[1]
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
@@ -409,13 +337,12 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     pdl = pdl_enabled(x.device)
     _shrink_kernel[grid](
         x, lora_a, out, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        tokens, k, n, launch_count,
+        tokens, k, n,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        SHARE=share_programs(launch_count),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
@@ -432,17 +359,15 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     tokens = y.shape[0]
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
-    groups = triton.cdiv(triton.cdiv(widest, cfg.block_n), cfg.tiles_n)
-    grid = (triton.cdiv(tokens, cfg.block_m) * groups, num_slices, launch_count)
+    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
     pdl = pdl_enabled(y.device)
     _expand_kernel[grid](
         h, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start, tokens,
-        launch_count, rank, *bounds, groups,
+        rank, *bounds,
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        SHARE=share_programs(launch_count),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
@@ -451,8 +376,8 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
 
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
     """Shrink then expand into ``y`` in place. ``scratch`` is a float32 [>=T, >=S·R] buffer;
-    when the shrink splits K or shares programs it must be zero on entry (the model zeroes all its
-    scratch once per step). Without one, a zeroed buffer is allocated (not allowed inside graph capture)."""
+    when the shrink splits K it must be zero on entry (the model zeroes all its scratch once per
+    step). Without one, a zeroed buffer is allocated (not allowed inside graph capture)."""
     if launch_count <= 0:
         return
     tokens = x.shape[0]

@@ -24,7 +24,7 @@
 #            vllm (default and +tuned with results/reference-tuned-pdl), max and pow2 (~3 min)
 #   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
 #            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
-#            (tokens:active[:launch]), LB_VARIANTS (e.g. triton,triton/no-share)
+#            (tokens:active[:launch]), LB_VARIANTS (e.g. triton,fused)
 #   shrink-grid - scripts/shrink_grid.py: the shrink configs of a small grid per shape against the default (~3 min)
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).

@@ -1,6 +1,6 @@
 """What one LoRA linear adds after its base GEMM, per kernel design, on the GPU. (GPU only.)
 
-    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4,32:1:32] [--variants triton,triton/no-share]
+    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4,32:1:32] [--variants triton,fused]
                                    [--tuned DIR] [--json OUT.json]
 
 For each Llama-2-7B LoRA linear (qkv, o, gate_up, down) and each (tokens : active adapters)
@@ -9,9 +9,8 @@ decode step runs them (the GEMM is the LoRA kernel's predecessor, which is what 
 Its replays are timed with CUDA events; the same graph without the LoRA kernels is the baseline,
 measured alternately with it. Per-linear overhead = (with − without) / REPEAT, and the step
 estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pair and ``fused``
-kernel, each with PDL on and off (``LORABENCH_PDL``), the pair without the shrink's program sharing
-(``LORABENCH_SHARE=0``), their ``+tuned`` configs with --tuned, and ``fused-v1`` (the previous fused
-kernel) when ``kernels/_fused_v1.py`` is present.
+kernel, each with PDL on and off (``LORABENCH_PDL``), their ``+tuned`` configs with --tuned, and
+``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present.
 The sweep (``lorabench sweep``) is what measures whole steps; this isolates one design choice.
 """
 
@@ -34,9 +33,8 @@ TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_ker
 
 
 def variants(tuned: str | None) -> dict:
-    """name -> (apply function, PDL on[, shrink program sharing on])."""
+    """name -> (apply function, PDL on)."""
     v = {"triton": (triton_lora.lora_apply, True), "triton/no-pdl": (triton_lora.lora_apply, False),
-         "triton/no-share": (triton_lora.lora_apply, True, False),
          "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False)}
     try:
         from lorabench.kernels import _fused_v1
@@ -78,7 +76,7 @@ def time_pair(g_base, g_lora) -> tuple[list[float], list[float]]:
     return base, lora
 
 
-def bench_linear(name, k, slices, tokens, active, launch, max_loras, apply, pdl, share=True, seed=0) -> dict:
+def bench_linear(name, k, slices, tokens, active, launch, max_loras, apply, pdl, seed=0) -> dict:
     dev, dt = torch.device("cuda"), torch.float16
     gen = torch.Generator(device=dev).manual_seed(seed)
     n = sum(slices)
@@ -93,7 +91,6 @@ def bench_linear(name, k, slices, tokens, active, launch, max_loras, apply, pdl,
     slots = fixed_batch(tokens, active, max_loras, random.Random(seed))
     meta.load(meta.pack(slots)[0])
     os.environ["LORABENCH_PDL"] = "1" if pdl else "0"
-    os.environ["LORABENCH_SHARE"] = "1" if share else "0"
 
     def base():
         for _ in range(REPEAT):
@@ -136,11 +133,11 @@ def main() -> None:
     chosen = variants(args.tuned)
     if args.variants:
         chosen = {name: chosen[name] for name in args.variants.split(",")}
-    for vname, (apply, *flags) in chosen.items():
+    for vname, (apply, pdl) in chosen.items():
         for tokens, active, launch in points:
             per = []
             for lname, (k, slices) in linears("llama-2-7b").items():
-                r = bench_linear(lname, k, slices, tokens, active, launch, args.max_loras, apply, *flags)
+                r = bench_linear(lname, k, slices, tokens, active, launch, args.max_loras, apply, pdl)
                 per.append(r)
                 rows.append({"variant": vname, "max_loras": args.max_loras, **r})
             cells = "  ".join(f"{r['linear']} {r['overhead_us']:5.2f}±{r['spread_us']:.2f}" for r in per)
