@@ -3,9 +3,10 @@
     python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4,32:1:32] [--variants triton,fused]
                                    [--tuned DIR] [--json OUT.json]
 
-For each Llama-2-7B LoRA linear (qkv, o, gate_up, down) and each (tokens : active adapters)
-point (tokens : active[: launch count], the launch count defaulting to the active count), one CUDA graph holds ``REPEAT`` copies of "base GEMM, then the LoRA kernels", the way a
-decode step runs them (the GEMM is the LoRA kernel's predecessor, which is what PDL overlaps).
+For each Llama-2-7B LoRA linear (qkv, o, gate_up, down) and each point (tokens : active adapters
+[: launch count, by default the active count; more launched than active is what a graph captured
+for more slots runs]), one CUDA graph holds ``REPEAT`` copies of "base GEMM, then the LoRA kernels",
+the way a decode step runs them (the GEMM is the LoRA kernel's predecessor, which is what PDL overlaps).
 Its replays are timed with CUDA events; the same graph without the LoRA kernels is the baseline,
 measured alternately with it. Per-linear overhead = (with − without) / REPEAT, and the step
 estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pair and ``fused``
@@ -127,12 +128,17 @@ def main() -> None:
     args = ap.parse_args()
     points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
     points = [(p[0], p[1], p[2] if len(p) > 2 else p[1]) for p in points]
+    if any(launch < active for _, active, launch in points):
+        ap.error("a point's launch count must be at least its active count")
+    chosen = variants(args.tuned)
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(chosen)
+        if unknown:
+            ap.error(f"unknown variants {sorted(unknown)}; known: {', '.join(chosen)}")
+        chosen = {name: chosen[name] for name in args.variants.split(",")}
     rows = []
     print(f"{torch.cuda.get_device_name()}; per-linear LoRA overhead after the base GEMM, µs "
           f"(median of {REPLAYS} replays of {REPEAT} copies); step estimate = sum × {LAYERS} layers")
-    chosen = variants(args.tuned)
-    if args.variants:
-        chosen = {name: chosen[name] for name in args.variants.split(",")}
     for vname, (apply, pdl) in chosen.items():
         for tokens, active, launch in points:
             per = []
