@@ -126,8 +126,13 @@ def main() -> None:
     ap.add_argument("--tuned", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
-    points = [(p[0], p[1], p[2] if len(p) > 2 else p[1]) for p in points]
+    points = []
+    for p in args.points.split(","):
+        fields = p.split(":")
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
+            ap.error(f"point {p!r} is not tokens:active[:launch count]")
+        tokens, active, *launch = (int(f) for f in fields)
+        points.append((tokens, active, launch[0] if launch else active))
     if any(launch < active for _, active, launch in points):
         ap.error("a point's launch count must be at least its active count")
     chosen = variants(args.tuned)
