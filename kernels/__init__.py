@@ -17,49 +17,41 @@ Weight layout (one tensor each, per LoRA linear):
 """
 
 import importlib
-from typing import NamedTuple
-
-import torch
-
-
-class LoRAMeta(NamedTuple):
-    """Per-step batch metadata, as device tensors (views of one packed int32 buffer).
-
-    token_slot:   [T]           slot of every token, -1 for base-model tokens
-    sorted_tokens:[T]           indices of adapter tokens grouped by active slot
-    active_slots: [max_loras]   distinct slots of the batch's adapter tokens, padded with -1
-    slot_start:   [max_loras+1] where each active slot's tokens begin in sorted_tokens
-    """
-
-    token_slot: torch.Tensor
-    sorted_tokens: torch.Tensor
-    active_slots: torch.Tensor
-    slot_start: torch.Tensor
-
+from dataclasses import dataclass
 
 SUPPORTED_RANKS = (8, 16, 32, 64)
-SUPPORTED_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = ("float16", "bfloat16", "float32")  # torch dtype names the kernels take
 MAX_SLICES = 3
 
 
+@dataclass(frozen=True)
+class Backend:
+    """A kernel backend: one module of this package with ``lora_apply(y, x, lora_a, lora_b,
+    slice_starts, meta, launch_count, scale, scratch)`` and ``NEEDS_ZEROED_SCRATCH`` (optionally
+    ``LETS_CONSUMER_LAUNCH``: its kernels let the next kernel launch early, so the model
+    PDL-launches the base ops)."""
+
+    name: str
+    module: str
+    triton: bool  # Triton kernels: compiled on a GPU, run by Triton's interpreter on the CPU
+    tunable: bool  # `lorabench tune` writes configs for it
+    doc: str
+
+
+# What sweeps measure, in report order. ``vllm`` wraps vLLM's own ops and takes vLLM's metadata
+# (``lorabench.runtime.vllm_rules``) instead of ``LoRAMeta``.
+BACKENDS = {b.name: b for b in (
+    Backend("triton", "triton_lora", triton=True, tunable=True, doc="lorabench's shrink + expand"),
+    Backend("fused", "fused_lora", triton=True, tunable=True, doc="lorabench's one launch per LoRA linear"),
+    Backend("torch", "torch_lora", triton=False, tunable=False, doc="the grid semantics in torch ops"),
+    Backend("vllm", "vllm_lora", triton=True, tunable=True, doc="vLLM's own shrink + expand"),
+)}
+
+
 def get_backend(name: str):
-    """A kernel backend: one module with ``lora_apply(y, x, lora_a, lora_b, slice_starts, meta,
-    launch_count, scale, scratch)`` and ``NEEDS_ZEROED_SCRATCH`` (optionally ``LETS_CONSUMER_LAUNCH``:
-    its kernels let the next kernel launch early, so the model PDL-launches the base ops). ``reference`` is the ground
-    truth (it ignores the launch count), the others are what sweeps measure: ``triton`` (shrink
-    + expand), ``fused`` (one launch per LoRA linear), ``torch``, and ``vllm``, which wraps
-    vLLM's own ops and takes vLLM's metadata (``lorabench.vllm_rules``) instead of ``LoRAMeta``."""
-    if name not in BACKENDS + ("reference",):
+    """A backend's module; ``reference`` is the ground truth (it ignores the launch count)."""
+    if name == "reference":
+        return importlib.import_module(".reference", __name__)
+    if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r} (choose from {', '.join(BACKENDS)})")
-    return importlib.import_module(f".{name}_lora" if name != "reference" else ".reference", __name__)
-
-
-BACKENDS = ("triton", "fused", "torch", "vllm")
-TUNABLE = ("triton", "fused", "vllm")  # backends `lorabench tune` writes configs for
-TUNED = "+tuned"  # "fused+tuned": a backend run with the configs of a sweep's --tuned DIR
-
-
-def backend_of(kernels: str) -> str:
-    """The backend a kernels label runs: ``fused+tuned`` -> ``fused``."""
-    return kernels.removesuffix(TUNED)
-TRITON_BACKENDS = ("triton", "fused", "vllm")  # compiled on the GPU, run by Triton's interpreter on the CPU
+    return importlib.import_module("." + BACKENDS[name].module, __name__)

@@ -27,21 +27,27 @@ B tile load together (B is issued before the K loop). On sm90+ the kernel is lau
 (see ``triton_lora``): it starts while the base GEMM before it finishes and waits only before it
 updates y, the GEMM's output; it lets its consumer launch at once.
 
-Measured on an H200 (BENCHMARKS.md, issue 4) the shrink + expand pair with PDL beats it at every
+Measured on an H200 (BENCHMARKS.md) the shrink + expand pair with PDL beats it at every
 point, one adapter included: what this kernel pays is the A re-reads and the atomics, not latency.
 """
 
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import MAX_SLICES, LoRAMeta
-from .triton_lora import adapter_tile, pdl_enabled, pdl_launch, pdl_wait, slice_bounds, sorted_tiles
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 dots upcast there (see triton_lora)
+from . import MAX_SLICES
+from .meta import LoRAMeta
+from .triton_lora import (  # noqa: F401 (pdl_enabled: the worker's pdl column)
+    INTERPRET,
+    adapter_tile,
+    pdl_enabled,
+    pdl_launch,
+    pdl_wait,
+    slice_bounds,
+    sorted_tiles,
+)
 
 NEEDS_ZEROED_SCRATCH = False
 LETS_CONSUMER_LAUNCH = True  # see triton_lora
@@ -150,7 +156,7 @@ SEARCH_SPACE = {  # what `lorabench tune` tries for this kernel
 }
 
 # Tuned configs, keyed by shape: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
-TUNED: dict[tuple, FusedConfig] = {}
+TUNED_CONFIGS: dict[tuple, FusedConfig] = {}
 
 
 def shape_key(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> tuple:
@@ -172,19 +178,19 @@ def config_for(tokens: int, k: int, widest: int, rank: int, slices: int, launch:
     (nearest token bucket, then nearest launch count; ties go to the larger), else the default.
     The key is the launch count, not the active count: a graph's config is fixed at capture, so
     an agnostic graph of grid 8 runs the config tuned for 8 launched slots whatever n is."""
-    same = [key for key in TUNED if key[1:5] == (k, widest, rank, slices)]
+    same = [key for key in TUNED_CONFIGS if key[1:5] == (k, widest, rank, slices)]
     if not same:
         return default_config(tokens, k, widest, rank, slices, launch)
     best = min(same, key=lambda key: (abs(key[0] - tokens), -key[0], abs(key[5] - launch), -key[5]))  # ties: the larger
-    return TUNED[best]
+    return TUNED_CONFIGS[best]
 
 
 def load_tuned(entries: list[dict]) -> None:
     """Install tuned entries (``{"shape": [...], "config": {...}}``, as ``lorabench tune`` writes)."""
-    TUNED.clear()
+    TUNED_CONFIGS.clear()
     for e in entries:
         if e.get("kernel", "fused") == "fused":
-            TUNED[tuple(e["shape"])] = FusedConfig(**e["config"])
+            TUNED_CONFIGS[tuple(e["shape"])] = FusedConfig(**e["config"])
 
 
 def config_dict(cfg: FusedConfig) -> dict:
@@ -218,6 +224,6 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and y.dtype == torch.bfloat16,  # bf16 dots upcast in the interpreter (see triton_lora)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

@@ -6,7 +6,7 @@ what the batch *should* get whatever graph serves it. Math in float32.
 
 import torch
 
-from . import LoRAMeta
+from .meta import LoRAMeta
 
 NEEDS_ZEROED_SCRATCH = False
 

@@ -7,7 +7,7 @@ served only if its slot is among ``active_slots[:launch_count]``, exactly like t
 
 import torch
 
-from . import LoRAMeta
+from .meta import LoRAMeta
 
 NEEDS_ZEROED_SCRATCH = False
 

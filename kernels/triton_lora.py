@@ -24,11 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import MAX_SLICES, LoRAMeta
+from . import MAX_SLICES
+from .meta import LoRAMeta
 
 # Triton's CPU interpreter returns garbage from tl.dot on bf16 operands (exact on fp16 and fp32),
 # so under the interpreter bf16 tiles are upcast to fp32 before the dot. GPU code is unaffected.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The shrink splits K with fp32 atomics, so its output buffer must start at zero.
 NEEDS_ZEROED_SCRATCH = True
@@ -47,7 +48,7 @@ def _sm90_or_newer(index: int) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether lorabench's Triton kernels launch with programmatic dependent launch on ``device``:
     CUDA sm90 or newer, not the interpreter, and not switched off with ``LORABENCH_PDL=0``."""
-    if _INTERPRET or device.type != "cuda" or os.environ.get("LORABENCH_PDL", "1") == "0":
+    if INTERPRET or device.type != "cuda" or os.environ.get("LORABENCH_PDL", "1") == "0":
         return False
     return _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -261,7 +262,7 @@ SEARCH_SPACE = {  # what `lorabench tune` tries, per op
 CONFIGS = {"shrink": ShrinkConfig, "expand": ExpandConfig}
 
 # Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``, kernels triton+tuned).
-TUNED: dict[tuple, ShrinkConfig | ExpandConfig] = {}
+TUNED_CONFIGS: dict[tuple, ShrinkConfig | ExpandConfig] = {}
 
 
 def shape_key(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int) -> tuple:
@@ -277,19 +278,19 @@ def default_config(op: str, tokens: int, k_in: int, n_out: int, slices: int, lau
 def config_for(op: str, tokens: int, k_in: int, n_out: int, slices: int, launch: int):
     """The tuned config of the nearest tuned shape with the same op and sizes (nearest token
     bucket, then nearest launch count; ties go to the larger), else the default."""
-    same = [key for key in TUNED if (key[0], *key[2:5]) == (op, k_in, n_out, slices)]
+    same = [key for key in TUNED_CONFIGS if (key[0], *key[2:5]) == (op, k_in, n_out, slices)]
     if not same:
         return default_config(op, tokens, k_in, n_out, slices, launch)
     best = min(same, key=lambda key: (abs(key[1] - tokens), -key[1], abs(key[5] - launch), -key[5]))
-    return TUNED[best]
+    return TUNED_CONFIGS[best]
 
 
 def load_tuned(entries: list[dict]) -> None:
     """Install the triton entries of a tune (``{"kernel": "triton", "shape": [...], "config": {...}}``)."""
-    TUNED.clear()
+    TUNED_CONFIGS.clear()
     for e in entries:
         if e.get("kernel") == "triton":
-            TUNED[tuple(e["shape"])] = CONFIGS[e["shape"][0]](**e["config"])
+            TUNED_CONFIGS[tuple(e["shape"])] = CONFIGS[e["shape"][0]](**e["config"])
 
 
 def _block_m(tokens: int) -> int:
@@ -311,7 +312,7 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     usually serves fewer active ones, whose programs then carry the step: there the tiling stays
     the earlier default (block_k 128, K in ~256-wide parts up to 32, 4 warps, 2 stages), which
     measured faster in the step at 32 slots than the tiling the isolated grid favoured (64 / 16 /
-    2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, issue 4, "Third session";
+    2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, "How the kernels got there";
     scripts/shrink_grid.py)."""
     block_m, block_n = _block_m(tokens), min(64, max(16, triton.next_power_of_2(n)))
     if tokens > 64:
@@ -344,7 +345,7 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 
@@ -369,7 +370,7 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=_INTERPRET and y.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 

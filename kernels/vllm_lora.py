@@ -24,7 +24,7 @@ NEEDS_ZEROED_SCRATCH = False  # vLLM's shrink zeroes its own buffer
 
 INSTALL_HINT = (
     "--kernels vllm needs vLLM's LoRA ops: pip install 'lorabench[vllm]' "
-    "(on a machine without a package index, see ../shared/tools/vllm-gpu-bundle.sh)"
+    "(on a machine without a package index, scripts/vllm-bundle.sh packs its files)"
 )
 
 
@@ -51,7 +51,11 @@ def load_ops():
     flags = _torch_flags()
     try:
         if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-            from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
+            from vllm.lora.ops.triton_ops import (
+                LoRAKernelMeta,
+                lora_expand,
+                lora_shrink,
+            )
         else:
             LoRAKernelMeta, lora_expand, lora_shrink = _import_for_interpreter()
         import vllm
@@ -91,12 +95,15 @@ def _import_for_interpreter():
     vLLM turns Triton off when no GPU driver is active and pins host memory it cannot pin, so
     its import sees an active driver and its host staging is left unpinned. The kernels and
     their launch code are untouched; on a GPU nothing here runs."""
-    from unittest import mock
-
     from triton.backends import backends
 
-    with mock.patch.object(backends["nvidia"].driver, "is_active", lambda: True):
+    driver = backends["nvidia"].driver
+    is_active = driver.is_active
+    driver.is_active = lambda: True
+    try:
         from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
+    finally:
+        driver.is_active = is_active
     import vllm.utils.torch_utils
 
     vllm.utils.torch_utils.PIN_MEMORY = False

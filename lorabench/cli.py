@@ -1,10 +1,12 @@
 """The ``lorabench`` command line: ``sweep`` measures, ``check`` verifies every captured graph
 against the reference, ``report`` turns a run into plots, tables and a recommendation,
-``recommend`` chooses a capture set (strategy auto) for a workload within budgets. Bad input ends
-in one line on stderr and exit status 2."""
+``recommend`` chooses a capture set (strategy auto) for a workload within budgets, ``tune`` searches
+kernel configs. Bad input ends in one line on stderr and exit status 2.
+
+Each command's module is imported when the command runs, not before: ``report`` and ``recommend``
+then never load torch or Triton, and ``--help`` stays fast."""
 
 import importlib
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -12,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from lorabench.spec import UserError
+from lorabench.errors import UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -63,35 +65,14 @@ def sweep(
     tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: each swept backend it has configs for (triton, fused, vllm) also runs as <backend>+tuned."),
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
-    import torch
-
-    from lorabench.results import read_points
-    from lorabench.spec import build_spec
-    from lorabench.sweep import Sweep, summary_table
+    from lorabench.commands.sweep import sweep as run
 
     flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers,
                  rank=rank, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
                  check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
                  startup_budget=startup_budget, tuned=tuned)
-    the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
-    if notice:
-        console.print(notice)
-    run = Sweep(the_spec, shlex.join(["lorabench"] + sys.argv[1:]), console)
-    console.print(f"run {run.run_id}: {sum(len(j['points']) for j in run.jobs)} points in {len(run.jobs)} workers -> {run.run_dir}")
-    try:
-        run_dir = run.run()
-    except KeyboardInterrupt:
-        rows = len(run.writer.rows)
-        print(f"interrupted: {rows} finished rows kept in {run.writer.path}", file=sys.stderr)
-        raise typer.Exit(130)
-    df = read_points(run_dir)
-    console.print(summary_table(df, the_spec.device))
-    failed = int((df.status == "failed").sum())
-    console.print(f"{len(df)} points ({failed} failed) in {run.info['wall_s']:.1f} s -> {run_dir / 'points.parquet'}")
-    console.print(f"next: lorabench report {run_dir}")
-    if failed == len(df):
-        raise typer.Exit(1)  # nothing was measured
+    return run(flags, spec, console)
 
 
 @app.command()
@@ -111,31 +92,11 @@ def check(
 ):
     """Replay every captured graph of each configuration on all-adapter, all-base and mixed
     batches at every active count, against the plain-torch reference. Exit 1 if any is wrong."""
-    import torch
+    from lorabench.commands.check import check as run
 
-    from lorabench.spec import build_spec, split_list
-    from lorabench.sweep import Sweep, check_table
-
-    if strategy and "auto" in split_list(strategy):
-        raise UserError("lorabench check takes fixed capture sets: check an auto set by its list, e.g. --strategy '[8,128]'")
     flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
                  layers=layers, rank=rank, dtype=dtype, device=device, seed=seed, out=out, check=True)
-    the_spec, notice = build_spec(flags, spec, torch.cuda.is_available())
-    if notice:
-        console.print(notice)
-    run = Sweep(the_spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
-    console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
-    try:
-        run.run()
-    except KeyboardInterrupt:
-        print(f"interrupted: {len(run.checks)} verdicts kept in {run.run_dir / 'checks.json'}", file=sys.stderr)
-        raise typer.Exit(130)
-    console.print(check_table(run.checks))
-    wrong = sum(c.get("correct") is False for c in run.checks)
-    unknown = sum(c.get("correct") is None for c in run.checks)
-    console.print(f"{len(run.checks)} configurations: {len(run.checks) - wrong - unknown} correct, {wrong} wrong, {unknown} without a verdict")
-    if wrong or unknown:
-        raise typer.Exit(1)
+    return run(flags, spec, console)
 
 
 @app.command()
@@ -149,53 +110,9 @@ def recommend(
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
     workload within the budgets, from what a run measured; compare it with max, pow2 and dense."""
-    from lorabench.optimise import auto_recommendations, write_auto
-    from lorabench.report import load_run
-    from lorabench.spec import _coerce
+    from lorabench.commands.recommend import recommend as run
 
-    df = load_run(run_dir)
-    budgets = {}
-    for name, value, scale in (("graph_memory_budget", graph_memory_budget, 2**20), ("startup_budget", startup_budget, 1.0)):
-        if value is not None:
-            budgets[name] = _coerce(name, value) * scale
-    try:
-        recs = auto_recommendations(
-            df, workload, budgets.get("graph_memory_budget"), budgets.get("startup_budget"),
-            kernels=_coerce("kernels", kernels) if kernels else None,
-            max_loras=_coerce("max_loras", max_loras) if max_loras else None)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if not recs:
-        raise UserError(f"{run_dir}: nothing to optimise (no lorabench-kernel points matching --kernels/--max-loras)")
-    console.print(auto_table(recs))
-    for r in recs:
-        if r["auto"] is not None:
-            console.print(f"{r['kernels']} max_loras={r['max_loras']}: validate with  {r['validate']}")
-            console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
-    path = write_auto(run_dir, recs)
-    console.print(f"-> {path}")
-
-
-def auto_table(recs: list[dict]):
-    from rich.table import Table
-
-    table = Table(title=f"strategy auto under {recs[0]['workload']}: expected step (model), mean over concurrency")
-    for col in ["kernels", "L", "set", "ms", "graphs", "MiB", "startup s", "vs max", "vs pow2", "vs dense", "model values"]:
-        table.add_column(col, justify="left" if col in ("kernels", "set", "model values") else "right", overflow="fold")
-    for r in recs:
-        a = r["auto"]
-        if a is None:
-            table.add_row(r["kernels"], str(r["max_loras"]), "-", "-", "-", "-", "-", "-", "-", "-", r["reason"])
-            continue
-        gains = []
-        for name in ("max", "pow2", "dense"):
-            b = r["baselines"].get(name)
-            gains.append("-" if b is None else f"{b['auto_gain_pct']:+.2f} %" + ("" if b["fits_budgets"] else " (over budget)"))
-        mem = "-" if a["graph_mem_bytes"] is None else f"{a['graph_mem_bytes'] / 2**20:.0f}"
-        table.add_row(r["kernels"], str(r["max_loras"]), str(a["counts"]), f"{a['expected_ms']:.3f}", str(a["lora_graphs"]), mem,
-                      "-" if a["startup_s"] is None else f"{a['startup_s']:.2f}", *gains,
-                      ", ".join(f"{v} {k}" for k, v in a["model_values"].items()))
-    return table
+    return run(run_dir, workload, graph_memory_budget, startup_budget, kernels, max_loras, console)
 
 
 @app.command()
@@ -204,7 +121,8 @@ def report(
     results: Path = typer.Option(Path("results"), "--results", help="Where to look for the newest run."),
 ):
     """Plots, report.md and recommendation.json, written into each run's folder."""
-    from lorabench.report import find_newest_run, write_report
+    from lorabench.commands.report import write_report
+    from lorabench.storage.results import find_newest_run
 
     for run_dir in runs or [find_newest_run(results)]:
         paths = write_report(run_dir)
@@ -227,30 +145,11 @@ def tune(
 ):
     """Search kernel configs per shape within a time budget; write lorabench's tuned table and
     vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume."""
-    import torch
-
-    from lorabench.tune import Tuner, build_tune_spec, interpreter_child
-    from lorabench.tune_files import summary_table
+    from lorabench.commands.tune import tune as run
 
     flags = dict(kernels=kernels, model=model, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
                  budget_s=budget_s, out=out, device=device, seed=seed)
-    child = interpreter_child(flags, resume, torch.cuda.is_available())
-    if child is not None:  # on the CPU the whole tune runs in a child with Triton's interpreter on
-        raise typer.Exit(child)
-    the_spec, notice = build_tune_spec(flags, torch.cuda.is_available())
-    if notice:
-        console.print(notice)
-    tuner = Tuner(the_spec, shlex.join(["lorabench"] + sys.argv[1:]), console, fresh=not resume)
-    console.print(f"tune: {len(tuner.shapes)} shapes, {the_spec.budget_s:g} s -> {tuner.out}")
-    try:
-        results = tuner.run()
-    except KeyboardInterrupt:
-        tuner.write()
-        print(f"interrupted: measurements kept in {tuner.cache.path}; rerun the same command to resume", file=sys.stderr)
-        raise typer.Exit(130)
-    console.print(summary_table(results, tuner.meta))
-    console.print(f"-> {tuner.out / 'lorabench_tuned.json'}, {tuner.out / 'tune.md'}"
-                  + (f", {tuner.out / 'vllm'} (VLLM_TUNED_CONFIG_FOLDER)" if "vllm" in the_spec.kernels else ""))
+    return run(flags, resume, console)
 
 
 def _usage_errors() -> tuple[type, ...]:

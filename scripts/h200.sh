@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What lorabench runs on the lent H200 (the `device` tool), stage by stage, logs under $OUT.
-# Usage there:  LORABENCH_GIT_SHA=<sha> scripts/h200.sh tests smoke card card report
-#   tests  - the test suite on the GPU (kernels in fp16/bf16, real CUDA graphs)
+# The GPU runs behind BENCHMARKS.md, stage by stage, on a GPU machine without a package index (an
+# H200 for the committed figures); logs and a tarball of the runs under $OUT (default /tmp/out).
+# Usage there:  LORABENCH_GIT_SHA=<sha> scripts/h200.sh card slots report
+#   tests  - the test suite on the GPU (scripts/gpu-tests.sh: kernels in fp16/bf16, real CUDA graphs)
 #   smoke  - sweeps/smoke.toml (2 layers), to see the whole path run
 #   card   - sweeps/card.toml at llama-2-7b (32 layers), wall time recorded; repeatable
 #   wide, slots, backends - sweeps/wide.toml, sweeps/slots.toml, sweeps/backends.toml
@@ -20,14 +21,14 @@
 #   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,vllm) into results/tuned-h200 (kept on a warm machine for
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
-#   card-check - issue 4's same-run check of the committed kernels: sweeps/kernels-card.toml at c = 1, 8, triton and
+#   card-check - the kernels against vLLM's in one run: sweeps/kernels-card.toml at c = 1, 8, triton and
 #            vllm (default and +tuned with results/reference-tuned-pdl), max and pow2 (~3 min)
 #   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
 #            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
 #            (tokens:active[:launch]), LB_VARIANTS (e.g. triton,fused)
 #   shrink-grid - scripts/shrink_grid.py: the shrink configs of a small grid per shape against the default (~3 min)
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
-# vLLM's Python files come with `carry: [".vllm-bundle"]` (../shared/tools/vllm-gpu-bundle.sh).
+# vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -45,7 +46,7 @@ fi
 for stage in "$@"; do
   t0=$SECONDS
   case "$stage" in
-    tests) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
+    tests) LOG="$OUT/gpu-tests.log" scripts/gpu-tests.sh 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
     card-check) lorabench sweep --spec sweeps/kernels-card.toml --kernels triton,vllm --strategy max,pow2 --concurrency 1,8 \
                   --tuned results/reference-tuned-pdl --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;

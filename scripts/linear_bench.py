@@ -22,12 +22,13 @@ import random
 
 import numpy as np
 import torch
-
-from lorabench.batches import fixed_batch
 from lorabench.kernels import fused_lora, triton_lora
-from lorabench.lora_meta import MetaBuffer
-from lorabench.roofline import replay_ms
-from lorabench.tune import capture_graph, linears
+
+from lorabench.config.batches import fixed_batch
+from lorabench.config.models import lora_linears, preset
+from lorabench.runtime.lora_meta import MetaBuffer
+from lorabench.runtime.timing import capture_graph, replay_ms
+from lorabench.storage.tune_files import tuned_table
 
 REPEAT, REPLAYS, RANK, LAYERS = 32, 40, 16, 32
 TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_kernels.py
@@ -43,22 +44,20 @@ def variants(tuned: str | None) -> dict:
     except ImportError:
         pass
     if tuned:
-        from lorabench.tune_files import tuned_table
-
         table = tuned_table(tuned)
         triton_lora.load_tuned(table)
         fused_lora.load_tuned(table)
-        saved = {"triton": dict(triton_lora.TUNED), "fused": dict(fused_lora.TUNED)}
-        triton_lora.TUNED.clear()
-        fused_lora.TUNED.clear()
+        saved = {"triton": dict(triton_lora.TUNED_CONFIGS), "fused": dict(fused_lora.TUNED_CONFIGS)}
+        triton_lora.TUNED_CONFIGS.clear()
+        fused_lora.TUNED_CONFIGS.clear()
 
         def with_table(module, name, fn):
             def apply(*args, **kw):
-                module.TUNED.update(saved[name])
+                module.TUNED_CONFIGS.update(saved[name])
                 try:
                     fn(*args, **kw)
                 finally:
-                    module.TUNED.clear()
+                    module.TUNED_CONFIGS.clear()
             return apply
 
         v["triton+tuned"] = (with_table(triton_lora, "triton", triton_lora.lora_apply), True)
@@ -147,7 +146,7 @@ def main() -> None:
     for vname, (apply, pdl) in chosen.items():
         for tokens, active, launch in points:
             per = []
-            for lname, (k, slices) in linears("llama-2-7b").items():
+            for lname, (k, slices) in lora_linears(preset("llama-2-7b")).items():
                 r = bench_linear(lname, k, slices, tokens, active, launch, args.max_loras, apply, pdl)
                 per.append(r)
                 rows.append({"variant": vname, "max_loras": args.max_loras, **r})

@@ -14,12 +14,12 @@ import time
 
 import numpy as np
 import torch
+from lorabench.kernels import get_backend
 from torch.profiler import ProfilerActivity, profile
 
-from lorabench.batches import fixed_batch
-from lorabench.dispatch import Dispatcher
-from lorabench.kernels import get_backend
-from lorabench.model import LlamaLoRA, preset
+from lorabench.config.batches import fixed_batch
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.model import LlamaLoRA, preset
 
 
 def main():

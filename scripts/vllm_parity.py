@@ -20,13 +20,13 @@ import random
 
 import numpy as np
 import torch
+from lorabench.kernels import vllm_lora
 from torch.profiler import ProfilerActivity, profile
 
-from lorabench.batches import fixed_batch
-from lorabench.dispatch import Dispatcher
-from lorabench.kernels import vllm_lora
-from lorabench.model import LlamaLoRA, preset
-from lorabench.vllm_rules import VllmRules
+from lorabench.config.batches import fixed_batch
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.model import LlamaLoRA, preset
+from lorabench.runtime.vllm_rules import VllmRules
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 OPS = ("shrink", "expand")

@@ -10,9 +10,9 @@ import sys
 
 import torch
 import triton
-
 from lorabench.kernels import base_ops, fused_lora, triton_lora
-from lorabench.lora_meta import MetaBuffer
+
+from lorabench.runtime.lora_meta import MetaBuffer
 
 try:
     from triton.backends.compiler import GPUTarget

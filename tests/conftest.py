@@ -1,6 +1,9 @@
 """Test setup: without a GPU, Triton kernels run in Triton's CPU interpreter."""
 
 import os
+import random
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +14,45 @@ if not HAS_CUDA:
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+TESTS = Path(__file__).resolve().parent
+H200_CARD = TESTS / "data" / "h200-card"  # frozen H200 rows (data/README.md)
+H200_SLOTS = TESTS / "data" / "h200-slots"
 
 
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def seeded_and_finished():
+    """Every test draws from seeded generators (the same inputs whatever ran before it) and, on a
+    GPU, ends with its device work finished: an asynchronous error fails the test that caused it,
+    not the next one."""
+    random.seed(0)
+    torch.manual_seed(0)
+    yield
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def fault_injected(fault: str):
+    """Sweeps and checks started inside the block run ``tests/faulty_worker.py``, which fails as
+    ``fault`` says (build, capture, check, point:I, kill:I)."""
+    from lorabench.commands import sweep
+
+    saved = {k: os.environ.get(k) for k in ("FAULT", "PYTHONPATH")}
+    worker = sweep.WORKER
+    sweep.WORKER = "faulty_worker"
+    os.environ["FAULT"] = fault
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), saved["PYTHONPATH"]]))
+    try:
+        yield
+    finally:
+        sweep.WORKER = worker
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

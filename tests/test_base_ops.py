@@ -5,7 +5,6 @@ import inspect
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
-
 from lorabench.kernels.base_ops import add_rmsnorm, rope_and_cache, silu_mul
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
@@ -58,9 +57,11 @@ def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, b
     early (lorabench's); never in the n = 0 step nor after other backends' kernels, whose steps
     PDL-launched base ops slowed on the H200. (This checks the flag the model passes; what PDL
     does is tested on the GPU, by tests/test_graphs.py's captured graphs against the reference.)"""
-    from lorabench import model as model_mod
     from lorabench.kernels import get_backend
-    from lorabench.lora_meta import MetaBuffer
+
+    from lorabench.config.models import PRESETS
+    from lorabench.runtime import model as model_mod
+    from lorabench.runtime.lora_meta import MetaBuffer
 
     seen = []
 
@@ -72,12 +73,12 @@ def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, b
 
     for name in ("add_rmsnorm", "rope_and_cache", "silu_mul"):
         monkeypatch.setattr(model_mod, name, recording(getattr(model_mod, name)))
-    m = model_mod.LlamaLoRA(model_mod.PRESETS["tiny"], max_loras=2, rank=8, max_tokens=2, context_len=8,
-                            dtype=torch.float32, device="cpu")
-    buf = MetaBuffer(2, 2, "cpu")
+    m = model_mod.LlamaLoRA(PRESETS["tiny"], max_loras=2, rank=8, max_tokens=2, context_len=8,
+                            dtype=torch.float32, device=DEVICE)
+    buf = MetaBuffer(2, 2, DEVICE)
     buf.load(buf.pack([0, -1])[0])
     step = model_mod.LoRAStep(get_backend(backend), buf.meta, 1, 0.5) if backend else None
-    m(torch.tensor([1, 2]), torch.tensor([3, 4]), step)
+    m(torch.tensor([1, 2], device=DEVICE), torch.tensor([3, 4], device=DEVICE), step)
     assert len(seen) == 2 * 4 + 1
     assert seen[0] is False, "the first norm follows the embedding gather, not a LoRA kernel"
     assert set(seen[1:]) == {pdl}

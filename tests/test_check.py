@@ -1,20 +1,22 @@
 """The correctness check: it passes lorabench's dispatch, catches a launch count one short with
 the smallest batch that shows it, says when it cannot tell, and reaches every sweep row."""
 
-import os
 import random
+from contextlib import nullcontext
 
 import pandas as pd
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA
-
-from lorabench.check import Case, cases, check
-from lorabench.cli import main
-from lorabench.dispatch import Dispatcher, Route
+from conftest import DEVICE, HAS_CUDA, fault_injected
 from lorabench.kernels import get_backend
-from lorabench.model import PRESETS, LlamaLoRA
-from lorabench.strategies import BUCKET_GRID, capture_counts
+
+from lorabench.cli import main
+from lorabench.config.models import PRESETS
+from lorabench.config.strategies import capture_counts
+from lorabench.config.strategies import strategy as strategy_named
+from lorabench.runtime.check import Case, cases, check
+from lorabench.runtime.dispatch import Dispatcher, Route
+from lorabench.runtime.model import LlamaLoRA
 
 DTYPE = "float16" if HAS_CUDA else "float32"
 
@@ -24,7 +26,7 @@ def build(kernels="torch", strategy="pow2", max_loras=4, sizes=(1, 2, 4, 8), sca
                       dtype=getattr(torch, DTYPE), device=DEVICE)
     d = Dispatcher(model, get_backend(kernels), max_loras=max_loras, capture_sizes=list(sizes),
                    counts=capture_counts(strategy, max_loras), use_graphs=HAS_CUDA, lora_scale=scale,
-                   bucket_grid=strategy in BUCKET_GRID)
+                   bucket_grid=strategy_named(strategy).bucket_grid)
     d.warm_up()
     d.capture()
     return d
@@ -51,7 +53,7 @@ def test_lorabench_dispatch_is_correct(kernels, strategy):
 
 
 def test_one_short_is_caught_with_the_smallest_batch(monkeypatch):
-    """A dispatcher that rounds a mixed batch's count one short (the class of bug DESIGN.md warns
+    """A dispatcher that rounds a mixed batch's count one short (the class of bug docs/design.md warns
     about) fails, and the verdict names the smallest batch, its graph and the error."""
     d = build("torch", "pow2")
     good = Dispatcher.route
@@ -78,14 +80,9 @@ def test_a_check_that_cannot_tell_says_so():
     assert v.correct is None and "inconclusive" in v.detail
 
 
-def _cli(argv, env=None):
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
+def _cli(argv, fault=None):
+    with fault_injected(fault) if fault else nullcontext():
         return main(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
 
 
 def test_sweep_rows_carry_the_verdict(tmp_path):
@@ -112,7 +109,7 @@ def test_check_command(tmp_path, capsys):
 
 def test_check_command_fails_without_a_verdict(tmp_path, capsys):
     argv = ["check", "--out", str(tmp_path), "--max-loras", "2", "--capture-sizes", "1,2", "--strategy", "max", "--device", "cpu"]
-    assert _cli(argv, {"LORABENCH_FAIL": "check"}) == 1
+    assert _cli(argv, fault="check") == 1
     assert "1 without a verdict" in capsys.readouterr().out
 
 

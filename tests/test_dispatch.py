@@ -2,8 +2,12 @@
 
 import pytest
 
-from lorabench.dispatch import choose_bucket, choose_launch
-from lorabench.strategies import canonical, capture_counts
+from lorabench.config.strategies import (
+    canonical,
+    capture_counts,
+    choose_bucket,
+    choose_launch,
+)
 
 
 @pytest.mark.parametrize(
@@ -64,9 +68,10 @@ def test_launch_count_past_the_set_is_an_error():
 
 
 def test_the_plan_never_asks_vllm_for_a_count_agnostic_grid():
-    from lorabench.spec import SweepSpec
-    from lorabench.sweep import plan
+    from lorabench.config.plan import plan
+    from lorabench.config.spec import SweepSpec
 
-    spec = SweepSpec(max_loras=[4], concurrency=[1, 2], strategy=["max", "agnostic"], kernels=["fused", "vllm"])
-    jobs = {(j["kernels"], j["strategy"]) for j in plan(spec)}
+    spec = SweepSpec(max_loras=[4], concurrency=[1, 2], strategy=["max", "agnostic"], kernels=["fused", "vllm"],
+                     model="tiny", dtype="float16", capture_sizes=[1, 2])
+    jobs = {(j.kernels, j.strategy) for j in plan(spec)}
     assert jobs == {("fused", "max"), ("fused", "agnostic"), ("vllm", "max")}

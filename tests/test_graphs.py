@@ -3,17 +3,19 @@ for every bucket, every active count 0..max_loras, batches mixing base and adapt
 On the CPU the graphs are eager callables; on a GPU they are captured CUDA graphs."""
 
 import random
+import zlib
 
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
-
-from lorabench.batches import mixed_batch
-from lorabench.check import row_errors
-from lorabench.dispatch import Dispatcher, Route
 from lorabench.kernels import get_backend
-from lorabench.model import PRESETS, LlamaLoRA
-from lorabench.strategies import capture_counts
+
+from lorabench.config.batches import mixed_batch
+from lorabench.config.models import PRESETS
+from lorabench.config.strategies import capture_counts
+from lorabench.runtime.check import row_errors
+from lorabench.runtime.dispatch import Dispatcher, Route
+from lorabench.runtime.model import LlamaLoRA
 
 MAX_LORAS = 4
 SIZES = [1, 2, 4, 8]
@@ -38,11 +40,12 @@ def build(kernels: str, strategy: str, seed: int = 0) -> Dispatcher:
 def mismatches(d: Dispatcher, seed: int):
     """Every (batch tokens, n) with a mixed batch: list of (slots, route, worst row error)."""
     rng = random.Random(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     bad = []
     for tokens in [1, 2, 3, 4, 5, 8, 11]:  # 11 > the largest capture size: eager
         for n in range(min(tokens, MAX_LORAS) + 1):
             slots = mixed_batch(tokens, n, MAX_LORAS, rng)
-            ids = torch.randint(0, d.model.cfg.vocab, (tokens,), device=DEVICE)
+            ids = torch.randint(0, d.model.cfg.vocab, (tokens,), device=DEVICE, generator=gen)
             prep = d.prepare(slots)
             d.input_ids[:tokens].copy_(ids)
             out = d.launch(prep).clone()
@@ -57,7 +60,7 @@ def mismatches(d: Dispatcher, seed: int):
 @pytest.mark.parametrize("strategy", ["max", "pow2", "dense", "[3,4]"])
 def test_every_graph_matches_reference(kernels, strategy):
     d = build(kernels, strategy)
-    assert mismatches(d, seed=hash(strategy) % 1000) == []
+    assert mismatches(d, seed=zlib.crc32(strategy.encode()) % 1000) == []  # the same batches in every process
 
 
 @pytest.mark.parametrize(
@@ -87,7 +90,7 @@ def test_every_key_is_served():
 @pytest.mark.parametrize("kernels", ["triton", "fused", "torch"])
 def test_check_catches_a_launch_count_one_short(kernels, monkeypatch):
     """The check can fail: a dispatcher that rounds the count down on a mixed batch (the class
-    of bug DESIGN.md warns about) is caught."""
+    of bug docs/design.md warns about) is caught."""
     d = build(kernels, "pow2")
     good_route = Dispatcher.route
 

@@ -6,14 +6,13 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA
-
-from lorabench.kernels import SUPPORTED_RANKS, get_backend
-from lorabench.kernels import fused_lora, triton_lora
+from lorabench.kernels import SUPPORTED_RANKS, fused_lora, get_backend, triton_lora
 from lorabench.kernels.reference import lora_delta
-from lorabench.lora_meta import MetaBuffer
+
+from lorabench.runtime.lora_meta import MetaBuffer
 
 KERNELS = ["triton", "fused", "torch"]  # every backend in this repository (vllm: tests/test_vllm.py)
-# bf16 dots are broken in Triton's CPU interpreter (see REFERENCES.md): bf16 is tested on the GPU.
+# Triton's CPU interpreter returns garbage from bf16 dots (the kernels upcast there): bf16 is tested on the GPU.
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 # float32 dots run as tf32 on the GPU
 TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3 if HAS_CUDA else 1e-4}

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from lorabench.batches import fixed_batch, mixed_batch
-from lorabench.lora_meta import pack_slots
-from lorabench.workload import parse_workload
+from lorabench.config.batches import fixed_batch, mixed_batch
+from lorabench.config.workload import parse_workload
+from lorabench.runtime.lora_meta import pack_slots
 
 
 def unpack(packed, t, m):

@@ -9,16 +9,24 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
-from lorabench import optimise
-from lorabench.cli import main
-from lorabench.costmodel import EXTRAPOLATED, INTERPOLATED, MEASURED, CostModel, lora_graphs
-from lorabench.dispatch import Dispatcher
+from conftest import H200_CARD, H200_SLOTS
 from lorabench.kernels import get_backend
-from lorabench.model import PRESETS, LlamaLoRA
-from lorabench.optimise import Optimiser, auto_recommendations, fits
-from lorabench.strategies import capture_counts, powers_of_two
-from lorabench.workload import parse_workload
+
+from lorabench.analysis import optimise
+from lorabench.analysis.costmodel import (
+    EXTRAPOLATED,
+    INTERPOLATED,
+    MEASURED,
+    CostModel,
+    lora_graphs,
+)
+from lorabench.analysis.optimise import Optimiser, auto_recommendations, fits
+from lorabench.cli import main
+from lorabench.config.models import PRESETS
+from lorabench.config.strategies import capture_counts
+from lorabench.config.workload import parse_workload
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.model import LlamaLoRA
 
 L, SIZES, CONC = 6, [1, 2, 6], [1, 2, 6]
 MB = 1e6
@@ -160,17 +168,17 @@ def test_recommend_command(tmp_path, capsys):
 
 
 def test_recommend_on_the_reference_runs(tmp_path):
-    """On the committed H200 runs: at max_loras 4 nothing pays (auto = max); at 128 slots a set
+    """On frozen H200 runs (tests/data): at max_loras 4 nothing pays (auto = max); at 128 slots a set
     as small as max's serves c <= 8 with a grid of 8."""
-    card = pd.read_parquet("results/reference/points.parquet")
+    card = pd.read_parquet(H200_CARD / "points.parquet")
     [r] = auto_recommendations(card, "uniform")
     assert r["auto"]["counts"] == [4]
-    slots = pd.read_parquet("results/reference-slots/points.parquet")
+    slots = pd.read_parquet(H200_SLOTS / "points.parquet")
     r128 = next(r for r in auto_recommendations(slots, "uniform") if r["max_loras"] == 128)
     assert r128["auto"]["lora_graphs"] == r128["baselines"]["max"]["lora_graphs"]
     assert r128["baselines"]["max"]["auto_gain_pct"] > 5
     assert np.isclose(r128["baselines"]["pow2"]["auto_gain_pct"], 0, atol=100 * optimise.NOISE)
-    assert r128["auto"]["counts"] != powers_of_two(128)
+    assert r128["auto"]["counts"] != capture_counts("pow2", 128)
 
 
 SMALL = ["--max-loras", "4", "--concurrency", "1,4", "--iters", "4", "--warmup", "1", "--context-len", "16",
@@ -263,7 +271,7 @@ def test_recommend_then_report_keeps_the_auto_section(tmp_path, capsys):
     import shutil
 
     run = tmp_path / "ref"
-    shutil.copytree("results/reference", run)
+    shutil.copytree(H200_CARD, run)
     assert main(["recommend", str(run)]) == 0
     assert main(["report", str(run)]) == 0
     assert "uniform" in json.loads((run / "recommendation.json").read_text())["auto"]
@@ -271,7 +279,7 @@ def test_recommend_then_report_keeps_the_auto_section(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["check", "--strategy", "auto,max", "--device", "cpu"], "fixed capture sets"),
-    (["recommend", "results/reference", "--graph-memory-budget", "nan"], "--graph-memory-budget"),
+    (["recommend", str(H200_CARD), "--graph-memory-budget", "nan"], "--graph-memory-budget"),
 ])
 def test_more_bad_input_is_one_line(capsys, argv, needle):
     assert main(argv) == 2

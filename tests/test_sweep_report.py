@@ -8,31 +8,29 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from conftest import H200_CARD, fault_injected
 
 from lorabench.cli import main
-from lorabench.dispatch import choose_launch
-from lorabench.report import hypothesis_verdict, write_report
-from lorabench.results import SCHEMA
-from lorabench.strategies import capture_counts
+from lorabench.commands.report import write_report
+from lorabench.commands.report.markdown import hypothesis_verdict
+from lorabench.config.strategies import capture_counts
+from lorabench.runtime.dispatch import choose_launch
+from lorabench.storage.results import SCHEMA
 
 SMALL = ["--max-loras", "4", "--concurrency", "1,4", "--strategy", "max,pow2", "--iters", "5", "--warmup", "1",
          "--context-len", "16", "--workload", "uniform,base:0.5", "--device", "cpu"]
 POINTS = 2 * ((2 + 2) + (5 + 2))  # per worker: c=1 -> n 0..1 + 2 workloads; c=4 -> n 0..4 + 2 workloads
 
 
-def sweep(tmp: Path, *extra: str, env: dict | None = None) -> tuple[int, Path | None]:
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
+def sweep(tmp: Path, *extra: str, fault: str | None = None) -> tuple[int, Path | None]:
+    with fault_injected(fault) if fault else nullcontext():
         code = main(["sweep", "--out", str(tmp)] + SMALL + list(extra))
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
     runs = sorted(tmp.glob("*/points.parquet"))
     return code, runs[-1].parent if runs else None
 
@@ -79,7 +77,7 @@ def test_run_json(run_dir):
 
 
 def test_a_failing_point_becomes_a_failed_row(tmp_path):
-    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "point:3"})
+    code, run = sweep(tmp_path, fault="point:3")
     df = pd.read_parquet(run / "points.parquet")
     assert code == 0 and len(df) == POINTS
     bad = df[df.status == "failed"]
@@ -87,7 +85,7 @@ def test_a_failing_point_becomes_a_failed_row(tmp_path):
 
 
 def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
-    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "capture"})
+    code, run = sweep(tmp_path, fault="capture")
     df = pd.read_parquet(run / "points.parquet")
     assert len(df) == POINTS and (df.status == "failed").all()
     assert code == 1  # nothing measured at all
@@ -95,7 +93,7 @@ def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
 
 
 def test_a_killed_worker_keeps_finished_rows(tmp_path, capsys):
-    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "kill:0"})
+    code, run = sweep(tmp_path, fault="kill:0")
     df = pd.read_parquet(run / "points.parquet").sort_values("point")
     assert code == 0 and len(df) == POINTS
     first = df[df.point < POINTS // 2]
@@ -107,7 +105,7 @@ def test_a_killed_worker_keeps_finished_rows(tmp_path, capsys):
 
 
 def test_a_worker_killed_mid_run_keeps_its_earlier_rows(tmp_path):
-    code, run = sweep(tmp_path, env={"LORABENCH_FAIL": "kill:2"})
+    code, run = sweep(tmp_path, fault="kill:2")
     df = pd.read_parquet(run / "points.parquet").sort_values("point")
     assert code == 0 and len(df) == POINTS
     first = df[df.point < POINTS // 2]
@@ -172,9 +170,9 @@ def test_notebook_executes_on_a_cpu_run(run_dir):
     assert len(images) >= 2
 
 
-# Synthetic runs: the committed reference run's rows (GPU timings, triton, max_loras 4, max/pow2/dense),
+# Synthetic runs: a frozen H200 run's rows (tests/data) (GPU timings, triton, max_loras 4, max/pow2/dense),
 # copied per backend, with chosen verdicts and timings; no GPU and no sweep needed.
-REFERENCE = Path(__file__).parent.parent / "results" / "reference"
+REFERENCE = H200_CARD
 WRONG = ("WRONG in 3 of 9 graphs served; smallest: batch [0, -1] (2 tokens, n=1, 1 base) -> graph (bucket 2, key 1, "
          "grid 1): 1 token(s) of slot 0 off by 1.12 relative (tolerance 0.03)")
 OK = "ok: 42 batches, 9 of 9 graphs served, max error 0.004 (tolerance 0.03, LoRA moves logits by 1.1)"
@@ -310,7 +308,7 @@ def test_hypothesis_verdict(correct, detail, says):
 def test_roofline_puts_each_point_against_its_floor(tmp_path, capsys):
     """With the worker's probe figures on the rows, the floor is n adapters' bytes over the
     bandwidth plus one kernel per LoRA linear, and the report shows the distance from it."""
-    from lorabench.roofline import floors
+    from lorabench.analysis.roofline import floors
 
     run = synthetic_run(tmp_path, wrong=[("triton", "pow2")], speed={("triton", "pow2"): 0.5})
     df = pd.read_parquet(run / "points.parquet")

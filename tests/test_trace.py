@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from lorabench.cli import main
-from lorabench.spec import UserError, build_spec
-from lorabench.workload import parse_workload
+from lorabench.config.flags import Machine
+from lorabench.config.spec import build_spec
+from lorabench.config.workload import parse_workload
+from lorabench.errors import UserError
 
 
 @pytest.fixture
@@ -63,14 +65,14 @@ def test_bad_traces_are_one_clear_error(tmp_path, content, needle):
     if content is not None:
         path.write_text(content)
     with pytest.raises(UserError, match=needle):
-        build_spec({"workload": f"trace:{path}", "device": "cpu"}, None, False)
+        build_spec({"workload": f"trace:{path}", "device": "cpu"}, None, Machine(cuda=False))
 
 
 def test_a_trace_must_cover_the_swept_concurrencies(requests_csv):
     with pytest.raises(UserError, match="fewer than concurrency 8"):
-        build_spec({"workload": f"trace:{requests_csv}", "concurrency": "1,8", "device": "cpu"}, None, False)
+        build_spec({"workload": f"trace:{requests_csv}", "concurrency": "1,8", "device": "cpu"}, None, Machine(cuda=False))
     with pytest.raises(UserError, match="alone"):
-        build_spec({"workload": f"trace:{requests_csv}+base:0.5", "device": "cpu"}, None, False)
+        build_spec({"workload": f"trace:{requests_csv}+base:0.5", "device": "cpu"}, None, Machine(cuda=False))
 
 
 def test_sweep_and_report_with_a_trace(tmp_path, requests_csv):

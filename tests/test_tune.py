@@ -8,12 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HAS_CUDA
-
-from lorabench import tune, tune_files
-from lorabench.cli import main
+from conftest import DEVICE, HAS_CUDA
 from lorabench.kernels import fused_lora, vllm_lora
 
+import lorabench.commands.tune as tune_command
+from lorabench.cli import main
+from lorabench.commands.tune import search
+from lorabench.commands.tune.backends import TUNERS
+from lorabench.commands.tune.shapes import Shape
+from lorabench.config.flags import Machine
+from lorabench.config.tune_spec import build_tune_spec
+from lorabench.storage import tune_files
+
+DTYPE = "float16" if HAS_CUDA else "float32"  # what a sweep runs by default here
+GPU = torch.cuda.get_device_name() if HAS_CUDA else None
 needs_vllm = pytest.mark.skipif(not vllm_lora.available(), reason=vllm_lora.INSTALL_HINT)
 
 
@@ -70,14 +78,15 @@ def test_timings_of_other_kernel_sources_are_not_reused(tmp_path):
     the file but not resumed from: every shape is timed again. vLLM's rows carry no revision."""
     assert run_tune(tmp_path) == 0
     before = cache_rows(tmp_path)
-    assert {r["kernels_rev"] for r in before} == {tune.kernels_rev()}
+    rev = TUNERS["fused"]().revision
+    assert {r["kernels_rev"] for r in before} == {rev}
     (tmp_path / "cache.jsonl").write_text("".join(json.dumps({**r, "kernels_rev": "0ld"}) + "\n" for r in before))
     assert run_tune(tmp_path) == 0
     after = cache_rows(tmp_path)
     assert after[: len(before)] == [{**r, "kernels_rev": "0ld"} for r in before]
     fresh = after[len(before):]
-    assert by_shape(fresh).keys() == by_shape(before).keys() and all(r["kernels_rev"] == tune.kernels_rev() for r in fresh)
-    cache = tune.Cache(tmp_path / "other.jsonl", {}, False, {"fused": "abc"})
+    assert by_shape(fresh).keys() == by_shape(before).keys() and all(r["kernels_rev"] == rev for r in fresh)
+    cache = search.Cache(tmp_path / "other.jsonl", {}, False, {"fused": "abc"})
     cache.append({"kernel": "vllm", "op": "shrink", "shape": [1], "config": {}})
     assert cache.rows[0]["kernels_rev"] is None
 
@@ -88,7 +97,7 @@ def rigged_fused(monkeypatch):
     runs correctly; the default's time is inflated so that the tuned config is not the default."""
     monkeypatch.setattr(fused_lora, "SEARCH_SPACE", {"block_m": [16], "block_n": [32, 64], "block_k": [64],
                                                      "split_k": [1, 2], "num_warps": [4], "num_stages": [2]})
-    real_apply, real_measure = fused_lora.lora_apply, tune.measure
+    real_apply, real_measure = fused_lora.lora_apply, search.measure
 
     def apply(y, *args, config=None, **kw):
         if config.split_k == 2:
@@ -97,18 +106,18 @@ def rigged_fused(monkeypatch):
         if config.block_n == 64:
             y.add_(1.0)
 
-    def measure(problem, cfg, *args):
-        result, out = real_measure(problem, cfg, *args)
-        if cfg == tune.default_config(problem.shape) and result["status"] == "ok":
+    def measure(backend, problem, cfg, *args):
+        result, out = real_measure(backend, problem, cfg, *args)
+        if cfg == backend.default(problem.shape) and result["status"] == "ok":
             result.update({k: result[k] + 1e6 for k in ("us", "p10_us", "p90_us")})
         return result, out
 
     monkeypatch.setattr(fused_lora, "lora_apply", apply)
-    monkeypatch.setattr(tune, "measure", measure)
+    monkeypatch.setattr(search, "measure", measure)
 
 
 def test_failing_and_wrong_configs_are_pruned_and_tuned_configs_load(tmp_path, rigged_fused, monkeypatch):
-    shape = tune.Shape("fused", "fused", "o", fused_lora.shape_key(1, 128, 128, 16, 1, 1), 128, (128,), 1, 1, 1)
+    shape = Shape("fused", "fused", "o", fused_lora.shape_key(1, 128, 128, 16, 1, 1), 128, (128,), 1, 1, 1)
     code = main(["tune", "--model", "tiny", "--kernels", "fused", "--tokens", "1", "--max-loras", "1",
                  "--budget-s", "100", "--out", str(tmp_path), "--dtype", "float16"])
     assert code == 0
@@ -164,7 +173,7 @@ def test_on_the_cpu_the_tune_runs_in_an_interpreter_child(tmp_path, monkeypatch)
     """Triton's interpreter must be on before triton is imported: the CLI reruns itself with it."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     calls = []
-    monkeypatch.setattr(tune.subprocess, "run", lambda argv, env: calls.append((argv, env)) or SimpleNamespace(returncode=3))
+    monkeypatch.setattr(tune_command.subprocess, "run", lambda argv, env: calls.append((argv, env)) or SimpleNamespace(returncode=3))
     assert main(["tune", "--device", "cpu", "--tokens", "1", "--fresh", "--out", str(tmp_path)]) == 3
     (argv, env), = calls
     assert env["TRITON_INTERPRET"] == "1"
@@ -172,11 +181,11 @@ def test_on_the_cpu_the_tune_runs_in_an_interpreter_child(tmp_path, monkeypatch)
 
 
 def vllm_tuner(tmp_path):
-    spec, _ = tune.build_tune_spec({"kernels": "vllm", "model": "tiny", "tokens": "1,2", "max_loras": "2",
-                                    "budget_s": "1", "out": str(tmp_path)}, HAS_CUDA)
+    spec, _ = build_tune_spec({"kernels": "vllm", "model": "tiny", "tokens": "1,2", "max_loras": "2",
+                               "budget_s": "1", "out": str(tmp_path)}, Machine(cuda=HAS_CUDA), vllm_available=True)
     from rich.console import Console
 
-    return tune.Tuner(spec, "test", Console(quiet=True))
+    return search.Tuner(spec, "test", Console(quiet=True))
 
 
 @needs_vllm
@@ -188,7 +197,7 @@ def test_vllm_files_are_read_by_vllms_own_loader(tmp_path, monkeypatch):
     tuner = vllm_tuner(tmp_path)
     tuned = {}
     for shape in tuner.shapes:
-        default = tune.default_config(shape)
+        default = tuner.backends["vllm"].default(shape)
         best = {**default, "block_m": 16, "block_n": 32, "num_warps": 8}
         tuned[shape] = best
         for cfg, us in ((default, 10.0), (best, 5.0), ({**default, "block_m": 128}, 7.0)):
@@ -220,15 +229,16 @@ def test_vllm_expand_candidates_reach_vllms_kernel(tmp_path):
     output, and a config missing a key vLLM's op reads fails there and is pruned."""
     tuner = vllm_tuner(tmp_path)
     shape = next(s for s in tuner.shapes if s.op == "expand" and s.tokens == 2 and s.slices == (128,))
-    problem = tune.Problem(shape, 16, torch.float16, tuner.spec.device, 0)
-    default = tune.default_config(shape)
-    timer = tune.time_cuda if HAS_CUDA else tune.time_cpu
-    first, ref = tune.measure(problem, default, None, 1e-2, timer)
+    backend = tuner.backends["vllm"]
+    problem = backend.problem(shape, 16, torch.float16, tuner.spec.device, 0)
+    default = backend.default(shape)
+    timer = search.time_cuda if HAS_CUDA else search.time_cpu
+    first, ref = search.measure(backend, problem, default, None, 1e-2, timer)
     assert first["status"] == "ok" and ref.abs().max() > 0
-    good, _ = tune.measure(problem, {**default, "block_m": 16, "block_n": 32, "block_k": 16}, ref, 1e-2, timer)
+    good, _ = search.measure(backend, problem, {**default, "block_m": 16, "block_n": 32, "block_k": 16}, ref, 1e-2, timer)
     assert good["status"] == "ok", good
     missing = {k: v for k, v in default.items() if k != "num_ctas"}
-    assert tune.measure(problem, missing, ref, 1e-2, timer)[0]["status"] == "pruned"
+    assert search.measure(backend, problem, missing, ref, 1e-2, timer)[0]["status"] == "pruned"
 
 
 def test_a_sweep_given_tuned_runs_the_tuned_configs_next_to_the_defaults(tmp_path):
@@ -239,12 +249,13 @@ def test_a_sweep_given_tuned_runs_the_tuned_configs_next_to_the_defaults(tmp_pat
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     bad = {**fused_lora.config_dict(fused_lora.FusedConfig()), "block_n": 0}
-    meta = {"device": "cpu", "gpu": None, "dtype": "float32"}  # what a CPU sweep runs
+    meta = {"device": DEVICE, "gpu": GPU, "dtype": DTYPE}  # what the sweep below runs on this machine
     (tuned / "lorabench_tuned.json").write_text(json.dumps({**meta, "entries": [
         {"shape": list(fused_lora.shape_key(1, 128, 128, 16, 1, 1)), "config": bad}]}))  # tiny's o linear
     out = tmp_path / "runs"
     assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--strategy", "max", "--max-loras", "2",
-                 "--concurrency", "1,2", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+                 "--concurrency", "1,2", "--iters", "2", "--warmup", "1", "--out", str(out),
+                 "--model", "tiny", "--dtype", DTYPE]) == 0
     df = pd.read_parquet(next(out.glob("*/points.parquet")))
     assert set(df.kernels) == {"fused", "fused+tuned"}
     plain, tuned_rows = df[df.kernels == "fused"], df[df.kernels == "fused+tuned"]
@@ -259,7 +270,7 @@ def test_a_tune_folder_is_used_only_where_it_was_tuned(tmp_path, capsys):
     entry = {"shape": [1, 128, 128, 16, 1, 1], "config": fused_lora.config_dict(fused_lora.FusedConfig())}
     (tuned / "lorabench_tuned.json").write_text(json.dumps({"device": "cuda", "gpu": "NVIDIA H200", "dtype": "float16",
                                                             "entries": [entry]}))
-    assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--out", str(tmp_path / "runs")]) == 2
+    assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--device", "cpu", "--out", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tuned for device cuda" in err[0]
     (tuned / "lorabench_tuned.json").write_text("{not json")
@@ -292,12 +303,11 @@ def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
     """lorabench's unfused pair: each op tuned per shape, its entries loaded by triton_lora, and a
     sweep runs triton+tuned next to triton, correct."""
     import pandas as pd
-
     from lorabench.kernels import triton_lora
 
     out = tmp_path / "tuned"
     assert main(["tune", "--model", "tiny", "--kernels", "triton", "--tokens", "1", "--max-loras", "1",
-                 "--budget-s", "2", "--out", str(out), "--dtype", "float32"]) == 0
+                 "--budget-s", "2", "--out", str(out), "--dtype", DTYPE]) == 0
     entries = tune_files.tuned_table(out)
     ops = sorted(e["shape"][0] for e in entries)
     assert ops == ["expand"] * 3 + ["shrink"] * 4 and all(e["kernel"] == "triton" for e in entries)  # o and down share an expand
@@ -309,6 +319,6 @@ def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
         triton_lora.load_tuned([])
     runs = tmp_path / "runs"
     assert main(["sweep", "--kernels", "triton", "--tuned", str(out), "--strategy", "max", "--max-loras", "1",
-                 "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(runs)]) == 0
+                 "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(runs), "--model", "tiny"]) == 0
     df = pd.read_parquet(next(runs.glob("*/points.parquet")))
     assert set(df.kernels) == {"triton", "triton+tuned"} and (df.status == "ok").all() and df.correct.all()

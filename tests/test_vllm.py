@@ -14,11 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
+from lorabench.kernels import reference, vllm_lora
 
 from lorabench.cli import main
-from lorabench.kernels import reference, vllm_lora
-from lorabench.spec import UserError, build_spec
-from lorabench.vllm_rules import captured_lora_counts, dummy_mapping, vllm_counts
+from lorabench.config.flags import Machine
+from lorabench.config.spec import build_spec
+from lorabench.config.strategies import strategy
+from lorabench.errors import UserError
+from lorabench.runtime.vllm_rules import (
+    captured_lora_counts,
+    dummy_mapping,
+    vllm_counts,
+)
 
 needs_vllm = pytest.mark.skipif(not vllm_lora.available(), reason=vllm_lora.INSTALL_HINT)
 
@@ -44,11 +51,11 @@ def test_capture_counts_are_vllms(max_loras, specialize):
 
 
 def test_strategies_map_to_vllm_keys():
-    assert vllm_counts("max", 4) == [5]
-    assert vllm_counts("pow2", 4) == [1, 2, 4, 5]
-    assert vllm_counts("pow2", 6) == [1, 2, 4, 7]  # vLLM's own list, not lorabench's [1,2,4,6]
-    assert vllm_counts("dense", 3) == [1, 2, 3, 4]
-    assert vllm_counts("[2,4]", 4) == [2, 4, 5]
+    assert vllm_counts(strategy("max"), 4) == [5]
+    assert vllm_counts(strategy("pow2"), 4) == [1, 2, 4, 5]
+    assert vllm_counts(strategy("pow2"), 6) == [1, 2, 4, 7]  # vLLM's own list, not lorabench's [1,2,4,6]
+    assert vllm_counts(strategy("dense"), 3) == [1, 2, 3, 4]
+    assert vllm_counts(strategy("[2,4]"), 4) == [2, 4, 5]
 
 
 def test_dummy_capture_batches():
@@ -60,8 +67,10 @@ def test_dummy_capture_batches():
 def test_without_vllm_one_line_says_how_to_get_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(vllm_lora, "_OPS", None)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    from lorabench.runtime.env import require_vllm
+
     with pytest.raises(UserError, match=r"pip install 'lorabench\[vllm\]'"):
-        build_spec({"kernels": "vllm", "dtype": "float16"}, None, HAS_CUDA)
+        require_vllm()
     code = main(["sweep", "--kernels", "vllm", "--dtype", "float16", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "lorabench[vllm]" in err[0]
@@ -69,14 +78,14 @@ def test_without_vllm_one_line_says_how_to_get_it(monkeypatch, capsys, tmp_path)
 
 def test_vllm_needs_half_precision():
     with pytest.raises(UserError, match="float16 or bfloat16"):
-        build_spec({"kernels": "vllm", "dtype": "float32"}, None, HAS_CUDA)
+        build_spec({"kernels": "vllm", "dtype": "float32"}, None, Machine(cuda=HAS_CUDA))
 
 
 @needs_vllm
 @pytest.mark.parametrize("slices", [(48,), (32, 16, 16)])
 def test_vllm_ops_match_the_reference(slices):
     """vLLM's shrink + expand through this backend, on a batch mixing base and adapter tokens."""
-    from lorabench.vllm_rules import VllmRules
+    from lorabench.runtime.vllm_rules import VllmRules
 
     torch.manual_seed(0)
     L, R, K, T = 3, 16, 64, 6
@@ -85,7 +94,7 @@ def test_vllm_ops_match_the_reference(slices):
     b = torch.randn(L, starts[-1], R, device=DEVICE, dtype=torch.float16) / 4
     x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
     slots = [2, -1, 0, 2, -1, 1]
-    rules = VllmRules("pow2", L, 8, DEVICE)
+    rules = VllmRules(strategy("pow2"), L, 8, DEVICE)
     rules.load(slots)
     y = torch.randn(T, starts[-1], device=DEVICE, dtype=torch.float16)
     want = y.float() + reference.lora_delta(x, a, b, starts, torch.tensor(slots, device=DEVICE), 0.5)
@@ -96,15 +105,15 @@ def test_vllm_ops_match_the_reference(slices):
 
 @needs_vllm
 def test_vllm_runner_rules_give_the_right_grids():
-    from lorabench.vllm_rules import VllmRules
+    from lorabench.runtime.vllm_rules import VllmRules
 
-    r = VllmRules("pow2", 4, 8, DEVICE)
+    r = VllmRules(strategy("pow2"), 4, 8, DEVICE)
     assert r.keys(8) == [5, 4, 2, 1, 0]  # every key, every size: what vLLM captures
     assert [r.key(n) for n in range(5)] == [0, 1, 2, 4, 4]
     assert r.arm(8, 2) == 2 and r.arm(8, 4) == 4 and r.arm(8, 5) == 4 and r.arm(1, 4) == 1 and r.arm(8, 0) == 0
     r.load([0, -1, 1])
     assert r.grid(3) == 4  # eager: -1, 0, 1 -> 3, rounded up to 4
-    m = VllmRules("max", 4, 8, DEVICE)
+    m = VllmRules(strategy("max"), 4, 8, DEVICE)
     assert [m.key(n) for n in range(5)] == [0, 5, 5, 5, 5] and m.arm(2, 5) == 5
 
 
@@ -113,20 +122,21 @@ def test_check_verdicts_on_vllm_rules():
     """vLLM's default (one key, grid max_loras+1) is correct; with --specialize-active-lora, the
     smallest batch mixing one adapter with a base request replays a grid-1 graph whose only
     program takes the base id -1: the adapter token gets no update."""
-    from lorabench.check import check
-    from lorabench.dispatch import Dispatcher
-    from lorabench.model import LlamaLoRA, preset
-    from lorabench.vllm_rules import VllmRules
+    from lorabench.config.models import preset
+    from lorabench.runtime.check import check
+    from lorabench.runtime.dispatch import Dispatcher
+    from lorabench.runtime.model import LlamaLoRA
+    from lorabench.runtime.vllm_rules import VllmRules
 
     verdicts = {}
-    for strategy in ("max", "pow2"):
+    for name in ("max", "pow2"):
         model = LlamaLoRA(preset("tiny", 1), max_loras=2, rank=16, max_tokens=2, context_len=8,
                           dtype=torch.float16, device=DEVICE)
         d = Dispatcher(model, vllm_lora, max_loras=2, capture_sizes=[1, 2], counts=None, use_graphs=HAS_CUDA,
-                       rules=VllmRules(strategy, 2, 2, DEVICE))
+                       rules=VllmRules(strategy(name), 2, 2, DEVICE))
         d.warm_up()
         d.capture()
-        verdicts[strategy] = check(d, "float16", seed=1)
+        verdicts[name] = check(d, "float16", seed=1)
     assert verdicts["max"].correct is True, verdicts["max"].detail
     v = verdicts["pow2"]
     assert v.correct is False

@@ -1,0 +1,20 @@
+"""The per-step batch metadata every lorabench kernel reads (``LoRAMeta``)."""
+
+from typing import NamedTuple
+
+import torch
+
+
+class LoRAMeta(NamedTuple):
+    """Per-step batch metadata, as device tensors (views of one packed int32 buffer).
+
+    token_slot:   [T]           slot of every token, -1 for base-model tokens
+    sorted_tokens:[T]           indices of adapter tokens grouped by active slot
+    active_slots: [max_loras]   distinct slots of the batch's adapter tokens, padded with -1
+    slot_start:   [max_loras+1] where each active slot's tokens begin in sorted_tokens
+    """
+
+    token_slot: torch.Tensor
+    sorted_tokens: torch.Tensor
+    active_slots: torch.Tensor
+    slot_start: torch.Tensor

@@ -1,0 +1,253 @@
+"""Strategy ``auto``: the capture set that minimises the expected step time under a workload,
+within a graph-memory and a startup budget.
+
+Expected step time of a set C (sorted launch counts, ending at max_loras), averaged over the
+swept concurrencies: ``E(C) = mean_c sum_n P(n | c) t(c, n, up_C(n))`` with ``up_C(n)`` the
+smallest count in C >= n (and the no-LoRA graph at n = 0), t from ``lorabench.costmodel``.
+
+Exact search: step time never drops when a grid grows, and a count's graphs are one per capture
+size larger than the previous count, so an optimal set's counts are active counts the workload
+can produce, capture sizes, or max_loras: any other count can move down to the nearest of those
+without serving fewer batches, costing more time, or adding graphs (or, serving nothing, go).
+Over those candidates, a set is a path of segments (previous count, count]:
+each segment's expected time depends on its two ends only, and so does its graph count (a count
+is captured for every size larger than the previous count). Dynamic programming over (last
+count, graphs so far) finds the cheapest path for every graph count within the budget the
+memory and startup budgets allow; of those, ``auto`` takes the fewest graphs within ``NOISE`` of
+the optimum. Every set the budgets allow, max, pow2 and dense included, is in that search, so
+``auto`` is never predicted slower than the best of them that fits by more than ``NOISE``.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lorabench.analysis.costmodel import CostModel, lora_graphs
+from lorabench.analysis.points import ok_points, verdicts
+from lorabench.analysis.recommend import (
+    PAYS,
+    SPECIALISED,
+    UNVERIFIED_POW2,
+    verified_pow2,
+    vllm_flags,
+)
+from lorabench.config.backends import backend_of
+from lorabench.config.strategies import BASELINE, STRATEGIES, Vllm, strategy
+from lorabench.config.workload import parse_workload
+
+NOISE = 0.005  # predicted gains under 0.5 % are not worth a graph (H200 reruns differ by up to 0.57 %)
+
+
+@dataclass
+class Plan:
+    """A capture set and what the cost model predicts for it."""
+
+    counts: list[int]
+    expected_ms: float  # mean over the swept concurrencies
+    expected_ms_by_c: dict[int, float]
+    graphs: int  # LoRA graphs (the no-LoRA graphs come on top, the same for every set)
+    graph_mem_bytes: float | None
+    startup_s: float | None
+    sources: dict[str, int] = field(default_factory=dict)  # how many t values were measured / interpolated / ...
+
+
+class Optimiser:
+    def __init__(self, model: CostModel, pmf: dict[int, np.ndarray]):
+        """pmf: P(n | c) for each swept concurrency c, n = 0..min(c, max_loras)."""
+        self.m, self.pmf = model, pmf
+        self.L = model.max_loras
+        self.conc = [c for c in model.concurrency if c in pmf]
+        if not self.conc:
+            raise ValueError("no concurrency has both measured points and a workload distribution")
+
+    def _launch(self, c: int, n: int, k: int) -> int:
+        """The launch count a step of (c, n) runs with when k is its count in the set: past the
+        largest capture size the step runs eagerly with exactly n, whatever the set."""
+        return n if c > self.m.capture_sizes[-1] else k
+
+    def _by_c(self, prev: int, k: int) -> tuple[dict[int, float], dict[str, int]] | tuple[None, tuple]:
+        """Per concurrency, the expected ms contributed by n in (prev, k], served at count k;
+        (None, (c, n, why)) when the model cannot price a step the workload produces there."""
+        out, sources = {}, {}
+        for c in self.conc:
+            p, e = self.pmf[c], 0.0
+            for n in range(prev + 1, min(k, len(p) - 1) + 1):
+                if p[n] > 0:
+                    ms, src = self.m.step(c, n, self._launch(c, n, k))
+                    if ms is None:
+                        return None, (c, n, src)
+                    e += p[n] * ms
+                    sources[src] = sources.get(src, 0) + 1
+            out[c] = e
+        return out, sources
+
+    def _seg(self, prev: int, k: int) -> tuple[float, dict[str, int]] | None:
+        by_c, sources = self._by_c(prev, k)
+        return None if by_c is None else (sum(by_c.values()) / len(self.conc), sources)
+
+    def _base_by_c(self) -> dict[int, float]:
+        out = {}
+        for c in self.conc:
+            ms, _ = self.m.step(c, 0, 0)
+            if self.pmf[c][0] > 0 and ms is None:
+                raise ValueError(f"the workload has steps with no adapter at c={c} but the run has no n = 0 point there")
+            out[c] = self.pmf[c][0] * ms if self.pmf[c][0] > 0 else 0.0
+        return out
+
+    def _base(self) -> float:
+        return sum(self._base_by_c().values()) / len(self.conc)
+
+    def evaluate(self, counts: list[int]) -> Plan | None:
+        """What the model predicts for a set; None when it cannot price a step (``unpriced``)."""
+        counts = sorted(set(counts))
+        by_c, sources, prev = self._base_by_c(), {}, 0
+        for k in counts:
+            seg, src = self._by_c(prev, k)
+            if seg is None:
+                return None
+            for c, v in seg.items():
+                by_c[c] += v
+            for s_, v in src.items():
+                sources[s_] = sources.get(s_, 0) + v
+            prev = k
+        return Plan(counts, sum(by_c.values()) / len(self.conc), by_c, lora_graphs(counts, self.m.capture_sizes, self.L),
+                    self.m.graph_memory(counts), self.m.startup(counts), sources)
+
+    def unpriced(self, counts: list[int]) -> str | None:
+        """Why a set cannot be priced (the first step the model has no time for), or None."""
+        prev = 0
+        for k in sorted(set(counts)):
+            seg, why = self._by_c(prev, k)
+            if seg is None:
+                c, n, reason = why
+                return f"the run cannot price a step at c={c}, n={n} for the set {sorted(set(counts))}: {reason}"
+            prev = k
+        return None
+
+    def graph_budget(self, memory_bytes: float | None, startup_s: float | None) -> int:
+        """The most LoRA graphs the budgets allow (per the graph-cost curves); -1 when none fits."""
+        most = lora_graphs(list(range(1, self.L + 1)), self.m.capture_sizes, self.L)
+        limit = most
+        if memory_bytes is not None:
+            if self.m.memory is None:
+                raise ValueError("the run has no graph memory (a CPU run): a memory budget cannot be checked")
+            limit = min(limit, self.m.memory.most_within(memory_bytes, most))
+        if startup_s is not None and self.m.capture is not None:
+            limit = min(limit, self.m.capture.most_within(startup_s - self.m.startup_rest, most))
+        return limit
+
+    def best(self, memory_bytes: float | None = None, startup_s: float | None = None) -> Plan | None:
+        """The optimal set within the budgets, or None when not even ``max`` fits. Raises
+        ValueError when the run cannot price even ``max`` (a point missing or failed)."""
+        why = self.unpriced([self.L])
+        if why:
+            raise ValueError(why)
+        budget = self.graph_budget(memory_bytes, startup_s)
+        if budget < 0:
+            return None
+        active = {n for c in self.conc for n, p in enumerate(self.pmf[c]) if p > 0 and 0 < n < self.L}
+        cands = sorted(active | {min(b, self.L) for b in self.m.capture_sizes} | {self.L})
+
+        def graphs_after(prev: int) -> int:
+            """Graphs a count adds after ``prev``: one per capture size that can hold more than prev."""
+            return sum(1 for b in self.m.capture_sizes if min(b, self.L) > prev)
+
+        # dp[k][g] = (cost of serving every n <= k with k the last count, using g graphs, previous count)
+        dp: dict[int, dict[int, tuple[float, int | None]]] = {}
+        for i, k in enumerate(cands):
+            dp[k] = {}
+            for prev in [0] + cands[:i]:
+                seg = self._seg(prev, k)
+                if seg is None:
+                    continue
+                graphs_k = graphs_after(prev)
+                starts = {0: (0.0, None)} if prev == 0 else dp[prev]
+                for g0, (cost0, _) in starts.items():
+                    g = g0 + graphs_k
+                    if g > budget:
+                        continue
+                    cost = cost0 + seg[0]
+                    if g not in dp[k] or cost < dp[k][g][0] - 1e-12:
+                        dp[k][g] = (cost, prev)
+        if not dp.get(self.L):
+            return None
+        # The fewest graphs whose expected time is within NOISE of the optimum: a smaller
+        # predicted gain is below what a rerun can tell apart, and graphs cost memory and startup.
+        cost = {gg: c for gg, (c, _) in dp[self.L].items()}
+        base = self._base()
+        best = min(cost.values())
+        bound = best + NOISE * abs(base + best)
+        g = min(gg for gg, c in cost.items() if c <= bound + 1e-12)  # the optimum itself always qualifies
+        counts, k = [], self.L
+        while k:
+            counts.append(k)
+            _, prev = dp[k][g]
+            g -= graphs_after(prev or 0)
+            k = prev
+        return self.evaluate(sorted(counts))
+
+    def baselines(self) -> dict[str, Plan | None]:
+        """The registered fixed sets (max, pow2, dense), as the model prices them."""
+        return {name: self.evaluate(s.counts(self.L)) for name, s in STRATEGIES.items() if s.fixed}
+
+
+def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> bool:
+    ok = memory_bytes is None or (plan.graph_mem_bytes is not None and plan.graph_mem_bytes <= memory_bytes + 1)
+    return ok and (startup_s is None or plan.startup_s is None or plan.startup_s <= startup_s + 1e-9)
+
+
+
+def auto_recommendations(df, workload: str, memory_bytes: float | None = None, startup_s: float | None = None,
+                         kernels: list[str] | None = None, max_loras: list[int] | None = None) -> list[dict]:
+    """Per (kernels, max_loras) of a run: the ``auto`` set under the workload and budgets, next
+    to ``max``, ``pow2`` and ``dense`` as the same cost model prices them."""
+    wl = parse_workload(workload)
+    ok, checked = ok_points(df), verdicts(df)
+    out = []
+    for (k, m), _ in ok.groupby(["kernels", "max_loras"]):
+        if (kernels and k not in kernels) or (max_loras and int(m) not in max_loras):
+            continue
+        if backend_of(k) == "vllm":
+            continue  # vLLM captures max or pow2 only; its own rules are not lorabench's dispatch
+        model = CostModel(df, k, int(m))
+        opt = Optimiser(model, {c: wl.active_count_pmf(c, int(m)) for c in model.concurrency})
+        best = opt.best(memory_bytes, startup_s)
+        base = opt.baselines()
+        entry = {"kernels": k, "max_loras": int(m), "workload": wl.name, "capture_sizes": model.capture_sizes,
+                 "concurrency": model.concurrency, "budgets": {"graph_memory_bytes": memory_bytes, "startup_s": startup_s}}
+        if best is None:
+            out.append({**entry, "auto": None, "reason": "no capture set fits the budgets (not even max)"})
+            continue
+        entry["auto"] = _plan_dict(best)
+        entry["baselines"] = {}
+        for name, plan in base.items():
+            if plan is not None:
+                entry["baselines"][name] = {**_plan_dict(plan), "fits_budgets": fits(plan, memory_bytes, startup_s),
+                                            "auto_gain_pct": round(100 * (1 - best.expected_ms / plan.expected_ms), 2)}
+        realisable = [s.counts(int(m)) for s in STRATEGIES.values() if s.vllm in (Vllm.DEFAULT, Vllm.SPECIALISE)]
+        exact = best.counts in realisable
+        specialise = best.counts != strategy(BASELINE).counts(int(m)) and _pow2_pays(base)
+        note = ("vLLM captures max_loras+1 or, with --specialize-active-lora, powers of two: "
+                + ("the auto set is one of those" if exact else "the auto set is lorabench's own; the flags give the better of vLLM's two"))
+        if specialise and not verified_pow2(checked):
+            note += "; " + UNVERIFIED_POW2
+        entry["vllm"] = {"flags": vllm_flags(int(m), int(ok["rank"].iloc[0]), specialise), "note": note}
+        entry["validate"] = (f"lorabench sweep --max-loras {int(m)} --strategy '[{','.join(map(str, best.counts))}]' "
+                             f"--concurrency {','.join(map(str, model.concurrency))} "
+                             f"--capture-sizes {','.join(map(str, model.capture_sizes))} --kernels {k} --workload {wl.name}")
+        out.append(entry)
+    return out
+
+
+def _pow2_pays(base: dict) -> bool:
+    """vLLM's flag follows the rule ``lorabench report`` uses: pow2 at least PAYS faster than max."""
+    p, m = base.get(SPECIALISED), base.get(BASELINE)
+    return p is not None and m is not None and p.expected_ms <= m.expected_ms * (1 - PAYS)
+
+
+def _plan_dict(plan: Plan) -> dict:
+    return {"counts": plan.counts, "expected_ms": round(plan.expected_ms, 4),
+            "expected_ms_by_c": {str(c): round(v, 4) for c, v in plan.expected_ms_by_c.items()},
+            "lora_graphs": plan.graphs, "graph_mem_bytes": None if plan.graph_mem_bytes is None else int(plan.graph_mem_bytes),
+            "startup_s": None if plan.startup_s is None else round(plan.startup_s, 3),
+            "model_values": plan.sources}

@@ -1,0 +1,142 @@
+"""Recommended configurations: per (kernels, max_loras, workload), the strategy with the lowest
+expected step time averaged over the swept concurrencies, what it gains over ``max``, what it
+costs in graph memory and startup, and the vLLM flags that realise it.
+
+A strategy is only recommended over ``max`` when it is at least ``PAYS`` faster: below that the
+difference is within run-to-run noise, and specialisation would spend memory and startup for
+nothing. vLLM can realise ``max`` (its default) and ``pow2`` (``--specialize-active-lora``);
+``dense`` and explicit lists are lorabench's own, so the vLLM flags follow the better of those two
+(for ``--kernels vllm``, the chosen strategy itself).
+
+A configuration whose correctness check failed (``correct`` False) is never proposed; it is listed
+under ``rejected`` with the check's detail, and a failed vLLM ``pow2`` anywhere in the run vetoes
+``--specialize-active-lora``. Gains stay relative to ``max``'s timing, measured even when wrong.
+"""
+
+import numpy as np
+import pandas as pd
+
+from lorabench.analysis.points import configs, expected_steps, ok_points, verdicts
+from lorabench.config.backends import backend_of
+from lorabench.config.strategies import BASELINE, STRATEGIES, Vllm
+
+PAYS = 0.02  # a strategy must be >= 2 % faster than max to be worth its graphs
+VLLM_DEFAULT = next(s.name for s in STRATEGIES.values() if s.vllm is Vllm.DEFAULT)  # max
+SPECIALISED = next(s.name for s in STRATEGIES.values() if s.vllm is Vllm.SPECIALISE)  # pow2: --specialize-active-lora
+VLLM_STRATEGIES = (VLLM_DEFAULT, SPECIALISED)  # the sets vLLM's flags can realise
+VLLM_NOTE = "vLLM captures max_loras+1 (and powers of two with --specialize-active-lora): it counts the base slot too"
+
+
+UNVERIFIED_POW2 = (
+    "check before enabling: vLLM 0.33's --specialize-active-lora drops adapter updates on batches that mix "
+    "base and adapter requests (lorabench check on an H200, BENCHMARKS.md); this run has no passing vllm/pow2 "
+    "configuration to show your vLLM is free of it (lorabench check --kernels vllm --strategy pow2)"
+)
+
+
+def vllm_specialised(rows: pd.DataFrame) -> pd.Series:
+    """Which rows are vLLM's own kernels under --specialize-active-lora (vllm/pow2)."""
+    return (rows.kernels.map(backend_of) == "vllm") & (rows.strategy == SPECIALISED)
+
+
+def verified_pow2(checked: pd.DataFrame) -> bool:
+    """Did a vllm/pow2 configuration of this run pass its check?"""
+    return bool((vllm_specialised(checked) & checked.correct.map(lambda v: v is True)).any())
+
+
+def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
+    flags = f"--enable-lora --max-loras {max_loras} --max-lora-rank {rank}"
+    return flags + (" --specialize-active-lora" if specialise else "")
+
+
+def recommend(df: pd.DataFrame) -> dict:
+    exp = expected_steps(df)
+    cfg = configs(df).set_index(["kernels", "max_loras", "strategy"])
+    checked = verdicts(df)
+    wrong = checked[checked.correct.map(lambda v: v is False)]
+    first = ok_points(df).iloc[0]  # failed rows may lack the model's columns
+    rank = int(first["rank"])
+    broken_pow2 = wrong[vllm_specialised(wrong)]
+    recs = []
+    if not exp.empty:
+        for (k, m, w), g in exp.groupby(["kernels", "max_loras", "workload"]):
+            score = g.groupby("strategy").expected_ms.mean().dropna()
+            if BASELINE not in score or score.empty:
+                continue
+            by_c = {s: {str(c): round(float(v), 4) for c, v in zip(gs.concurrency, gs.expected_ms)}
+                    for s, gs in g.groupby("strategy")}
+            gain = 1 - score / score[BASELINE]  # relative to max's timing, even when max itself is rejected
+            best = score.idxmin()
+            bad = wrong[(wrong.kernels == k) & (wrong.max_loras == m)]
+            rejected = [{"strategy": r.strategy, "reason": r.check_detail} for r in bad.itertuples()]
+            passing = score.drop(bad.strategy, errors="ignore")
+            c_max = cfg.loc[(k, m, BASELINE)]
+            rec = {
+                "kernels": k, "max_loras": int(m), "workload": w, "strategy": None, "fastest_measured": best,
+                "captured_counts": None, "capture_sizes": [int(x) for x in first.capture_sizes],
+                "expected_step_ms": None, "expected_step_ms_max": by_c[BASELINE], "gain_over_max_pct": None,
+                "gain_by_strategy_pct": {s: round(100 * float(v), 2) for s, v in gain.items()},
+                "graph_mem_bytes": None, "graph_mem_bytes_max": _int(c_max.graph_mem_bytes),
+                "startup_s": None, "startup_s_max": round(float(c_max.startup_s), 3),
+                "num_graphs": None, "num_graphs_max": int(c_max.num_graphs),
+                "rejected": rejected,
+            }
+            if passing.empty:
+                recs.append({**rec, "reason": "no configuration passed its correctness check (see rejected)",
+                             "vllm": {"flags": None, "realises": None, "note": "nothing to realise: every measured strategy is wrong"}})
+                continue
+            fastest_ok = passing.idxmin()
+            pays = bool(gain[fastest_ok] >= PAYS)
+            chosen = fastest_ok if pays or BASELINE not in passing else BASELINE
+            reason = (f"{fastest_ok} is {100 * gain[fastest_ok]:.1f} % faster than max on average over concurrency "
+                      + ("(>= the 2 % that pays for extra graphs)" if pays else "(< 2 %: within noise, extra graphs do not pay)"))
+            if fastest_ok == BASELINE:
+                reason = "max is the fastest" + (" strategy that passed its correctness check" if rejected else "")
+            if best != fastest_ok:
+                reason = f"{best} measured fastest but failed its correctness check, so it is not proposed; " + reason
+            if chosen != BASELINE and not pays:
+                reason += "; max failed its correctness check"
+            c_row = cfg.loc[(k, m, chosen)]
+            if backend_of(k) == "vllm" and chosen in VLLM_STRATEGIES:
+                realises = chosen
+            else:
+                vllm_best = max((s for s in VLLM_STRATEGIES if s in passing), key=lambda s: gain[s], default=VLLM_DEFAULT)
+                realises = SPECIALISED if vllm_best == SPECIALISED and gain[SPECIALISED] >= PAYS else VLLM_DEFAULT
+            note = VLLM_NOTE
+            if len(broken_pow2):
+                same = broken_pow2[broken_pow2.max_loras == m]
+                b = (same if len(same) else broken_pow2).iloc[0]
+                note = (f"--specialize-active-lora is not proposed: vLLM's own pow2 at max_loras {int(b.max_loras)} "
+                        f"failed its correctness check in this run: {b.check_detail}")
+                realises = VLLM_DEFAULT if realises == SPECIALISED else realises
+            elif realises == SPECIALISED and not verified_pow2(checked):
+                note = UNVERIFIED_POW2
+            recs.append({
+                **rec, "strategy": chosen, "captured_counts": c_row.captured_counts,
+                "expected_step_ms": by_c[chosen], "gain_over_max_pct": round(100 * float(gain[chosen]), 2),
+                "graph_mem_bytes": _int(c_row.graph_mem_bytes), "startup_s": round(float(c_row.startup_s), 3),
+                "num_graphs": int(c_row.num_graphs), "reason": reason,
+                "vllm": {"flags": vllm_flags(int(m), rank, realises == SPECIALISED), "realises": realises, "note": note},
+            })
+    return _clean({
+        "run_id": first.run_id, "device": first.device, "gpu_name": first.gpu_name, "model": first.model,
+        "layers": _int(first.layers), "rank": rank, "dtype": first["dtype"],
+        "pays_threshold_pct": 100 * PAYS,
+        "basis": "expected step time = sum_n P(n|c) * median step(c, n), averaged over the swept concurrencies",
+        "recommendations": recs,
+    })
+
+
+def _clean(obj):
+    """JSON-safe: NaN and missing values become null."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    if obj is None or (isinstance(obj, float) and np.isnan(obj)):
+        return None
+    return obj
+
+
+def _int(v):
+    return None if v is None or pd.isna(v) else int(v)

@@ -1,0 +1,1 @@
+"""One module per CLI verb: ``sweep`` (and ``check``), ``report``, ``recommend``, ``tune``."""

@@ -1,0 +1,52 @@
+"""``lorabench check``: build every configuration's graphs and replay each one it can serve on
+all-adapter, all-base and mixed batches at every active count, against the plain-torch
+reference (``lorabench.runtime.check``); nothing is timed. Exit status 1 if any is wrong or has
+no verdict."""
+
+import shlex
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lorabench.commands.sweep import Sweep, prepare
+from lorabench.config.flags import split_list
+from lorabench.config.strategies import AUTO
+from lorabench.errors import UserError
+
+
+def check_table(checks: list[dict]) -> Table:
+    """One line per configuration: its verdict and, when wrong, the smallest batch that shows it."""
+    table = Table(title="correctness: every served graph vs the plain-torch reference")
+    for col in ["kernels", "L", "strategy", "graphs", "batches", "verdict", "detail"]:
+        table.add_column(col, justify="right" if col in ("L", "graphs", "batches") else "left",
+                         no_wrap=col != "detail", overflow="fold")
+    for c in checks:
+        verdict = {True: "[green]ok[/]", False: "[red]WRONG[/]", None: "[yellow]none[/]"}[c.get("correct")]
+        graphs = f"{c['graphs_checked']}/{c['graphs_total']}" if "graphs_checked" in c else "-"
+        detail = c.get("detail", "")
+        if c.get("correct") is True:
+            detail = f"max error {c['max_err']:.2g} (tolerance {c['tolerance']:g})"
+        table.add_row(c["kernels"], str(c["max_loras"]), c["strategy"], graphs, str(c.get("batches", "-")), verdict, detail)
+    return table
+
+
+def check(flags: dict, spec_file: Path | None, console: Console) -> int:
+    if flags.get("strategy") and AUTO in split_list(flags["strategy"]):
+        raise UserError("lorabench check takes fixed capture sets: check an auto set by its list, e.g. --strategy '[8,128]'")
+    spec, notice = prepare({**flags, "check": True}, spec_file)
+    if notice:
+        console.print(notice)
+    run = Sweep(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
+    console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
+    try:
+        run.run()
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(run.checks)} verdicts kept in {run.run_dir / 'checks.json'}", file=sys.stderr)
+        return 130
+    console.print(check_table(run.checks))
+    wrong = sum(c.get("correct") is False for c in run.checks)
+    unknown = sum(c.get("correct") is None for c in run.checks)
+    console.print(f"{len(run.checks)} configurations: {len(run.checks) - wrong - unknown} correct, {wrong} wrong, {unknown} without a verdict")
+    return 1 if wrong or unknown else 0

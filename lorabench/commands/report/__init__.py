@@ -1,0 +1,49 @@
+"""``lorabench report RUN``: plots (PNG), ``report.md`` and ``recommendation.json`` in a run's folder."""
+
+import json
+from pathlib import Path
+
+from lorabench.analysis.points import configs, expected_steps, lora_overhead, ok_points
+from lorabench.analysis.recommend import recommend
+from lorabench.analysis.roofline import floors
+from lorabench.commands.report import plots as p
+from lorabench.commands.report.markdown import render_markdown
+from lorabench.storage.results import load_run
+
+
+def write_report(run_dir: Path) -> list[Path]:
+    run_dir = Path(run_dir)
+    df = load_run(run_dir)
+    info_path = run_dir / "run.json"
+    run_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    cfg, exp, over = configs(df), expected_steps(df), lora_overhead(df)
+    plots = {
+        "latency_vs_active": p.latency_vs_active(df, run_dir / "latency_vs_active.png"),
+        "memory_startup": p.memory_startup(df, cfg, run_dir / "memory_startup.png"),
+    }
+    if not exp.empty:
+        plots["latency_vs_concurrency"] = p.latency_vs_concurrency(df, exp, run_dir / "latency_vs_concurrency.png")
+        plots["speedup"] = p.speedup(df, exp, run_dir / "speedup_vs_max.png")
+        plots["latency_vs_memory"] = p.latency_vs_memory(df, exp, cfg, run_dir / "latency_vs_memory.png")
+    if ok_points(df).kernels.nunique() > 1:
+        plots["backends"] = p.backends(df, over, run_dir / "backends.png")
+    fl = floors(df)
+    if not fl.empty:
+        plots["roofline"] = p.roofline(df, fl, run_dir / "roofline.png")
+    rec = recommend(df)
+    rec_path = run_dir / "recommendation.json"
+    if rec_path.is_file():  # keep what `lorabench recommend` added (strategy auto per workload)
+        try:
+            auto = json.loads(rec_path.read_text()).get("auto")
+        except (ValueError, AttributeError):
+            auto = None
+        if auto:
+            rec["auto"] = auto
+    rec_path.write_text(json.dumps(rec, indent=2) + "\n")
+    md_path = run_dir / "report.md"
+    md = render_markdown(df, run_info, cfg, exp, over, rec, plots)
+    if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
+        head, _, rest = md.partition("\n")
+        md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"
+    md_path.write_text(md)
+    return list(plots.values()) + [md_path, rec_path]

@@ -1,0 +1,276 @@
+"""``report.md``: a run's tables, section by section, around its figures."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from lorabench.analysis.points import ok_points, verdicts
+from lorabench.analysis.recommend import VLLM_NOTE, vllm_specialised
+from lorabench.analysis.roofline import floors
+from lorabench.commands.report.labels import backends, in_order, strategies, unit
+from lorabench.commands.tables import markdown_table
+from lorabench.config.backends import label_order
+from lorabench.config.strategies import AUTO, BASELINE, STRATEGIES, report_order
+
+BUCKET_GRID = [name for name, s in STRATEGIES.items() if s.bucket_grid]  # agnostic
+
+VERDICT_WORD = {True: "ok", False: "WRONG", None: "not checked"}
+HYPOTHESIS = ("Hypothesis: with `--specialize-active-lora` (kernels vllm, strategy pow2), a batch mixing base-model "
+              "requests with adapters replays a graph whose grid is one slot short, so some adapter tokens get no LoRA update.")
+
+
+def _fmt(v, spec: str):
+    return None if pd.isna(v) else spec.format(v)
+
+
+def _mib(v):
+    return None if v is None or pd.isna(v) else f"{float(v) / 2**20:.0f}"
+
+
+def hypothesis_verdict(pow2: pd.DataFrame) -> str:
+    """What the vllm/pow2 verdicts say about HYPOTHESIS: a failure whose smallest batch mixes base
+    requests with adapters confirms it; every configuration correct refutes it."""
+    wrong = pow2[pow2.correct.map(lambda v: v is False)]
+    if len(wrong):
+        r = wrong.iloc[0]
+        smallest = (r.check_detail or "").partition("smallest: ")[2] or r.check_detail or "no detail recorded"
+        where = f"max_loras {', '.join(str(int(m)) for m in wrong.max_loras)}"
+        if re.search(r"n=[1-9]\d*, [1-9]\d* base", smallest):
+            return f"This run **confirms** it: vllm/pow2 is WRONG at {where}; smallest failing batch: {smallest}."
+        return (f"vllm/pow2 is WRONG at {where}, but its smallest failing batch does not mix base requests with "
+                f"adapters, so this run does not single out the hypothesised failure: {smallest}.")
+    if pow2.correct.map(lambda v: v is True).all():
+        return ("This run **refutes** it: every vllm/pow2 configuration (max_loras "
+                f"{', '.join(str(int(m)) for m in pow2.max_loras)}) matched the reference, mixed batches included.")
+    return "This run cannot tell: a vllm/pow2 configuration has no verdict (not checked, or the check was inconclusive)."
+
+
+def correctness_md(df: pd.DataFrame) -> list[str]:
+    v = in_order(verdicts(df))
+    out = ["## Correctness", "",
+           "Each configuration's graphs replayed on all-adapter, all-base and mixed batches against the plain-torch "
+           "reference before timing (`correct`, `check_detail`); a WRONG configuration is never recommended.", "",
+           markdown_table(["kernels", "max_loras", "strategy", "verdict", "detail"],
+                    [[r.kernels, int(r.max_loras), r.strategy, VERDICT_WORD[r.correct], r.check_detail] for r in v.itertuples()]),
+           ""]
+    if v.correct.isna().all():
+        out += ["No configuration of this run has a verdict: it ran with `--no-check`, or before the check existed.", ""]
+    pow2 = v[vllm_specialised(v)]
+    if len(pow2):
+        out += [f"{HYPOTHESIS} {hypothesis_verdict(pow2)}", ""]
+    return out
+
+
+def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path) -> list[str]:
+    """Per (max_loras, strategy) measured with several backends: step times, ratios to the first
+    backend and each backend's LoRA overhead; then what each backend's graphs cost."""
+    out = ["## Backends side by side", "", f"![backends]({plot.name})", ""]
+    groups = sorted(over.groupby(["max_loras", "strategy"]), key=lambda kv: (kv[0][0], report_order(kv[0][1])))
+    for (m, s), g in groups:
+        ks = backends(g)
+        if len(ks) < 2:
+            continue
+        t = g.pivot(index=["concurrency", "n_active"], columns="kernels", values=["step_ms_median", "overhead_pct"])
+        rows = [[int(c), int(n)] + [r.step_ms_median[k] for k in ks]
+                + [_fmt(r.step_ms_median[k] / r.step_ms_median[ks[0]], "{:.2f}x") for k in ks[1:]]
+                + [_fmt(r.overhead_pct[k], "{:+.1f} %") for k in ks] for (c, n), r in t.iterrows()]
+        out += [f"**max_loras = {m}, {s}**: median step ({u}), ratio to {ks[0]}, LoRA overhead over n = 0\n",
+                markdown_table(["c", "n"] + [f"{k} ms" for k in ks] + [f"{k}/{ks[0]}" for k in ks[1:]] + [f"{k} overhead" for k in ks], rows),
+                ""]
+    cost = in_order(cfg, by=("max_loras", "strategy", "kernels"))
+    out += [markdown_table(["max_loras", "strategy", "kernels", "graph MiB", "graphs", "startup s"],
+                     [[int(c.max_loras), c.strategy, c.kernels, _mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
+                      for c in cost.itertuples()]), ""]
+    return out
+
+
+AGNOSTIC_WITHIN = 0.03  # count-agnostic is as good as specialised when within 3 % of the best at every point
+
+
+def agnostic_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str) -> list[str]:
+    """Does the count-agnostic grid make specialisation unnecessary? Per (kernels, max_loras, c,
+    n): agnostic's step against the fastest other strategy that passed its check."""
+    over = over[over.n_active > 0]  # n = 0 runs the same no-LoRA graph under every strategy
+    ag = over[over.strategy.isin(BUCKET_GRID)]
+    if ag.empty:
+        return []
+    wrong = {(c.kernels, c.max_loras, c.strategy) for c in cfg.itertuples() if c.correct is False}
+    failed = sorted({(k, int(m)) for k, m, s in zip(ag.kernels, ag.max_loras, ag.strategy) if (k, m, s) in wrong})
+    ag = ag[[(k, m, s) not in wrong for k, m, s in zip(ag.kernels, ag.max_loras, ag.strategy)]]  # wrong can look fast
+    others = over[~over.strategy.isin(BUCKET_GRID)]
+    others = others[[(k, m, s) not in wrong for k, m, s in zip(others.kernels, others.max_loras, others.strategy)]]
+    out = ["## Count-agnostic vs specialised", "",
+           "`agnostic` captures one LoRA graph per bucket with min(bucket, max_loras) programs on the adapter axis, "
+           "whatever n; `best other` is the fastest other strategy of the same kernels that passed its check, "
+           f"per point ({u}, median). Specialisation is unnecessary where agnostic is within "
+           f"{100 * AGNOSTIC_WITHIN:.0f} % everywhere.", ""]
+    out += [f"**{k}, max_loras = {m}**: agnostic failed its correctness check (see Correctness); not compared.\n"
+            for k, m in failed]
+    summary = []
+    for (k, m), g in sorted(ag.groupby(["kernels", "max_loras"]), key=lambda kv: (label_order(kv[0][0]), kv[0][1])):
+        rows, worst = [], -np.inf
+        for r in g.sort_values(["concurrency", "n_active"]).itertuples():
+            o = others[(others.kernels == k) & (others.max_loras == m) & (others.concurrency == r.concurrency)
+                       & (others.n_active == r.n_active)]
+            if o.empty:
+                continue
+            b = o.loc[o.step_ms_median.idxmin()]
+            gap = r.step_ms_median / b.step_ms_median - 1
+            worst = max(worst, gap)
+            rows.append([int(r.concurrency), int(r.n_active), f"{r.step_ms_median:.3f} [{int(r.graph_loras)}]",
+                         f"{b.step_ms_median:.3f} ({b.strategy} [{int(b.graph_loras)}])", f"{100 * gap:+.1f} %"])
+        if not rows:
+            continue
+        out += [f"**{k}, max_loras = {m}**\n", markdown_table(["c", "n", "agnostic [grid]", "best other", "agnostic vs best"], rows), ""]
+        c_ag = cfg[(cfg.kernels == k) & (cfg.max_loras == m) & cfg.strategy.isin(BUCKET_GRID)].iloc[0]
+        c_max = cfg[(cfg.kernels == k) & (cfg.max_loras == m) & (cfg.strategy == BASELINE)]
+        cost = (f"{int(c_ag.num_graphs)} graphs / {_mib(c_ag.graph_mem_bytes)} MiB / {c_ag.startup_s:.2f} s startup"
+                + (f" (max: {int(c_max.num_graphs.iloc[0])} / {_mib(c_max.graph_mem_bytes.iloc[0])} MiB / "
+                   f"{c_max.startup_s.iloc[0]:.2f} s)" if len(c_max) else ""))
+        verdict = "yes" if worst <= AGNOSTIC_WITHIN else "no"
+        summary.append([k, int(m), f"{100 * worst:+.1f} %", verdict, cost])
+    out += [markdown_table(["kernels", "max_loras", "worst agnostic vs best", f"within {100 * AGNOSTIC_WITHIN:.0f} % everywhere", "agnostic's graphs (max's)"],
+                     summary), ""]
+    return out
+
+
+def roofline_md(fl: pd.DataFrame, plot: Path | None) -> list[str]:
+    """Per (kernels, max_loras, c, n), the fastest strategy's LoRA overhead against its floor."""
+    if fl.empty:
+        return []
+    gbs, us = fl.probe_copy_gbs.median(), fl.probe_kernel_us.median()
+    kernels = "/".join(str(int(k)) for k in sorted(fl.min_kernels.unique()))
+    best = fl.loc[fl.groupby(["kernels", "max_loras", "concurrency", "n_active"]).overhead_ms.idxmin()]
+    best = in_order(best, by=("kernels", "max_loras", "concurrency", "n_active"))
+    out = ["## Roofline: LoRA overhead vs its floor", "",
+           f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({kernels} per step) "
+           f"x the cost of one more kernel in a graph; measured by each worker: copy bandwidth {gbs:.0f} GB/s, "
+           f"{us:.2f} us per extra kernel (medians). overhead = step - the same configuration's n = 0 step; "
+           "the fastest strategy per point.", ""]
+    if plot is not None:
+        out += [f"![roofline]({plot.name})", ""]
+    out += [markdown_table(["kernels", "max_loras", "c", "n", "strategy", "LoRA MB", "bytes us", "kernels us", "floor ms",
+                      "overhead ms", "x floor"],
+                     [[r.kernels, int(r.max_loras), int(r.concurrency), int(r.n_active), r.strategy, f"{r.lora_mb:.1f}",
+                       f"{r.bytes_us:.1f}", f"{r.kernels_us:.1f}", r.floor_ms, r.overhead_ms, f"{r.x_floor:.2f}"]
+                      for r in best.itertuples()]), ""]
+    return out
+
+
+def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str) -> list[str]:
+    """Strategy auto: what the cost model (from the --auto-from run) predicted for the chosen
+    set, next to what this run measured for it."""
+    runs = ok_points(df)
+    pred = runs[(runs.strategy == AUTO) & (runs["mode"] == "workload")] if "predicted_ms" in runs else runs.iloc[:0]
+    pred = pred[pred.predicted_ms.notna()] if len(pred) else pred
+    if pred.empty:
+        return []
+    source = (run_info.get("spec") or {}).get("auto_from", "the --auto-from run")
+    e = exp[exp.strategy == AUTO].set_index(["kernels", "max_loras", "workload", "concurrency"])
+    rows = []
+    for r in pred.sort_values(["kernels", "max_loras", "concurrency"]).itertuples():
+        key = (r.kernels, r.max_loras, r.workload, r.concurrency)
+        expected = e.expected_ms.get(key, np.nan)
+        rows.append([r.kernels, int(r.max_loras), "[" + ",".join(str(int(x)) for x in r.captured_counts) + "]", r.workload,
+                     int(r.concurrency), r.predicted_ms, expected, r.step_ms_mean,
+                     _fmt(100 * (expected / r.predicted_ms - 1), "{:+.2f} %"), _fmt(100 * (r.step_ms_mean / r.predicted_ms - 1), "{:+.2f} %")])
+    return [f"## Strategy auto: predicted vs measured ({u})", "",
+            f"predicted = the cost model built from `{source}` for the chosen set; expected = sum over n of "
+            "P(n | c) x this run's median(c, n) for that set; measured = its workload run's mean.", "",
+            markdown_table(["kernels", "max_loras", "set", "workload", "c", "predicted", "expected", "measured",
+                      "expected vs predicted", "measured vs predicted"], rows), ""]
+
+
+def recommendation_md(rec: dict) -> list[str]:
+    out = ["## Recommendation", ""]
+    for x in rec["recommendations"]:
+        head = f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: "
+        if x["strategy"] is None:
+            out.append(head + f"nothing proposed: {x['reason']}.")
+        else:
+            out.append(head + f"`{x['strategy']}` {x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "
+                       f"{x['num_graphs']} graphs ({x['num_graphs_max']} for max). {x['reason']}. vLLM: `{x['vllm']['flags']}`")
+        out += [f"  - rejected `{r['strategy']}`: {r['reason']}" for r in x.get("rejected", [])]
+    notes = dict.fromkeys(x["vllm"]["note"] for x in rec["recommendations"] if x["strategy"] is not None)
+    out += [f"\nvLLM: {n}" for n in notes if n != VLLM_NOTE]
+    return out
+
+
+def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
+    r = ok_points(df).iloc[0]
+    where = f"{r.gpu_name} (driver {r.driver}, CUDA {r.cuda})" if r.device == "cuda" else "CPU: figures are CPU wall times, not GPU results"
+    u = unit(df)
+    out = [
+        f"# lorabench report: {r.run_id}",
+        "",
+        f"- machine: {where}",
+        f"- model: {r.model}, {int(r.layers)} layers, hidden {int(r.hidden)}, rank {int(r['rank'])}, {r['dtype']}, "
+        f"context {int(r.context_len) if pd.notna(r.context_len) else '-'}",
+        f"- torch {r.torch}, triton {r.triton}, git {r.git_sha}",
+        f"- command: `{run_info.get('argv', r.argv)}`",
+        f"- sweep wall time: {run_info.get('wall_s', float('nan')):.1f} s; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
+        f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %)",
+        f"- timing: {u}; median of {int(r.iters)} steps per point after {int(r.warmup)} warm-up steps",
+        "",
+        *correctness_md(df),
+        "## Capture sets and their cost",
+        "",
+        markdown_table(
+            ["kernels", "max_loras", "strategy", "launch counts", "graphs", "graph MiB", "pool MiB", "build s", "compile s", "capture s", "startup s"],
+            [[c.kernels, int(c.max_loras), c.strategy, "[" + ",".join(map(str, c.captured_counts)) + "]", int(c.num_graphs), _mib(c.graph_mem_bytes),
+              _mib(c.pool_bytes), c.build_s, c.compile_s, c.capture_s, c.startup_s] for c in cfg.itertuples()],
+        ),
+        "",
+        f"![memory and startup]({plots['memory_startup'].name})",
+        "",
+        f"## Step time by active count ({u}, median [launch count], overhead over n = 0)",
+        "",
+        f"![latency vs active]({plots['latency_vs_active'].name})",
+        "",
+    ]
+    strats = strategies(df)
+    for (k, m), g in over.groupby(["kernels", "max_loras"]):
+        out.append(f"**{k}, max_loras = {m}**\n")
+        rows = []
+        for (c, n), gg in g.groupby(["concurrency", "n_active"]):
+            cells = [int(c), int(n)]
+            for s in strats:
+                p = gg[gg.strategy == s]
+                cells.append(f"{p.step_ms_median.iloc[0]:.3f} [{int(p.graph_loras.iloc[0])}] {p.overhead_pct.iloc[0]:+.1f} %"
+                             if len(p) else "-")
+            rows.append(cells)
+        out += [markdown_table(["c", "n"] + strats, rows), ""]
+    if "backends" in plots:
+        out += backends_md(over, cfg, u, plots["backends"])
+    out += agnostic_md(over, cfg, u)
+    out += roofline_md(floors(df), plots.get("roofline"))
+    if not exp.empty:
+        out += [f"## Expected step under each workload ({u})", "",
+                "expected = sum over n of P(n | c) x median(c, n); measured = the workload run's mean over its steps.", "",
+                f"![latency vs concurrency]({plots['latency_vs_concurrency'].name})", "",
+                f"![speed-up]({plots['speedup'].name})", ""]
+        rows = [[e.kernels, e.max_loras, e.workload, e.concurrency, e.strategy, e.expected_ms, e.measured_mean_ms,
+                 (e.measured_mean_ms / e.expected_ms - 1) * 100 if e.expected_ms else np.nan, e.speedup_vs_max]
+                for e in exp.sort_values(["kernels", "max_loras", "workload", "concurrency"]).itertuples()]
+        out += [markdown_table(["kernels", "max_loras", "workload", "c", "strategy", "expected", "measured", "meas/exp - 1 (%)", "speed-up vs max"], rows), ""]
+        out += auto_md(df, exp, run_info, u)
+    ok = ok_points(df)
+    host = ok.groupby(["kernels", "concurrency"]).agg(
+        host=("host_us_median", "median"), copy=("copy_us_median", "median"), launch=("launch_us_median", "median"))
+    out += ["## Host overhead per step (us, median over points)", "",
+            "`host` = building the batch metadata + choosing the graph; `copy` = the call queueing the metadata's "
+            "copy to the device; `launch` = the graph replay call (on the CPU: the eager step itself).", "",
+            markdown_table(["kernels", "c", "host us", "copy us", "launch us"],
+                     [[k, int(c), h["host"], h["copy"], h["launch"]] for (k, c), h in host.iterrows()]), ""]
+    if "latency_vs_memory" in plots:
+        out += [f"![latency vs memory]({plots['latency_vs_memory'].name})", ""]
+    out += recommendation_md(rec)
+    bad = df[(df.status == "failed") | df.noisy.fillna(False).astype(bool)]
+    if len(bad):
+        out += ["", "## Failed and noisy points", "",
+                markdown_table(["point", "kernels", "max_loras", "strategy", "c", "n", "mode", "status", "error / IQR"],
+                         [[int(b.point), b.kernels, b.max_loras, b.strategy, b.concurrency, b.n_active, b["mode"], b.status,
+                           (b.error or "")[:120] if b.status == "failed" else f"IQR {b.step_ms_iqr:.3f} ms"] for _, b in bad.iterrows()])]
+    return "\n".join(out) + "\n"

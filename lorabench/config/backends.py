@@ -1,0 +1,50 @@
+"""What a row's ``kernels`` column names: a backend, with its default configs or a tune's."""
+
+from dataclasses import dataclass
+
+from lorabench.kernels import BACKENDS
+
+TUNED_SUFFIX = "+tuned"
+
+
+@dataclass(frozen=True)
+class KernelsLabel:
+    """``triton``, ``fused+tuned``, ...: the backend a sweep runs and whether it runs with the
+    configs of ``--tuned DIR`` (a ``lorabench tune`` folder) instead of its defaults."""
+
+    backend: str
+    tuned: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelsLabel":
+        """ValueError for an unknown backend, or ``+tuned`` on one that cannot be tuned."""
+        backend = text.strip().removesuffix(TUNED_SUFFIX)
+        label = cls(backend, text.strip().endswith(TUNED_SUFFIX))
+        if backend not in BACKENDS or (label.tuned and not BACKENDS[backend].tunable):
+            tunable = ", ".join(b + TUNED_SUFFIX for b, info in BACKENDS.items() if info.tunable)
+            raise ValueError(f"unknown backend {text!r} (choose from {', '.join(BACKENDS)}; {tunable} with --tuned DIR)")
+        return label
+
+    def __str__(self) -> str:
+        return self.backend + (TUNED_SUFFIX if self.tuned else "")
+
+    @property
+    def vllm(self) -> bool:
+        """vLLM's own ops, under vLLM's runner rules."""
+        return self.backend == "vllm"
+
+    @property
+    def order(self) -> float:
+        """Report order: backends as registered, a "+tuned" run right after its defaults."""
+        names = list(BACKENDS)
+        return (names.index(self.backend) if self.backend in names else len(names)) + 0.5 * self.tuned
+
+
+def backend_of(label: str) -> str:
+    """The backend a ``kernels`` column value runs: ``fused+tuned`` -> ``fused``."""
+    return label.strip().removesuffix(TUNED_SUFFIX)
+
+
+def label_order(label: str) -> float:
+    """Report order of a ``kernels`` column value (unknown backends last)."""
+    return KernelsLabel(backend_of(label), label.strip().endswith(TUNED_SUFFIX)).order

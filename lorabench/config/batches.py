@@ -1,0 +1,30 @@
+"""Batches of decode requests as slot lists: fixed active counts, mixes with base requests, and
+how many distinct adapters a batch holds."""
+
+import random
+
+import numpy as np
+
+
+def fixed_batch(tokens: int, n_active: int, max_loras: int, rng: random.Random, base_tokens: int = 0) -> list[int]:
+    """``tokens`` requests using exactly ``n_active`` distinct adapter slots, of which
+    ``base_tokens`` requests use no adapter (slot -1); order shuffled."""
+    if n_active > min(tokens - base_tokens, max_loras) or (n_active == 0 and base_tokens != tokens):
+        raise ValueError(f"cannot place {n_active} adapters in {tokens} tokens with {base_tokens} base")
+    chosen = rng.sample(range(max_loras), n_active)
+    lora_tokens = chosen + [rng.choice(chosen) for _ in range(tokens - base_tokens - n_active)] if chosen else []
+    slots = lora_tokens + [-1] * base_tokens
+    rng.shuffle(slots)
+    return slots
+
+
+def mixed_batch(tokens: int, n_active: int, max_loras: int, rng: random.Random) -> list[int]:
+    """Like ``fixed_batch`` with a random number of base-model requests among the adapters."""
+    base = tokens if n_active == 0 else rng.randint(0, tokens - n_active)
+    return fixed_batch(tokens, n_active, max_loras, rng, base_tokens=base)
+
+
+def distinct_adapters(steps: np.ndarray) -> np.ndarray:
+    """Per row of slot/adapter ids (-1 = base request): how many distinct non-negative ids."""
+    ordered = np.sort(steps, axis=1)
+    return (ordered[:, :1] >= 0).sum(axis=1) + ((np.diff(ordered, axis=1) != 0) & (ordered[:, 1:] >= 0)).sum(axis=1)

@@ -1,0 +1,112 @@
+"""A sweep's plan: the jobs (one worker process each) and the points each one measures.
+
+A ``Job`` is everything one worker needs, frozen, and crosses the process boundary as JSON
+(``to_json`` / ``from_json``): the worker reads no spec and interprets no strategy name.
+"""
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+from lorabench.config.backends import KernelsLabel
+from lorabench.config.spec import SweepSpec
+from lorabench.config.strategies import AUTO, Vllm, strategy
+
+FIXED, WORKLOAD = "fixed", "workload"  # a point's mode: a batch of exactly n adapters, or batches drawn from a workload
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point of a job: ``index`` is its place in the run's plan (the ``point`` column)."""
+
+    index: int
+    mode: str  # FIXED or WORKLOAD
+    concurrency: int
+    n_active: int | None = None  # FIXED points
+    workload: str | None = None  # WORKLOAD points
+
+
+@dataclass(frozen=True)
+class Job:
+    """One worker's configuration: a (kernels, max_loras, strategy) of a sweep and its points."""
+
+    run_id: str
+    started_at: str
+    argv: str
+    kernels: str  # a KernelsLabel, as rows write it
+    max_loras: int
+    strategy: str  # canonical name, as rows write it
+    counts: tuple[int, ...]  # lorabench's capture set (vLLM's keys are derived from the strategy by its rules)
+    bucket_grid: bool  # graphs launched with min(bucket, max_loras) programs, whatever n
+    device: str
+    model: str
+    layers: int | None
+    rank: int
+    dtype: str
+    context_len: int
+    capture_sizes: tuple[int, ...]
+    max_tokens: int  # token slots the model is built with: the largest capture size or concurrency
+    iters: int
+    warmup: int
+    seed: int
+    check: bool
+    tuned: str | None  # the tune folder whose configs "+tuned" kernels run with
+    points: tuple[Point, ...] = ()
+    predicted_ms: tuple[tuple[str, int, float], ...] = ()  # strategy auto: (workload, c, the cost model's ms)
+
+    @property
+    def label(self) -> KernelsLabel:
+        return KernelsLabel.parse(self.kernels)
+
+    @property
+    def config(self) -> dict:
+        """The (kernels, max_loras, strategy) that names this job in rows and verdicts."""
+        return {"kernels": self.kernels, "max_loras": self.max_loras, "strategy": self.strategy}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Job":
+        raw = json.loads(text)
+        raw["points"] = tuple(Point(**p) for p in raw["points"])
+        raw["predicted_ms"] = tuple(tuple(p) for p in raw["predicted_ms"])
+        for name in ("counts", "capture_sizes"):
+            raw[name] = tuple(raw[name])
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = "") -> list[Job]:
+    """The workers' jobs, each with its points: for every concurrency c, every n in
+    0..min(c, max_loras) in fixed mode, then one workload run per workload. vLLM's kernels skip
+    strategies vLLM has no grid for."""
+    jobs, index = [], 0
+    for kernels in spec.labels:
+        for max_loras in spec.max_loras:
+            for name in spec.strategy:
+                s = strategy(name)
+                if kernels.vllm and s.vllm is Vllm.NONE:
+                    continue  # vLLM's grid follows its count: it has no count-agnostic mode to measure
+                points = []
+                for c in spec.concurrency:
+                    for n in range(min(c, max_loras) + 1):
+                        points.append(Point(index, FIXED, c, n_active=n))
+                        index += 1
+                    for w in spec.workload:
+                        points.append(Point(index, WORKLOAD, c, workload=w))
+                        index += 1
+                predicted: tuple = ()
+                if s.name == AUTO:
+                    chosen = spec.auto_sets[f"{kernels}/{max_loras}"]
+                    counts = chosen["counts"]
+                    predicted = tuple((chosen["workload"], int(c), ms) for c, ms in chosen["predicted_ms"].items())
+                else:
+                    counts = s.counts(max_loras)
+                jobs.append(Job(
+                    run_id=run_id, started_at=started_at, argv=argv, kernels=str(kernels), max_loras=max_loras,
+                    strategy=s.name, counts=tuple(counts), bucket_grid=s.bucket_grid, device=spec.device,
+                    model=spec.model, layers=spec.layers, rank=spec.rank, dtype=spec.dtype, context_len=spec.context_len,
+                    capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
+                    iters=spec.iters, warmup=spec.warmup, seed=spec.seed, check=spec.check,
+                    tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted))
+    return jobs

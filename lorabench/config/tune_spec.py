@@ -1,0 +1,72 @@
+"""A tune's specification (``lorabench tune``): flags, checked up front, one ``UserError`` line
+for bad input."""
+
+from dataclasses import dataclass
+
+from lorabench.config.flags import Machine, one_of, resolve_device, split_list
+from lorabench.config.models import PRESETS
+from lorabench.config.spec import MAX_TOKENS
+from lorabench.errors import UserError
+from lorabench.kernels import BACKENDS, DTYPES, SUPPORTED_RANKS
+
+TUNABLE = tuple(name for name, b in BACKENDS.items() if b.tunable)
+
+
+@dataclass
+class TuneSpec:
+    kernels: list[str]  # backends to tune
+    model: str
+    rank: int
+    dtype: str
+    max_loras: list[int]
+    tokens: list[int]
+    budget_s: float
+    out: str
+    device: str
+    seed: int = 0
+
+
+def _ints(flag: str, text: str, lo: int, hi: int) -> list[int]:
+    try:
+        values = [int(v) for v in split_list(text)]
+    except ValueError:
+        raise UserError(f"{flag}: {text!r} is not a list of integers") from None
+    if not all(lo <= v <= hi for v in values):
+        raise UserError(f"{flag}: {text!r}: every value must be between {lo} and {hi}")
+    return sorted(set(values))
+
+
+def _budget(text: str) -> float:
+    try:
+        if 0 < float(text) < float("inf"):
+            return float(text)
+    except ValueError:
+        pass
+    raise UserError(f"--budget-s: {text!r} is not a positive number of seconds")
+
+
+def build_tune_spec(flags: dict, machine: Machine, vllm_available: bool) -> tuple[TuneSpec, str | None]:
+    """Flags (strings, None = not given) -> a checked spec and a one-line notice or None.
+    ``vllm_available``: whether vLLM's ops load here (the default tunes them on a GPU if so)."""
+    device = resolve_device(flags.get("device") or "auto", machine)
+    kernels = split_list(flags["kernels"]) if flags.get("kernels") else None
+    notices = []
+    if kernels is None:  # vLLM's too where it can run fast: the interpreter makes its shrink slow
+        kernels = ["triton", "fused"] + (["vllm"] if device == "cuda" and vllm_available else [])
+        notices.append(f"tuning {', '.join(kernels)} (--kernels to choose)")
+    if flags.get("model") is None and device == "cpu":
+        notices.append("On the CPU: tuning the tiny preset in Triton's interpreter; its times are CPU figures, not GPU results")
+    spec = TuneSpec(kernels=list(dict.fromkeys(kernels)), model=flags.get("model") or ("llama-2-7b" if device == "cuda" else "tiny"),
+                    rank=_ints("--rank", flags.get("rank") or "16", 1, 1 << 16)[0], dtype=flags.get("dtype") or "float16",
+                    max_loras=_ints("--max-loras", flags.get("max_loras") or "4", 1, 4096),
+                    tokens=_ints("--tokens", flags.get("tokens") or "1,8,32", 1, MAX_TOKENS),
+                    budget_s=_budget(flags.get("budget_s") or "300"), out=flags.get("out") or "tuned", device=device,
+                    seed=_ints("--seed", flags.get("seed") or "0", 0, 2**31)[0])
+    for k in spec.kernels:
+        one_of("kernels", k, TUNABLE)
+    one_of("model", spec.model, PRESETS)
+    one_of("rank", spec.rank, SUPPORTED_RANKS)
+    one_of("dtype", spec.dtype, DTYPES)
+    if "vllm" in spec.kernels and spec.dtype == "float32":
+        raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
+    return spec, "; ".join(notices) or None

@@ -1,0 +1,165 @@
+"""The correctness verdict of one configuration: every graph it can serve a batch with is
+replayed on batches that route to it (all adapters, all base, and mixes of both, at every
+active count n) and compared with the plain-torch reference.
+
+Batches are tried smallest first (tokens, then n, then base requests), so the first mismatch
+is the smallest batch that shows the configuration is wrong. Tolerances are per dtype, on the
+worst token's relative error ``|out - ref| / |ref|`` over its logits; the check also measures
+how far the LoRA update moves the logits (its *sensitivity*): a check whose tolerance is not
+well below that could miss a dropped update, and then says it is inconclusive.
+"""
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lorabench.config.batches import fixed_batch
+from lorabench.config.tolerance import TOLERANCE
+from lorabench.runtime.dispatch import Dispatcher, Route
+
+MIN_SENSITIVITY = 10.0  # a dropped update must move the logits >= this many tolerances
+
+
+@dataclass
+class Case:
+    slots: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.slots)
+
+    @property
+    def n_active(self) -> int:
+        return len({s for s in self.slots if s >= 0})
+
+    @property
+    def base(self) -> int:
+        return sum(s < 0 for s in self.slots)
+
+
+@dataclass
+class Failure:
+    slots: list[int]
+    graph_tokens: int
+    key: int
+    grid: int
+    graphed: bool
+    max_err: float
+    bad_tokens: list[int]  # positions in the batch whose logits are off
+
+    def describe(self, tolerance: float) -> str:
+        case = Case(self.slots)
+        where = (f"graph (bucket {self.graph_tokens}, key {self.key}, grid {self.grid})" if self.graphed
+                 else f"the eager path (key {self.key}, grid {self.grid})")
+        bad = sorted({self.slots[i] for i in self.bad_tokens})
+        who = ", ".join("base" if s < 0 else f"slot {s}" for s in bad)
+        return (f"batch {self.slots} ({case.tokens} tokens, n={case.n_active}, {case.base} base) -> {where}: "
+                f"{len(self.bad_tokens)} token(s) of {who} off by {self.max_err:.3g} relative (tolerance {tolerance:g})")
+
+
+@dataclass
+class Verdict:
+    correct: bool | None  # None: inconclusive (the reference cannot tell a dropped update)
+    batches: int
+    graphs_checked: int
+    graphs_total: int
+    max_err: float
+    tolerance: float
+    sensitivity: float
+    seconds: float
+    first: Failure | None = None
+    failing_graphs: list[list[int]] = field(default_factory=list)  # [bucket, key, grid]
+    eager_wrong: bool = False  # a batch past every capture size (run eagerly) was wrong
+
+    @property
+    def detail(self) -> str:
+        if self.correct is None:
+            return (f"inconclusive: the LoRA update moves the logits by only {self.sensitivity:.3g}, "
+                    f"under {MIN_SENSITIVITY:g}x the tolerance {self.tolerance:g}")
+        if self.correct:
+            return (f"ok: {self.batches} batches, {self.graphs_checked} of {self.graphs_total} graphs served, "
+                    f"max error {self.max_err:.2g} (tolerance {self.tolerance:g}, LoRA moves logits by {self.sensitivity:.2g})")
+        where = f"{len(self.failing_graphs)} of {self.graphs_checked} graphs served" + (" and the eager path" if self.eager_wrong else "")
+        return f"WRONG in {where}; smallest: " + self.first.describe(self.tolerance)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "detail": self.detail}
+
+
+def cases(d: Dispatcher, rng: random.Random) -> list[Case]:
+    """Per capture size b (previous size p): batches of p+1 and b tokens; beyond the largest size,
+    the largest batch the model holds (eager). For each, every n in 0..min(tokens, max_loras):
+    all adapters, and, where there is room, mixes with one base request and with as many base
+    requests as possible. Sorted smallest first."""
+    sizes, top = d.capture_sizes, d.model.max_tokens
+    lengths = {b for b in sizes} | {p + 1 for p in sizes[:-1]} | {1}
+    if top > sizes[-1]:
+        lengths |= {sizes[-1] + 1, top}
+    out = []
+    for t in sorted(lengths):
+        for n in range(min(t, d.max_loras) + 1):
+            bases = {t} if n == 0 else {0, min(1, t - n), t - n}
+            for base in sorted(bases):
+                out.append(Case(fixed_batch(t, n, d.max_loras, rng, base_tokens=base)))
+    return out
+
+
+def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per token: |out - ref| / |ref| over its logits, in float32."""
+    return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+
+
+def sensitivity(d: Dispatcher, rng: random.Random) -> float:
+    """The smallest relative change the LoRA update makes to an adapter token's logits."""
+    t = d.capture_sizes[-1]
+    slots = fixed_batch(t, min(t, d.max_loras), d.max_loras, rng)
+    ids = torch.randint(0, d.model.cfg.vocab, (t,), device=d.input_ids.device)
+    with_lora = d.reference(slots, ids)
+    base = d.reference([-1] * t, ids)
+    return float(row_errors(base, with_lora).min())
+
+
+def check(d: Dispatcher, dtype: str, seed: int = 0) -> Verdict:
+    """Replay every servable graph of a captured dispatcher on every case; see the module doc."""
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    tol = TOLERANCE[dtype].logits
+    gen = torch.Generator(device=d.input_ids.device).manual_seed(seed)
+    saved_ids = d.input_ids.clone()
+    served: set[tuple[int, int]] = set()
+    failing: dict[tuple[int, int], int] = {}
+    first, max_err, batches, eager_wrong = None, 0.0, 0, False
+    try:
+        sens = sensitivity(d, rng)
+        for case in cases(d, rng):
+            ids = torch.randint(0, d.model.cfg.vocab, (case.tokens,), device=d.input_ids.device, generator=gen)
+            d.input_ids[: case.tokens].copy_(ids)
+            prep = d.prepare(case.slots)
+            out = d.launch(prep).clone()
+            route: Route = prep.route
+            grid = d.grid_of(route)
+            ref = d.reference(case.slots, ids)
+            err = row_errors(out, ref)
+            worst = float(err.max())
+            batches += 1
+            max_err = max(max_err, worst)
+            if route.graphed:
+                served.add((route.tokens, route.launch))
+            if not worst < tol:  # NaN fails too
+                if route.graphed:
+                    failing[(route.tokens, route.launch)] = grid
+                else:
+                    eager_wrong = True
+                if first is None:
+                    bad = [i for i, e in enumerate(err.tolist()) if not e < tol]
+                    first = Failure(case.slots, route.tokens, route.launch, grid, route.graphed, worst, bad)
+    finally:
+        d.input_ids.copy_(saved_ids)
+    correct = None if sens < MIN_SENSITIVITY * tol else first is None
+    return Verdict(
+        correct=correct, batches=batches, graphs_checked=len(served), graphs_total=d.num_graphs, max_err=max_err,
+        tolerance=tol, sensitivity=sens, seconds=time.perf_counter() - t0, first=first,
+        failing_graphs=sorted([b, k, g] for (b, k), g in failing.items()), eager_wrong=eager_wrong,
+    )

@@ -1,0 +1,213 @@
+"""The graph dispatcher: one decode-step graph per (batch bucket, launch count), and the rule
+that picks one for each batch.
+
+Dispatch (``lorabench.config.strategies``): bucket = smallest capture size >= the batch's tokens;
+launch count = smallest captured count >= the batch's active count n; n = 0 uses the no-LoRA
+graph (no LoRA kernels at all); a batch larger than every capture size runs eagerly with launch
+count n.
+Because ``active_slots`` lists only adapter slots (never the base slot -1), a launch count >= n
+serves every adapter token, whatever mix of base and adapter requests the batch holds.
+
+How a batch's metadata is built, which keys are captured and which key a batch uses are the
+dispatcher's *rules*: ``LorabenchRules`` here, or ``lorabench.runtime.vllm_rules.VllmRules``, which
+reproduces vLLM's runner (its count includes the base-model id) for its own kernels.
+
+With ``use_graphs=False`` (the CPU path) every key maps to an eager callable that runs the
+same padded shapes with the same launch count, so dispatch is exercised identically.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lorabench.config.strategies import choose_bucket, choose_launch
+from lorabench.kernels import get_backend
+from lorabench.runtime.lora_meta import MetaBuffer
+from lorabench.runtime.model import LlamaLoRA, LoRAStep
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a batch goes: ``tokens`` is the bucket (or the batch itself when eager); ``launch``
+    is the dispatch key (lorabench: the launch count; vLLM: its rounded adapter count)."""
+
+    tokens: int
+    launch: int
+    graphed: bool
+
+
+@dataclass
+class Prepared:
+    """A batch ready to launch: its packed metadata and its route."""
+
+    packed: object
+    n_active: int
+    batch_tokens: int
+    route: Route
+
+
+class LorabenchRules:
+    """lorabench's own rules: metadata packed on the host and sent in one copy; keys are launch
+    counts (the capture set); a batch with n active adapters uses the smallest key >= n.
+
+    ``bucket_grid`` (strategy ``agnostic``): one LoRA graph per bucket, launched with
+    min(bucket, max_loras) programs on the adapter axis, as many adapters as a batch of that
+    size can hold, so it serves every n without knowing it."""
+
+    def __init__(self, counts: list[int], max_loras: int, max_tokens: int, device, bucket_grid: bool = False):
+        if counts[-1] != max_loras:
+            raise ValueError(f"captured counts {counts} must end at max_loras={max_loras}")
+        self.counts, self.max_loras, self.bucket_grid = sorted(set(counts)), max_loras, bucket_grid
+        self.meta_buf = MetaBuffer(max_tokens, max_loras, device)
+        self.meta = self.meta_buf.meta
+
+    def keys(self, bucket: int) -> list[int]:
+        """Only reachable keys: a bucket of b tokens never holds more than b active adapters, so
+        e.g. (bucket 1, launch 4) would cost capture time and memory and never run."""
+        return sorted({0} | {self.key(n, bucket) for n in range(1, min(bucket, self.max_loras) + 1)}, reverse=True)
+
+    def key(self, n_active: int, bucket: int | None = None) -> int:
+        if self.bucket_grid and bucket is not None and n_active > 0:
+            return min(bucket, self.max_loras)
+        return choose_launch(n_active, self.counts)
+
+    def pack(self, slots: list[int]) -> tuple[list[int], int]:
+        return self.meta_buf.pack(slots)
+
+    def load(self, packed: list[int]) -> None:
+        self.meta_buf.load(packed)
+
+    def arm(self, tokens: int, key: int) -> int:
+        """Before warming up or capturing a key: the grid it is launched with (its key)."""
+        return key
+
+    def eager_key(self, n_active: int) -> int:
+        return n_active
+
+    def captured_meta(self, grid: int):
+        """The metadata an eager stand-in for a captured graph runs with (the grid is the key)."""
+        return self.meta
+
+    def eager_grid(self, route: Route) -> int:
+        return route.launch
+
+
+class _GraphRunner:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor):
+        self.graph, self.output = graph, output
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        model: LlamaLoRA,
+        backend,
+        *,
+        max_loras: int,
+        capture_sizes: list[int],
+        counts: list[int],
+        use_graphs: bool,
+        lora_scale: float = 1.0,
+        seed: int = 0,
+        rules=None,
+        bucket_grid: bool = False,
+    ):
+        if max(capture_sizes) > model.max_tokens:
+            raise ValueError(f"capture size {max(capture_sizes)} exceeds the model's {model.max_tokens} token slots")
+        device = model.embed.device
+        self.model, self.backend, self.scale = model, backend, lora_scale
+        self.max_loras, self.use_graphs = max_loras, use_graphs
+        self.capture_sizes = sorted(set(capture_sizes))
+        self.rules = rules or LorabenchRules(counts, max_loras, model.max_tokens, device, bucket_grid)
+        self.counts = self.rules.counts
+        # The reference reads only each token's slot: lorabench's metadata serves it for any rules.
+        self.ref_buf = getattr(self.rules, "meta_buf", None) or MetaBuffer(model.max_tokens, max_loras, device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.input_ids = torch.randint(0, model.cfg.vocab, (model.max_tokens,), device=device, generator=gen)
+        self.positions = torch.full((model.max_tokens,), model.context_len - 1, device=device)
+        # Largest first, so smaller graphs reuse the shared pool's blocks.
+        self.keys = [(b, c) for b in reversed(self.capture_sizes) for c in self.rules.keys(b)]
+        self.grid: dict[tuple[int, int], int] = {}  # key -> the launch count its kernels were launched with
+        self.runners: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.pool = None
+
+    # -- building ---------------------------------------------------------------------------
+    def forward(self, tokens: int, launch: int, backend=None, meta=None) -> torch.Tensor:
+        """One eager decode step over the first ``tokens`` static inputs at ``launch``
+        (0: the base model, no LoRA kernels at all)."""
+        backend = backend or self.backend
+        meta = self.rules.meta if meta is None else meta
+        lora = None if launch == 0 else LoRAStep(backend, meta, launch, self.scale)
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], lora)
+
+    def warm_up(self) -> None:
+        """Run every key once eagerly: compiles the Triton kernels each key needs."""
+        for tokens, launch in self.keys:
+            self.rules.arm(tokens, launch)
+            self.forward(tokens, launch)
+        if self.use_graphs:
+            torch.cuda.synchronize()
+
+    def capture(self) -> None:
+        """Capture every key as a CUDA graph in one shared pool, or bind eager callables.
+        Before each key the rules set up the metadata the server would capture it with."""
+        if not self.use_graphs:
+            for key in self.keys:
+                self.grid[key] = self.rules.arm(*key)
+                meta = self.rules.captured_meta(self.grid[key])  # the grid stays what capture saw
+                self.runners[key] = lambda key=key, meta=meta: self.forward(*key, meta=meta)
+            return
+        self.pool = torch.cuda.graph_pool_handle()
+        for key in self.keys:
+            self.grid[key] = self.rules.arm(*key)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = self.forward(*key)
+            self.runners[key] = _GraphRunner(graph, output)
+        torch.cuda.synchronize()
+
+    # -- per step ---------------------------------------------------------------------------
+    def route(self, tokens: int, n_active: int) -> Route:
+        bucket = choose_bucket(tokens, self.capture_sizes)
+        if bucket is None:
+            return Route(tokens, self.rules.eager_key(n_active), graphed=False)
+        return Route(bucket, self.rules.key(n_active, bucket), graphed=True)
+
+    def grid_of(self, route: Route) -> int:
+        """The launch count the route's LoRA kernels run with (after its metadata is loaded)."""
+        return self.grid[(route.tokens, route.launch)] if route.graphed else self.rules.eager_grid(route)
+
+    def prepare(self, slots: list[int]) -> Prepared:
+        """Host work of a step: build the metadata and choose the graph."""
+        packed, n = self.rules.pack(slots)
+        return Prepared(packed, n, len(slots), self.route(len(slots), n))
+
+    def load(self, prep: Prepared) -> None:
+        """Send the batch's metadata to the device (vLLM's rules also build it there)."""
+        self.rules.load(prep.packed)
+
+    def run(self, route: Route) -> torch.Tensor:
+        """Replay the route's graph (or run it eagerly) over the metadata already loaded."""
+        return self.runners[(route.tokens, route.launch)]() if route.graphed else self.forward(route.tokens, route.launch)
+
+    def launch(self, prep: Prepared) -> torch.Tensor:
+        """Copy the metadata in and run the chosen graph; returns logits [batch tokens, vocab]."""
+        self.load(prep)
+        return self.run(prep.route)[: prep.batch_tokens]
+
+    def reference(self, slots: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager plain-torch answer for exactly this batch (no padding, no launch count).
+        It overwrites the metadata: launch the next batch with ``launch``, which reloads it."""
+        if input_ids is not None:
+            self.input_ids[: len(slots)].copy_(input_ids)
+        self.ref_buf.load(self.ref_buf.pack(slots)[0])
+        return self.forward(len(slots), self.max_loras, backend=get_backend("reference"), meta=self.ref_buf.meta)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.keys)

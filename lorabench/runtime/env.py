@@ -1,0 +1,70 @@
+"""The environment every row carries: device, driver, CUDA, library versions, git SHA."""
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+
+from lorabench.config.flags import Machine
+from lorabench.errors import UserError
+from lorabench.kernels import vllm_lora
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def git_sha() -> str | None:
+    """HEAD of the checkout lorabench runs from, with ``-dirty`` when it has uncommitted changes.
+    ``LORABENCH_GIT_SHA`` overrides it, for copies of a checkout that travel without .git."""
+    if os.environ.get("LORABENCH_GIT_SHA"):
+        return os.environ["LORABENCH_GIT_SHA"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=5)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def collect(device: str) -> dict:
+    cuda = device == "cuda"
+    return {
+        "device": device,
+        "gpu_name": torch.cuda.get_device_name() if cuda else None,
+        "driver": driver_version() if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+
+
+def machine() -> Machine:
+    """This host as a spec sees it: a CUDA device or not, and its name."""
+    cuda = torch.cuda.is_available()
+    return Machine(cuda=cuda, gpu_name=torch.cuda.get_device_name() if cuda else None)
+
+
+def require_vllm() -> None:
+    """--kernels vllm: vLLM's ops importable here, or one line saying how to get them."""
+    try:
+        vllm_lora.load_ops()
+    except vllm_lora.VllmUnavailable as e:
+        raise UserError(str(e)) from None

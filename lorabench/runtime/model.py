@@ -1,0 +1,127 @@
+"""A compact Llama-style decoder for decode steps, with LoRA on q, k, v, o, gate, up and down.
+
+One forward = one decode step: ``T`` tokens, one per request, each attending over its own static
+KV cache of ``context_len`` positions. Weights are random, created on the device from the shapes
+of ``lorabench.config.models`` (qkv, o, gate_up, down: the LoRA linears, fused as servers fuse them).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lorabench.config.models import LORA_LINEARS_PER_LAYER, ModelConfig, lora_linears
+from lorabench.kernels import MAX_SLICES
+from lorabench.kernels.base_ops import add_rmsnorm, rope_and_cache, silu_mul
+from lorabench.kernels.meta import LoRAMeta
+
+
+@dataclass(frozen=True)
+class LoRAStep:
+    """What one forward needs to apply LoRA: the backend, the batch metadata, the launch count."""
+
+    backend: object  # a kernels backend module: lora_apply, NEEDS_ZEROED_SCRATCH
+    meta: LoRAMeta
+    launch_count: int
+    scale: float
+
+
+def _randn(shape, std, dtype, device, gen):
+    return (torch.randn(shape, device=device, dtype=torch.float32, generator=gen) * std).to(dtype)
+
+
+class LoRALinear(nn.Module):
+    """A fused linear (output = slices side by side) with ``max_loras`` resident adapter slots."""
+
+    def __init__(self, in_features, slice_sizes, max_loras, rank, dtype, device, gen):
+        super().__init__()
+        n = sum(slice_sizes)
+        self.slice_starts = tuple(sum(slice_sizes[:i]) for i in range(len(slice_sizes) + 1))
+        self.weight = nn.Parameter(_randn((n, in_features), in_features**-0.5, dtype, device, gen), False)
+        a_shape = (max_loras, len(slice_sizes) * rank, in_features)
+        self.lora_a = nn.Parameter(_randn(a_shape, in_features**-0.5, dtype, device, gen), False)
+        self.lora_b = nn.Parameter(_randn((max_loras, n, rank), rank**-0.5, dtype, device, gen), False)
+
+    def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor):
+        y = F.linear(x, self.weight)
+        if lora is not None:
+            lora.backend.lora_apply(
+                y, x, self.lora_a, self.lora_b, self.slice_starts, lora.meta, lora.launch_count, lora.scale, scratch
+            )
+        return y
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_loras, rank, max_tokens, context_len, dtype, device, gen):
+        super().__init__()
+        d, kvh = cfg.head_dim, cfg.kv_heads
+        args = (max_loras, rank, dtype, device, gen)
+        shapes = lora_linears(cfg)
+        self.cfg = cfg
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
+        self.qkv = LoRALinear(*shapes["qkv"], *args)
+        self.o = LoRALinear(*shapes["o"], *args)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
+        self.gate_up = LoRALinear(*shapes["gate_up"], *args)
+        self.down = LoRALinear(*shapes["down"], *args)
+        # Static KV cache; random, not zero, so attention reads real-looking data.
+        cache_shape = (max_tokens, kvh, context_len, d)
+        self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
+        self.register_buffer("cache_v", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
+
+    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl):
+        """x: residual stream [T, hidden]; delta: the previous block's output still to be added
+        (fused into this block's first norm). Returns (residual stream, this block's delta).
+        pdl: PDL-launch the base ops that follow a LoRA kernel (it lets them launch early); the
+        first layer's first norm follows the embedding gather instead."""
+        cfg, t = self.cfg, x.shape[0]
+        h, x = add_rmsnorm(x, delta, self.attn_norm, cfg.norm_eps, fused, pdl and delta is not None)
+        qkv = self.qkv(h, lora, scratch[0])
+        q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
+        )
+        attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
+        h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
+        return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused, pdl), lora, scratch[3])
+
+
+class LlamaLoRA(nn.Module):
+    """The decoder. ``forward(input_ids[T], positions[T], lora)`` returns logits [T, vocab];
+    ``lora=None`` runs the base model with no LoRA kernels at all (the n = 0 graph)."""
+
+    def __init__(self, cfg: ModelConfig, *, max_loras, rank, max_tokens, context_len, dtype, device, seed=0):
+        super().__init__()
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
+        self.embed = nn.Parameter(_randn((cfg.vocab, cfg.hidden), 1.0, dtype, device, gen), False)
+        self.layers = nn.ModuleList(
+            Block(cfg, max_loras, rank, max_tokens, context_len, dtype, device, gen) for _ in range(cfg.layers)
+        )
+        self.norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
+        self.fused = torch.device(device).type == "cuda"  # fused Triton ops on the GPU, torch twins elsewhere
+        self.lm_head = nn.Parameter(_randn((cfg.vocab, cfg.hidden), cfg.hidden**-0.5, dtype, device, gen), False)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
+        angles = torch.outer(torch.arange(context_len, device=device).float(), inv_freq)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        # One float32 shrink-output slab per LoRA linear, zeroed once per step (split-K atomics).
+        widest = MAX_SLICES * rank
+        shape = (cfg.layers, LORA_LINEARS_PER_LAYER, max_tokens, widest)
+        self.register_buffer("scratch", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
+
+    def forward(self, input_ids, positions, lora: LoRAStep | None = None):
+        t = input_ids.shape[0]
+        if lora is not None and lora.backend.NEEDS_ZEROED_SCRATCH:
+            self.scratch[:, :, :t].zero_()
+        x, delta = self.embed[input_ids], None
+        rope = (self.rope_cos, self.rope_sin)
+        pdl = lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
+        for i, layer in enumerate(self.layers):
+            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl)
+        h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
+        return F.linear(h, self.lm_head)
+
+    def lora_bytes_per_slot(self) -> int:
+        return sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in self.modules() if isinstance(m, LoRALinear))

@@ -1,0 +1,141 @@
+"""Timing on the device, and the statistics every row reports.
+
+One CUDA-graph timer serves the sweep, the tune, the roofline probe and the scripts: CUDA
+events around graph replays, read after the last one. (Written here rather than taken from
+``triton.testing.do_bench``: a decode step is timed as a server runs it, the metadata copied in
+and the stream synced after every step, and the host's share of each step measured beside it.)
+
+Sweep steps (``time_steps``): a CUDA event before and after each launch, the stream synchronised
+after every step (as a server that reads back sampled tokens does), so each sample is one step's
+device time including its graph launch latency. Host time, per step, in three parts: ``host`` =
+building the batch metadata and choosing the graph; ``copy`` = the call that queues the
+metadata's copy to the device; ``launch`` = the graph replay call. On the CPU the step time is
+the eager step's wall time.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lorabench.runtime.dispatch import Dispatcher
+
+NOISY_IQR = 0.10  # IQR / median at or above this flags a point as noisy
+
+
+class Events:
+    """``n`` pairs of CUDA events: ``start(i)`` / ``stop(i)`` around sample i, ``ms()`` reads all."""
+
+    def __init__(self, n: int):
+        self.pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+
+    def start(self, i: int) -> None:
+        self.pairs[i][0].record()
+
+    def stop(self, i: int) -> None:
+        self.pairs[i][1].record()
+
+    def wait(self, i: int) -> None:
+        """Block the host until the device has reached sample i's end."""
+        self.pairs[i][1].synchronize()
+
+    def ms(self) -> np.ndarray:
+        torch.cuda.synchronize()
+        return np.array([s.elapsed_time(e) for s, e in self.pairs])
+
+
+def capture_graph(warm: Callable[[], object], body: Callable[[], object] | None = None) -> "torch.cuda.CUDAGraph":
+    """Run ``warm`` once off the capture stream (compiles, as torch advises), then capture ``body``
+    (default: ``warm``) into a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (body or warm)()
+    return graph
+
+
+def replay_times(graph: "torch.cuda.CUDAGraph", replays: int, warmup: int = 0, wait_each: bool = False) -> np.ndarray:
+    """Milliseconds of each of ``replays`` replays after ``warmup`` untimed ones. ``wait_each``:
+    the host waits for every replay before the next (its launch latency in every sample);
+    otherwise replays queue back to back."""
+    for _ in range(warmup):
+        graph.replay()
+    events = Events(replays)
+    for i in range(replays):
+        events.start(i)
+        graph.replay()
+        events.stop(i)
+        if wait_each:
+            events.wait(i)
+    return events.ms()
+
+
+def replay_ms(graph: "torch.cuda.CUDAGraph") -> float:
+    """One replay of a CUDA graph between CUDA events, waited for (ms)."""
+    return float(replay_times(graph, 1, wait_each=True)[0])
+
+
+@dataclass
+class StepSamples:
+    step_ms: np.ndarray
+    host_us: np.ndarray
+    copy_us: np.ndarray
+    launch_us: np.ndarray
+    n_active: np.ndarray
+    launch_counts: np.ndarray
+
+
+def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int) -> StepSamples:
+    """Run ``warmup`` then ``iters`` steps, cycling through ``batches``."""
+    cuda = d.use_graphs
+    for i in range(warmup):
+        d.launch(d.prepare(batches[i % len(batches)]))
+    if cuda:
+        torch.cuda.synchronize()
+        events = Events(iters)
+    step_ms, host_us, copy_us, launch_us = (np.empty(iters) for _ in range(4))
+    n_active, launches = np.empty(iters, dtype=np.int64), np.empty(iters, dtype=np.int64)
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        slots = batches[i % len(batches)]
+        t0 = clock()
+        prep = d.prepare(slots)
+        tc = clock()
+        d.load(prep)
+        t1 = clock()
+        if cuda:
+            events.start(i)
+            d.run(prep.route)
+            events.stop(i)
+            t2 = clock()
+            events.wait(i)
+        else:
+            d.run(prep.route)
+            t2 = clock()
+            step_ms[i] = (t2 - t1) / 1e6
+        host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
+        n_active[i], launches[i] = prep.n_active, d.grid_of(prep.route)
+    if cuda:
+        step_ms[:] = events.ms()
+    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches)
+
+
+def summarize(step_ms: np.ndarray) -> dict:
+    p10, p25, p50, p75, p90, p99 = np.percentile(step_ms, [10, 25, 50, 75, 90, 99])
+    iqr = p75 - p25
+    return {
+        "step_ms_median": float(p50),
+        "step_ms_p10": float(p10),
+        "step_ms_p90": float(p90),
+        "step_ms_p99": float(p99),
+        "step_ms_mean": float(step_ms.mean()),
+        "step_ms_std": float(step_ms.std(ddof=1)) if len(step_ms) > 1 else 0.0,
+        "step_ms_iqr": float(iqr),
+        "noisy": bool(iqr / p50 >= NOISY_IQR) if p50 > 0 else True,
+    }

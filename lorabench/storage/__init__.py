@@ -1,0 +1,1 @@
+"""Files: a run's Parquet rows, and a tune folder's configs."""

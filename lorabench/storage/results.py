@@ -1,0 +1,111 @@
+"""The Parquet rows: one per measured point, written as points finish.
+
+``points.parquet`` is rewritten whole (to a temporary file, then renamed over the old one)
+after every row, so at any moment, a Ctrl-C or a killed worker included, it is a complete,
+readable file holding every finished row. ``points.jsonl`` is the same rows, appended.
+Columns: docs/design.md's list (extend, never rename), the extensions marked below.
+``load_run`` and ``find_newest_run`` read runs back for the report, recommend and auto.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lorabench.errors import UserError
+
+I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
+
+SCHEMA = pa.schema(
+    [
+        ("run_id", STR), ("started_at", STR), ("git_sha", STR), ("device", STR), ("gpu_name", STR),
+        ("driver", STR), ("torch", STR), ("triton", STR), ("cuda", STR),
+        ("model", STR), ("layers", I64), ("hidden", I64), ("rank", I64), ("dtype", STR), ("kernels", STR),
+        ("max_loras", I64), ("strategy", STR), ("captured_counts", pa.list_(I64)), ("capture_sizes", pa.list_(I64)),
+        ("concurrency", I64), ("n_active", I64), ("base_tokens", I64), ("graph_tokens", I64), ("graph_loras", I64),
+        ("mode", STR), ("workload", STR), ("iters", I64),
+        ("step_ms_median", F64), ("step_ms_p10", F64), ("step_ms_p90", F64), ("step_ms_p99", F64),
+        ("step_ms_mean", F64), ("step_ms_std", F64), ("step_ms_iqr", F64),
+        ("host_us_median", F64),  # building the batch metadata + choosing the graph (host CPU)
+        ("tokens_per_s", F64),
+        ("build_s", F64), ("compile_s", F64), ("capture_s", F64), ("startup_s", F64),
+        ("graph_mem_bytes", I64), ("pool_bytes", I64), ("num_graphs", I64), ("noisy", BOOL),
+        ("status", STR), ("error", STR),
+        # extensions
+        ("point", I64),  # index of the point in its run's plan
+        ("argv", STR), ("seed", I64), ("context_len", I64), ("warmup", I64),
+        ("timing", STR),  # "cuda_events" (GPU time) or "cpu_wall" (eager CPU wall time)
+        ("host_us_p90", F64),
+        ("copy_us_median", F64),  # host time of the call queueing the metadata copy
+        ("launch_us_median", F64),  # host time of the replay call itself
+        ("n_active_mean", F64),  # workload runs: mean active count over the timed steps
+        ("graph_loras_mean", F64),  # workload runs: mean launch count
+        ("process_s", F64),  # worker start: interpreter, imports, device init
+        ("triton_cache", STR),  # "cold" when the compile step wrote new kernels, else "warm"
+        ("lora_bytes_per_slot", I64),
+        ("vllm", STR),  # vLLM's version, on rows of its kernels (--kernels vllm)
+        ("correct", BOOL),  # the configuration's check: every served graph equals the reference (null: not checked)
+        ("check_detail", STR),  # the verdict in words; the smallest failing batch, its graph and error
+        ("check_max_err", F64),  # worst relative logit error over the check's batches
+        ("check_batches", I64),
+        ("check_s", F64),
+        ("predicted_ms", F64),  # strategy auto, workload runs: the cost model's expected step (from --auto-from)
+        ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.roofline)
+        ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
+        ("tuned", STR),  # "+tuned" kernels: the `lorabench tune` folder whose configs they ran with
+        ("pdl", BOOL),  # lorabench's Triton kernels launched with programmatic dependent launch (sm90+; LORABENCH_PDL=0 turns it off)
+    ]
+)
+COLUMNS = SCHEMA.names
+
+
+class PointsWriter:
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.rows: list[dict] = []
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "points.parquet"
+
+    def append(self, row: dict) -> None:
+        unknown = set(row) - set(COLUMNS)
+        if unknown:
+            raise KeyError(f"unknown columns {sorted(unknown)}")
+        full = {c: row.get(c) for c in COLUMNS}
+        self.rows.append(full)
+        with open(self.run_dir / "points.jsonl", "a") as f:
+            f.write(json.dumps(full) + "\n")
+        tmp = self.path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA), tmp)
+        os.replace(tmp, self.path)
+
+
+def read_points(run_dir: Path) -> pd.DataFrame:
+    return pq.read_table(Path(run_dir) / "points.parquet").to_pandas()
+
+
+def load_run(run_dir: Path) -> pd.DataFrame:
+    """A run's rows, or one UserError line saying why there are none to use."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder")
+    if not (run_dir / "points.parquet").is_file():
+        raise UserError(f"{run_dir} has no points.parquet (is it a sweep's output folder?)")
+    try:
+        df = read_points(run_dir)
+    except Exception as e:  # noqa: BLE001 - a corrupt file is bad input, not a crash
+        raise UserError(f"{run_dir}/points.parquet cannot be read: {e}") from None
+    if not (df.status == "ok").any():
+        raise UserError(f"{run_dir}/points.parquet holds no successful points to report on")
+    return df
+
+
+def find_newest_run(results: Path) -> Path:
+    runs = sorted(p.parent for p in Path(results).glob("*/points.parquet"))
+    if not runs:
+        raise UserError(f"no runs with a points.parquet under {results}/ (run `lorabench sweep` first)")
+    return max(runs, key=lambda p: (p / "points.parquet").stat().st_mtime)

@@ -1,0 +1,55 @@
+"""The house's rules, checked: layers import one way (import-linter's contracts in
+pyproject.toml), the report and recommend never load torch or Triton, and the repository points
+at nothing outside itself."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import H200_CARD
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_contracts_are_kept(tmp_path):
+    """import-linter on lorabench as installed (``kernels/`` becomes ``lorabench.kernels``): one-way
+    layers, no circles, no torch below the runtime, no test tools in production code."""
+    pytest.importorskip("importlinter")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "lorabench", src / "lorabench", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kernels", src / "lorabench" / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    lint = Path(sys.executable).with_name("lint-imports")
+    p = subprocess.run([str(lint), "pyproject.toml", "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(src)}, timeout=300)
+    assert p.returncode == 0 and "0 broken" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", [["report"], ["recommend", "--workload", "uniform"]])
+def test_report_and_recommend_load_neither_torch_nor_triton(tmp_path, command):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(H200_CARD / "points.parquet", run / "points.parquet")
+    code = ("import sys; from lorabench.cli import main\n"
+            f"rc = main({command[:1] + [str(run)] + command[1:]!r})\n"
+            "print(rc, sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip().splitlines()[-1:] == ["0 []"], p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_nothing_points_outside_the_repository():
+    """Code, tests and docs name no path a clone does not have."""
+    outside = ("../shared", "DESIGN.md", "REFERENCES.md")
+    found = []
+    for folder in ("lorabench", "kernels", "tests", "scripts", "docs", "sweeps", "notebooks", ".ci"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in (".py", ".md", ".toml", ".sh", ".ipynb", "") and path != Path(__file__):
+                text = path.read_text(errors="replace")
+                found += [f"{path.relative_to(ROOT)}: {o}" for o in outside if o in text]
+    for name in ("README.md", "BENCHMARKS.md", "pyproject.toml"):
+        text = (ROOT / name).read_text()
+        found += [f"{name}: {o}" for o in outside if o in text]
+    assert not found, found
