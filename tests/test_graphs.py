@@ -2,12 +2,13 @@
 for every bucket, every active count 0..max_loras, batches mixing base and adapter requests.
 On the CPU the graphs are eager callables; on a GPU they are captured CUDA graphs."""
 
+import gc
 import random
 import zlib
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA
+from conftest import DEVICE, HAS_CUDA, requires_cuda
 from lorabench.kernels import get_backend
 
 from lorabench.config.batches import mixed_batch
@@ -111,3 +112,26 @@ def test_no_lora_graph_runs_no_lora_kernels():
     assert calls == []
     d.forward(4, 4)
     assert len(calls) == 4 * PRESETS["tiny"].layers
+
+
+@requires_cuda
+def test_a_collection_during_capture_finds_no_dead_graph():
+    """Dead objects that hold captured graphs (here a cycle) are collected before a capture
+    starts: destroying a graph while a stream captures invalidates that capture. Every LoRA
+    launch below runs the collector while the dispatcher captures."""
+    torch_lora = get_backend("torch")
+
+    def collect_then_apply(*args):
+        gc.collect()
+        torch_lora.lora_apply(*args)
+
+    collecting = type("Collecting", (), {"NEEDS_ZEROED_SCRATCH": False, "lora_apply": staticmethod(collect_then_apply)})
+    model = LlamaLoRA(PRESETS["tiny"], max_loras=MAX_LORAS, rank=16, max_tokens=16, context_len=32, dtype=DTYPE, device=DEVICE)
+    d = Dispatcher(model, collecting, max_loras=MAX_LORAS, capture_sizes=SIZES, counts=capture_counts("pow2", MAX_LORAS),
+                   use_graphs=True)
+    d.warm_up()
+    dead = build("torch", "max")
+    dead.cycle = dead  # garbage only the cyclic collector frees, with its CUDA graphs
+    del dead
+    d.capture()
+    assert mismatches(d, seed=1) == []

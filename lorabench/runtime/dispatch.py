@@ -16,7 +16,9 @@ With ``use_graphs=False`` (the CPU path) every key maps to an eager callable tha
 same padded shapes with the same launch count, so dispatch is exercised identically.
 """
 
+import gc
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +95,22 @@ class LorabenchRules:
         return route.launch
 
 
+@contextmanager
+def no_collection():
+    """Collect Python's cyclic garbage now and none until the block ends. A collection during
+    capture can destroy an unrelated CUDA graph held by dead objects, which CUDA forbids while a
+    stream captures: the capture in progress is invalidated ("operation failed due to a previous
+    error during capture")."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class _GraphRunner:
     def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor):
         self.graph, self.output = graph, output
@@ -163,12 +181,13 @@ class Dispatcher:
                 self.runners[key] = lambda key=key, meta=meta: self.forward(*key, meta=meta)
             return
         self.pool = torch.cuda.graph_pool_handle()
-        for key in self.keys:
-            self.grid[key] = self.rules.arm(*key)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = self.forward(*key)
-            self.runners[key] = _GraphRunner(graph, output)
+        with no_collection():
+            for key in self.keys:
+                self.grid[key] = self.rules.arm(*key)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    output = self.forward(*key)
+                self.runners[key] = _GraphRunner(graph, output)
         torch.cuda.synchronize()
 
     # -- per step ---------------------------------------------------------------------------
