@@ -14,7 +14,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from lorabench.config.models import PRESETS
+from lorabench.config.strategies import STRATEGIES
 from lorabench.errors import UserError
+from lorabench.kernels import BACKENDS
 
 app = typer.Typer(
     add_completion=False,
@@ -29,12 +32,12 @@ LIST = "comma-separated"
 
 # Options that sweep and check share, declared once.
 MaxLoras = Annotated[str, typer.Option("--max-loras", help=f"Resident adapter slots, {LIST} [default: 4].")]
-Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: max, pow2, dense, agnostic (one graph set, grid sized by the bucket), a list like [1,2,4], or auto (with --auto-from), {LIST} [default: max,pow2,dense].")]
-Model = Annotated[str, typer.Option("--model", help="Preset: llama-2-7b, llama-3-8b, tiny [default: llama-2-7b on a GPU, tiny on the CPU].")]
+Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: {', '.join(STRATEGIES)}, a list like [1,2,4], or auto (with --auto-from), {LIST} [default: max,pow2,dense].")]
+Model = Annotated[str, typer.Option("--model", help=f"Preset: {', '.join(PRESETS)} [default: llama-2-7b on a GPU, tiny on the CPU].")]
 Layers = Annotated[str, typer.Option("--layers", help="Shorten the model to this many layers [default: the preset's].")]
 Rank = Annotated[str, typer.Option("--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16].")]
 Dtype = Annotated[str, typer.Option("--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU].")]
-Kernels = Annotated[str, typer.Option("--kernels", help=f"LoRA kernel backends, {LIST}: triton (shrink + expand), fused (one launch per LoRA linear), torch, vllm [default: triton on a GPU, torch on the CPU].")]
+Kernels = Annotated[str, typer.Option("--kernels", help=f"LoRA kernel backends, {LIST}: {'; '.join(f'{b.name} ({b.doc})' for b in BACKENDS.values())} [default: triton on a GPU, torch on the CPU].")]
 Device = Annotated[str, typer.Option("--device", help="auto, cuda, cpu [default: auto].")]
 Seed = Annotated[str, typer.Option("--seed", help="Seed for weights and batches [default: 0].")]
 

@@ -12,6 +12,7 @@ from lorabench.storage.results import load_run
 
 
 def write_report(run_dir: Path) -> list[Path]:
+    """Every figure the run's rows allow, report.md and recommendation.json; returns their paths."""
     run_dir = Path(run_dir)
     df = load_run(run_dir)
     info_path = run_dir / "run.json"
@@ -41,7 +42,7 @@ def write_report(run_dir: Path) -> list[Path]:
             rec["auto"] = auto
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
-    md = render_markdown(df, run_info, cfg, exp, over, rec, plots)
+    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")
         md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"

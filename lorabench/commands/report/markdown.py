@@ -8,7 +8,6 @@ import pandas as pd
 
 from lorabench.analysis.points import ok_points, verdicts
 from lorabench.analysis.recommend import VLLM_NOTE, vllm_specialised
-from lorabench.analysis.roofline import floors
 from lorabench.commands.report.labels import backends, in_order, strategies, unit
 from lorabench.commands.tables import markdown_table
 from lorabench.config.backends import label_order
@@ -141,11 +140,11 @@ def roofline_md(fl: pd.DataFrame, plot: Path | None) -> list[str]:
     if fl.empty:
         return []
     gbs, us = fl.probe_copy_gbs.median(), fl.probe_kernel_us.median()
-    kernels = "/".join(str(int(k)) for k in sorted(fl.min_kernels.unique()))
+    launches = "/".join(str(int(k)) for k in sorted(fl.min_kernels.unique()))  # LoRA linears per step
     best = fl.loc[fl.groupby(["kernels", "max_loras", "concurrency", "n_active"]).overhead_ms.idxmin()]
     best = in_order(best, by=("kernels", "max_loras", "concurrency", "n_active"))
     out = ["## Roofline: LoRA overhead vs its floor", "",
-           f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({kernels} per step) "
+           f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({launches} per step) "
            f"x the cost of one more kernel in a graph; measured by each worker: copy bandwidth {gbs:.0f} GB/s, "
            f"{us:.2f} us per extra kernel (medians). overhead = step - the same configuration's n = 0 step; "
            "the fastest strategy per point.", ""]
@@ -198,7 +197,9 @@ def recommendation_md(rec: dict) -> list[str]:
     return out
 
 
-def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
+def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots) -> str:
+    """The whole report: configurations, expected steps, LoRA overhead, roofline floors (``fl``),
+    the recommendation and the figures already written (``plots``: name -> path)."""
     r = ok_points(df).iloc[0]
     where = f"{r.gpu_name} (driver {r.driver}, CUDA {r.cuda})" if r.device == "cuda" else "CPU: figures are CPU wall times, not GPU results"
     u = unit(df)
@@ -245,7 +246,7 @@ def render_markdown(df, run_info, cfg, exp, over, rec, plots) -> str:
     if "backends" in plots:
         out += backends_md(over, cfg, u, plots["backends"])
     out += agnostic_md(over, cfg, u)
-    out += roofline_md(floors(df), plots.get("roofline"))
+    out += roofline_md(fl, plots.get("roofline"))
     if not exp.empty:
         out += [f"## Expected step under each workload ({u})", "",
                 "expected = sum over n of P(n | c) x median(c, n); measured = the workload run's mean over its steps.", "",
