@@ -5,7 +5,7 @@ a float32 ``[slices, T, rank]`` buffer allocated per call, ``lora_shrink`` (whic
 ``lora_expand`` with ``add_inputs=True``, and the metadata of vLLM's ``LoRAKernelMeta`` given by
 ``meta_args(T, specialize_active_lora)``. Its grid's adapter axis is vLLM's count, which
 includes the base-model id -1 when the batch has base tokens; how that count is chosen and
-captured is vLLM's runner's business, emulated in ``lorabench.vllm_rules``.
+captured is vLLM's runner's business, emulated in ``lorabench.runtime.vllm_rules``.
 
 vLLM keeps one contiguous ``[max_loras, rank, K]`` / ``[max_loras, N_s, rank]`` tensor per slice;
 lorabench stores the slices stacked, so this backend keeps a per-slice copy of each linear's

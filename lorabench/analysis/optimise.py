@@ -3,7 +3,7 @@ within a graph-memory and a startup budget.
 
 Expected step time of a set C (sorted launch counts, ending at max_loras), averaged over the
 swept concurrencies: ``E(C) = mean_c sum_n P(n | c) t(c, n, up_C(n))`` with ``up_C(n)`` the
-smallest count in C >= n (and the no-LoRA graph at n = 0), t from ``lorabench.costmodel``.
+smallest count in C >= n (and the no-LoRA graph at n = 0), t from ``lorabench.analysis.costmodel``.
 
 Exact search: step time never drops when a grid grows, and a count's graphs are one per capture
 size larger than the previous count, so an optimal set's counts are active counts the workload

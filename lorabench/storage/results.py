@@ -41,8 +41,8 @@ SCHEMA = pa.schema(
         ("host_us_p90", F64),
         ("copy_us_median", F64),  # host time of the call queueing the metadata copy
         ("launch_us_median", F64),  # host time of the replay call itself
-        ("n_active_mean", F64),  # workload runs: mean active count over the timed steps
-        ("graph_loras_mean", F64),  # workload runs: mean launch count
+        ("n_active_mean", F64),  # mean active count over the timed steps (it varies in workload runs)
+        ("graph_loras_mean", F64),  # mean launch count over the timed steps
         ("process_s", F64),  # worker start: interpreter, imports, device init
         ("triton_cache", STR),  # "cold" when the compile step wrote new kernels, else "warm"
         ("lora_bytes_per_slot", I64),
@@ -53,7 +53,7 @@ SCHEMA = pa.schema(
         ("check_batches", I64),
         ("check_s", F64),
         ("predicted_ms", F64),  # strategy auto, workload runs: the cost model's expected step (from --auto-from)
-        ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.roofline)
+        ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.runtime.probe)
         ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
         ("tuned", STR),  # "+tuned" kernels: the `lorabench tune` folder whose configs they ran with
         ("pdl", BOOL),  # lorabench's Triton kernels launched with programmatic dependent launch (sm90+; LORABENCH_PDL=0 turns it off)
