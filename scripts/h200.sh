@@ -12,7 +12,7 @@
 #   auto-card, auto-32 - strategy auto validated: the source sweep (card.toml / auto-32.toml with
 #            uniform, zipf:1.2, base:0.5), then one `--strategy auto --auto-from` sweep per workload,
 #            and one under a graph-memory budget just below what dense took
-#   auto-budget - auto at 32 slots under a budget just below what pow2 took (results/reference-auto/32),
+#   auto-budget - auto at 32 slots under a budget just below what pow2 took (results/auto/32),
 #            with max and pow2 measured in the same run
 #   kernel-tests - the kernel, graph and check tests selected by TESTS_K (default: fused or agnostic)
 #   STAGE_TIMEOUT - seconds a sweep stage may run before it is stopped (its finished rows stay)
@@ -22,7 +22,7 @@
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   card-check - the kernels against vLLM's in one run: sweeps/kernels-card.toml at c = 1, 8, triton and
-#            vllm (default and +tuned with results/reference-tuned-pdl), max and pow2 (~3 min)
+#            vllm (default and +tuned with results/tuned), max and pow2 (~3 min)
 #   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
 #            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
 #            (tokens:active[:launch]), LB_VARIANTS (e.g. triton,fused)
@@ -49,7 +49,7 @@ for stage in "$@"; do
     tests) LOG="$OUT/gpu-tests.log" scripts/gpu-tests.sh 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
     card-check) lorabench sweep --spec sweeps/kernels-card.toml --kernels triton,vllm --strategy max,pow2 --concurrency 1,8 \
-                  --tuned results/reference-tuned-pdl --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
+                  --tuned results/tuned --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
     linear-bench)
       tuned=(); [ -d results/tuned-h200 ] && tuned=(--tuned results/tuned-h200)
       vars=(); [ -n "${LB_VARIANTS:-}" ] && vars=(--variants "$LB_VARIANTS")
@@ -82,9 +82,9 @@ for stage in "$@"; do
       below=$(python3 -c "import pandas as p; d=p.read_parquet('$src/points.parquet'); print(d[d.strategy=='dense'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
       lorabench sweep --spec "$toml" --strategy auto --auto-from "$src" --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
     auto-budget)  # a budget that excludes pow2 (and dense), with max and pow2 measured in the same run
-      below=$(python3 -c "import pandas as p; d=p.read_parquet('results/reference-auto/32/points.parquet'); print(d[d.strategy=='pow2'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
-      lorabench sweep --spec sweeps/auto-32.toml --strategy auto,max,pow2 --auto-from results/reference-auto/32 --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
-    report) for r in results/*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
+      below=$(python3 -c "import pandas as p; d=p.read_parquet('results/auto/32/points.parquet'); print(d[d.strategy=='pow2'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
+      lorabench sweep --spec sweeps/auto-32.toml --strategy auto,max,pow2 --auto-from results/auto/32 --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
+    report) for r in results/2*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
   log "$stage: rc=${PIPESTATUS[0]} wall $((SECONDS - t0)) s"
