@@ -15,6 +15,7 @@ vLLM is an optional dependency (``pip install 'lorabench[vllm]'``); ``load_ops``
 ``VllmUnavailable`` with that advice when it is missing.
 """
 
+import inspect
 import os
 from typing import NamedTuple
 
@@ -98,8 +99,8 @@ def _import_for_interpreter():
     from triton.backends import backends
 
     driver = backends["nvidia"].driver
-    is_active = driver.is_active
-    driver.is_active = lambda: True
+    is_active = inspect.getattr_static(driver, "is_active")  # as defined: a staticmethod stays one
+    driver.is_active = staticmethod(lambda: True)
     try:
         from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
     finally:

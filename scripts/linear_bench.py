@@ -26,8 +26,9 @@ from lorabench.kernels import fused_lora, triton_lora
 
 from lorabench.config.batches import fixed_batch
 from lorabench.config.models import lora_linears, preset
+from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
-from lorabench.runtime.timing import capture_graph, replay_ms
+from lorabench.runtime.timing import replay_ms
 from lorabench.storage.tune_files import tuned_table
 
 REPEAT, REPLAYS, RANK, LAYERS = 32, 40, 16, 32

@@ -18,8 +18,9 @@ from lorabench.kernels import get_backend
 from torch.profiler import ProfilerActivity, profile
 
 from lorabench.config.batches import fixed_batch
+from lorabench.config.models import preset
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.model import LlamaLoRA, preset
+from lorabench.runtime.model import LlamaLoRA
 
 
 def main():

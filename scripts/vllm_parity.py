@@ -24,8 +24,10 @@ from lorabench.kernels import vllm_lora
 from torch.profiler import ProfilerActivity, profile
 
 from lorabench.config.batches import fixed_batch
+from lorabench.config.models import preset
+from lorabench.config.strategies import strategy as strategy_named
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.model import LlamaLoRA, preset
+from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.vllm_rules import VllmRules
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -134,7 +136,7 @@ def main():
     model = LlamaLoRA(cfg, max_loras=m, rank=16, max_tokens=8, context_len=1024, dtype=torch.float16, device="cuda")
     results, worst = [], 0.0
     for strategy in ("max", "pow2"):
-        rules = VllmRules(strategy, m, model.max_tokens, "cuda")
+        rules = VllmRules(strategy_named(strategy), m, model.max_tokens, "cuda")
         d = Dispatcher(model, vllm_lora, max_loras=m, capture_sizes=[1, 8], counts=None, use_graphs=True, rules=rules)
         d.warm_up()
         d.capture()

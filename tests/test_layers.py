@@ -2,6 +2,7 @@
 pyproject.toml), the report and recommend never load torch or Triton, and the repository points
 at nothing outside itself."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -53,3 +54,10 @@ def test_nothing_points_outside_the_repository():
         text = (ROOT / name).read_text()
         found += [f"{name}: {o}" for o in outside if o in text]
     assert not found, found
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))
+def test_every_script_imports(script):
+    """The GPU scripts run nowhere in CI; at least their imports follow the code they use."""
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), ROOT / "scripts" / script)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))

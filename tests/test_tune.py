@@ -182,7 +182,7 @@ def test_on_the_cpu_the_tune_runs_in_an_interpreter_child(tmp_path, monkeypatch)
 
 def vllm_tuner(tmp_path):
     spec, _ = build_tune_spec({"kernels": "vllm", "model": "tiny", "tokens": "1,2", "max_loras": "2",
-                               "budget_s": "1", "out": str(tmp_path)}, Machine(cuda=HAS_CUDA), vllm_available=True)
+                               "budget_s": "1", "out": str(tmp_path)}, Machine(cuda=HAS_CUDA), vllm_available=lambda: True)
     from rich.console import Console
 
     return search.Tuner(spec, "test", Console(quiet=True))

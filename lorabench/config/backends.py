@@ -16,10 +16,15 @@ class KernelsLabel:
     tuned: bool = False
 
     @classmethod
+    def of(cls, text: str) -> "KernelsLabel":
+        """The label a ``kernels`` value names, unchecked (rows of any run)."""
+        return cls(text.strip().removesuffix(TUNED_SUFFIX), text.strip().endswith(TUNED_SUFFIX))
+
+    @classmethod
     def parse(cls, text: str) -> "KernelsLabel":
-        """ValueError for an unknown backend, or ``+tuned`` on one that cannot be tuned."""
-        backend = text.strip().removesuffix(TUNED_SUFFIX)
-        label = cls(backend, text.strip().endswith(TUNED_SUFFIX))
+        """The label, or ValueError for an unknown backend or ``+tuned`` on one that cannot be tuned."""
+        label = cls.of(text)
+        backend = label.backend
         if backend not in BACKENDS or (label.tuned and not BACKENDS[backend].tunable):
             tunable = ", ".join(b + TUNED_SUFFIX for b, info in BACKENDS.items() if info.tunable)
             raise ValueError(f"unknown backend {text!r} (choose from {', '.join(BACKENDS)}; {tunable} with --tuned DIR)")
@@ -42,9 +47,9 @@ class KernelsLabel:
 
 def backend_of(label: str) -> str:
     """The backend a ``kernels`` column value runs: ``fused+tuned`` -> ``fused``."""
-    return label.strip().removesuffix(TUNED_SUFFIX)
+    return KernelsLabel.of(label).backend
 
 
 def label_order(label: str) -> float:
     """Report order of a ``kernels`` column value (unknown backends last)."""
-    return KernelsLabel(backend_of(label), label.strip().endswith(TUNED_SUFFIX)).order
+    return KernelsLabel.of(label).order

@@ -1,7 +1,8 @@
 """A sweep's plan: the jobs (one worker process each) and the points each one measures.
 
 A ``Job`` is everything one worker needs, frozen, and crosses the process boundary as JSON
-(``to_json`` / ``from_json``): the worker reads no spec and interprets no strategy name.
+(``to_json`` / ``from_json``): the worker reads no spec. It gets lorabench's capture set and grid
+policy resolved; only vLLM's rules turn the strategy into vLLM's keys (``runtime.vllm_rules``).
 """
 
 import json

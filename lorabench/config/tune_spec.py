@@ -1,6 +1,7 @@
 """A tune's specification (``lorabench tune``): flags, checked up front, one ``UserError`` line
 for bad input."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
@@ -45,14 +46,15 @@ def _budget(text: str) -> float:
     raise UserError(f"--budget-s: {text!r} is not a positive number of seconds")
 
 
-def build_tune_spec(flags: dict, machine: Machine, vllm_available: bool) -> tuple[TuneSpec, str | None]:
+def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], bool]) -> tuple[TuneSpec, str | None]:
     """Flags (strings, None = not given) -> a checked spec and a one-line notice or None.
-    ``vllm_available``: whether vLLM's ops load here (the default tunes them on a GPU if so)."""
+    ``vllm_available()``: whether vLLM's ops load here, asked only when no --kernels is given on a
+    GPU (the default then tunes them too; importing vLLM has process-wide side effects)."""
     device = resolve_device(flags.get("device") or "auto", machine)
     kernels = split_list(flags["kernels"]) if flags.get("kernels") else None
     notices = []
     if kernels is None:  # vLLM's too where it can run fast: the interpreter makes its shrink slow
-        kernels = ["triton", "fused"] + (["vllm"] if device == "cuda" and vllm_available else [])
+        kernels = ["triton", "fused"] + (["vllm"] if device == "cuda" and vllm_available() else [])
         notices.append(f"tuning {', '.join(kernels)} (--kernels to choose)")
     if flags.get("model") is None and device == "cpu":
         notices.append("On the CPU: tuning the tiny preset in Triton's interpreter; its times are CPU figures, not GPU results")

@@ -16,15 +16,14 @@ With ``use_graphs=False`` (the CPU path) every key maps to an eager callable tha
 same padded shapes with the same launch count, so dispatch is exercised identically.
 """
 
-import gc
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from lorabench.config.strategies import choose_bucket, choose_launch
 from lorabench.kernels import get_backend
+from lorabench.runtime.graphs import no_collection
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.model import LlamaLoRA, LoRAStep
 
@@ -93,22 +92,6 @@ class LorabenchRules:
 
     def eager_grid(self, route: Route) -> int:
         return route.launch
-
-
-@contextmanager
-def no_collection():
-    """Collect Python's cyclic garbage now and none until the block ends. A collection during
-    capture can destroy an unrelated CUDA graph held by dead objects, which CUDA forbids while a
-    stream captures: the capture in progress is invalidated ("operation failed due to a previous
-    error during capture")."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _GraphRunner:

@@ -5,7 +5,8 @@ device-to-device copy bandwidth and the cost of one more small kernel in a CUDA 
 import numpy as np
 import torch
 
-from lorabench.runtime.timing import capture_graph, replay_times
+from lorabench.runtime.graphs import capture_graph
+from lorabench.runtime.timing import replay_times
 
 
 def probe(graph_kernels: int = 256, copy_mib: int = 512, replays: int = 50) -> dict:

@@ -1,6 +1,6 @@
 """Timing on the device, and the statistics every row reports.
 
-One CUDA-graph timer serves the sweep, the tune, the roofline probe and the scripts: CUDA
+One CUDA-graph timer serves the sweep, the tune, the roofline probe and linear_bench: CUDA
 events around graph replays, read after the last one. (Written here rather than taken from
 ``triton.testing.do_bench``: a decode step is timed as a server runs it, the metadata copied in
 and the stream synced after every step, and the host's share of each step measured beside it.)
@@ -14,7 +14,6 @@ the eager step's wall time.
 """
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,20 +43,6 @@ class Events:
     def ms(self) -> np.ndarray:
         torch.cuda.synchronize()
         return np.array([s.elapsed_time(e) for s, e in self.pairs])
-
-
-def capture_graph(warm: Callable[[], object], body: Callable[[], object] | None = None) -> "torch.cuda.CUDAGraph":
-    """Run ``warm`` once off the capture stream (compiles, as torch advises), then capture ``body``
-    (default: ``warm``) into a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        warm()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        (body or warm)()
-    return graph
 
 
 def replay_times(graph: "torch.cuda.CUDAGraph", replays: int, warmup: int = 0, wait_each: bool = False) -> np.ndarray:

@@ -37,7 +37,7 @@ def tune(flags: dict, resume: bool, console: Console) -> int:
     child = interpreter_child(flags, resume, machine.cuda)
     if child is not None:  # on the CPU the whole tune runs in a child with Triton's interpreter on
         return child
-    spec, notice = build_tune_spec(flags, machine, vllm_available=machine.cuda and vllm_lora.available())
+    spec, notice = build_tune_spec(flags, machine, vllm_available=vllm_lora.available)
     if spec.device == "cpu" and not triton_lora.INTERPRET:
         raise UserError("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1 before lorabench's kernels are imported")
     if "vllm" in spec.kernels:

@@ -112,8 +112,8 @@ class TritonPair(TuneBackend):
         common = dict(linear=linear, k=k, slices=slices, tokens=tokens, max_loras=max_loras)
         out = []
         for n in sorted({1, min(tokens, max_loras)}):
-            out.append(Shape("triton", "shrink", key=triton_lora.shape_key("shrink", tokens, k, len(slices) * rank, 0, n), active=n, **common))
-            out.append(Shape("triton", "expand", key=triton_lora.shape_key("expand", tokens, rank, max(slices), len(slices), n), active=n, **common))
+            out.append(Shape(self.name, "shrink", key=triton_lora.shape_key("shrink", tokens, k, len(slices) * rank, 0, n), active=n, **common))
+            out.append(Shape(self.name, "expand", key=triton_lora.shape_key("expand", tokens, rank, max(slices), len(slices), n), active=n, **common))
         return out
 
     def default(self, shape):
@@ -150,7 +150,7 @@ class Fused(TritonPair):
 
     def shapes(self, linear, k, slices, tokens, max_loras, rank):
         common = dict(linear=linear, k=k, slices=slices, tokens=tokens, max_loras=max_loras)
-        return [Shape("fused", "fused", key=fused_lora.shape_key(tokens, k, max(slices), rank, len(slices), n), active=n, **common)
+        return [Shape(self.name, "fused", key=fused_lora.shape_key(tokens, k, max(slices), rank, len(slices), n), active=n, **common)
                 for n in sorted({1, min(tokens, max_loras)})]
 
     def default(self, shape):
@@ -210,8 +210,8 @@ class VllmOps(TuneBackend):
 
     def shapes(self, linear, k, slices, tokens, max_loras, rank):
         common = dict(linear=linear, k=k, slices=slices, tokens=tokens, max_loras=max_loras, active=min(tokens, max_loras))
-        return [Shape("vllm", "shrink", key=(max_loras + 1, len(slices), tokens, k, rank), **common),
-                Shape("vllm", "expand", key=(max_loras + 1, len(slices), tokens, rank, max(slices)), **common)]
+        return [Shape(self.name, "shrink", key=(max_loras + 1, len(slices), tokens, k, rank), **common),
+                Shape(self.name, "expand", key=(max_loras + 1, len(slices), tokens, rank, max(slices)), **common)]
 
     def default(self, shape):
         """vLLM's built-in default, as ``get_lora_op_configs`` returns it with no tuned folder."""

@@ -33,7 +33,8 @@ from lorabench.config.tolerance import TOLERANCE
 from lorabench.config.tune_spec import TuneSpec
 from lorabench.errors import UserError
 from lorabench.runtime import env
-from lorabench.runtime.timing import capture_graph, replay_times
+from lorabench.runtime.graphs import capture_graph
+from lorabench.runtime.timing import replay_times
 from lorabench.storage.tune_files import TUNED_FILE, vllm_folder, write_json, write_vllm
 
 LAUNCHES, REPLAYS, CPU_CALLS = 20, 100, 3
