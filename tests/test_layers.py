@@ -43,11 +43,11 @@ def test_report_and_recommend_load_neither_torch_nor_triton(tmp_path, command):
 
 def test_nothing_points_outside_the_repository():
     """Code, tests and docs name no path a clone does not have."""
-    outside = ("../shared", "DESIGN.md", "REFERENCES.md")
+    outside = ("../" + "shared", "DESIGN" + ".md", "REFERENCES" + ".md")  # in parts: this file names none of them
     found = []
     for folder in ("lorabench", "kernels", "tests", "scripts", "docs", "sweeps", "notebooks", ".ci"):
         for path in (ROOT / folder).rglob("*"):
-            if path.is_file() and path.suffix in (".py", ".md", ".toml", ".sh", ".ipynb", "") and path != Path(__file__):
+            if path.is_file() and path.suffix in (".py", ".md", ".toml", ".sh", ".ipynb", ""):
                 text = path.read_text(errors="replace")
                 found += [f"{path.relative_to(ROOT)}: {o}" for o in outside if o in text]
     for name in ("README.md", "BENCHMARKS.md", "pyproject.toml"):
