@@ -115,8 +115,9 @@ def test_a_worker_killed_mid_run_keeps_its_earlier_rows(tmp_path):
 
 def test_interrupted_sweep_leaves_readable_rows(tmp_path):
     cmd = [sys.executable, "-m", "lorabench", "sweep", "--out", str(tmp_path)] + SMALL + ["--iters", "400"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's, even if
+    deadline = time.time() + 120  # pytest itself runs with SIGINT ignored (a background job without job control)
     while time.time() < deadline and not list(tmp_path.glob("*/points.parquet")):
         time.sleep(0.2)
     time.sleep(0.5)
