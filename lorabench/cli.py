@@ -98,7 +98,7 @@ def check(
     from lorabench.commands.check import check as run
 
     flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
-                 layers=layers, rank=rank, dtype=dtype, device=device, seed=seed, out=out, check=True)
+                 layers=layers, rank=rank, dtype=dtype, device=device, seed=seed, out=out)
     return run(flags, spec, console)
 
 

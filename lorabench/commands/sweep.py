@@ -30,7 +30,7 @@ from rich.table import Table
 
 from lorabench.analysis.optimise import auto_recommendations
 from lorabench.analysis.points import CONFIG, configs, ok_points
-from lorabench.config.plan import Job, plan
+from lorabench.config.plan import Job, auto_key, plan
 from lorabench.config.spec import SweepSpec, build_spec
 from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
@@ -64,7 +64,7 @@ def resolve_auto(spec: SweepSpec) -> str | None:
                                 f"{recs[0]['capture_sizes']} and concurrencies {recs[0]['concurrency']}; sweep with those "
                                 f"(this sweep: sizes {spec.capture_sizes}, concurrency {spec.concurrency})")
             a = recs[0]["auto"]
-            spec.auto_sets[f"{k}/{m}"] = {"counts": a["counts"], "predicted_ms": a["expected_ms_by_c"],
+            spec.auto_sets[auto_key(k, m)] = {"counts": a["counts"], "predicted_ms": a["expected_ms_by_c"],
                                           "workload": spec.workload[0], "from": spec.auto_from}
     if len(spec.workload) > 1:
         return f"strategy auto is chosen for the first workload, {spec.workload[0]}"

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS
 
 TUNED_SUFFIX = "+tuned"
@@ -43,6 +44,12 @@ class KernelsLabel:
         """Report order: backends as registered, a "+tuned" run right after its defaults."""
         names = list(BACKENDS)
         return (names.index(self.backend) if self.backend in names else len(names)) + 0.5 * self.tuned
+
+
+def require_vllm_dtype(dtype: str) -> None:
+    """vLLM's LoRA ops take half precision only: one line otherwise."""
+    if dtype == "float32":
+        raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
 
 
 def backend_of(label: str) -> str:

@@ -6,13 +6,18 @@ policy resolved; only vLLM's rules turn the strategy into vLLM's keys (``runtime
 """
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.spec import SweepSpec
 from lorabench.config.strategies import AUTO, Vllm, strategy
 
 FIXED, WORKLOAD = "fixed", "workload"  # a point's mode: a batch of exactly n adapters, or batches drawn from a workload
+
+
+def auto_key(kernels: str, max_loras: int) -> str:
+    """Where ``SweepSpec.auto_sets`` keeps strategy auto's set for a (kernels, max_loras)."""
+    return f"{kernels}/{max_loras}"
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,7 @@ class Job:
         raw["predicted_ms"] = tuple(tuple(p) for p in raw["predicted_ms"])
         for name in ("counts", "capture_sizes"):
             raw[name] = tuple(raw[name])
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        return cls(**raw)
 
 
 def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = "") -> list[Job]:
@@ -98,7 +102,7 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                         index += 1
                 predicted: tuple = ()
                 if s.name == AUTO:
-                    chosen = spec.auto_sets[f"{kernels}/{max_loras}"]
+                    chosen = spec.auto_sets[auto_key(str(kernels), max_loras)]
                     counts = chosen["counts"]
                     predicted = tuple((chosen["workload"], int(c), ms) for c, ms in chosen["predicted_ms"].items())
                 else:

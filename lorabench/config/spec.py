@@ -5,7 +5,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lorabench.config.backends import KernelsLabel
+from lorabench.config.backends import KernelsLabel, require_vllm_dtype
 from lorabench.config.flags import (
     Machine,
     resolve_device,
@@ -134,8 +134,8 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     except ValueError as e:
         raise UserError(f"--kernels: {e}") from None
     _resolve_tuned(spec, machine)
-    if any(k.vllm for k in spec.labels) and spec.dtype == "float32":
-        raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
+    if any(k.vllm for k in spec.labels):
+        require_vllm_dtype(spec.dtype)
     if max(spec.concurrency + spec.capture_sizes) > MAX_TOKENS:
         raise UserError(f"--concurrency/--capture-sizes: at most {MAX_TOKENS} tokens per step are supported")
     try:

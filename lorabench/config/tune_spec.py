@@ -4,6 +4,7 @@ for bad input."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lorabench.config.backends import require_vllm_dtype
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
 from lorabench.config.models import PRESETS
 from lorabench.config.spec import MAX_TOKENS
@@ -69,6 +70,6 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
     one_of("model", spec.model, PRESETS)
     one_of("rank", spec.rank, SUPPORTED_RANKS)
     one_of("dtype", spec.dtype, DTYPES)
-    if "vllm" in spec.kernels and spec.dtype == "float32":
-        raise UserError("--kernels vllm: vLLM's LoRA ops take float16 or bfloat16 (--dtype float16)")
+    if "vllm" in spec.kernels:
+        require_vllm_dtype(spec.dtype)
     return spec, "; ".join(notices) or None

@@ -60,7 +60,6 @@ class Worker:
         self.backend = get_backend(self.label.backend)
         if self.label.tuned and hasattr(self.backend, "load_tuned"):  # lorabench's kernels (vLLM reads its own folder)
             self.backend.load_tuned(tuned_table(job.tuned))
-        self.rules = None
         self.counts = list(job.counts)
         if self.label.vllm:  # vLLM's keys, from its runner's rules for the strategy
             self.counts = vllm_counts(strategy(job.strategy), job.max_loras)
@@ -98,10 +97,9 @@ class Worker:
         t0 = time.perf_counter()
         model = LlamaLoRA(self.cfg, max_loras=job.max_loras, rank=job.rank, max_tokens=job.max_tokens,
                           context_len=job.context_len, dtype=getattr(torch, job.dtype), device=job.device, seed=job.seed)
-        if self.label.vllm:
-            self.rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device)
+        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if self.label.vllm else None
         d = Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=list(job.capture_sizes),
-                       counts=self.counts, use_graphs=self.cuda, seed=job.seed, rules=self.rules,
+                       counts=self.counts, use_graphs=self.cuda, seed=job.seed, rules=rules,
                        bucket_grid=job.bucket_grid)
         self.sync()
         build_s = time.perf_counter() - t0

@@ -38,18 +38,17 @@ class Problem:
     """One shape's random inputs on the device and the buffer its launches write."""
 
     def __init__(self, shape: Shape, rank: int, dtype: torch.dtype, device, seed: int):
-        gen = torch.Generator().manual_seed(seed)
         m, L, k, slices = shape.tokens, shape.max_loras, shape.k, shape.slices
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.x = self.randn(gen, m, k)
-        self.lora_a = self.randn(gen, L, len(slices) * rank, k, std=k**-0.5)
-        self.lora_b = self.randn(gen, L, sum(slices), rank, std=rank**-0.5)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.x = self.randn(m, k)
+        self.lora_a = self.randn(L, len(slices) * rank, k, std=k**-0.5)
+        self.lora_b = self.randn(L, sum(slices), rank, std=rank**-0.5)
         self.starts = tuple(itertools.accumulate(slices, initial=0))
         self.slots = fixed_batch(m, shape.active, L, random.Random(seed))
-        self.gen = gen
 
-    def randn(self, gen, *size, std=1.0, dt=None):
-        return (torch.randn(size, generator=gen) * std).to(device=self.device, dtype=dt or self.dtype)
+    def randn(self, *size, std=1.0, dt=None):
+        return (torch.randn(size, generator=self.gen) * std).to(device=self.device, dtype=dt or self.dtype)
 
 
 class TuneBackend:
@@ -95,7 +94,7 @@ class LorabenchProblem(Problem):
         super().__init__(shape, rank, dtype, device, seed)
         self.meta = MetaBuffer(shape.tokens, shape.max_loras, device)
         self.meta.load(self.meta.pack(self.slots)[0])
-        self.h = self.randn(self.gen, shape.tokens, len(shape.slices) * rank, dt=torch.float32)  # the expand's input
+        self.h = self.randn(shape.tokens, len(shape.slices) * rank, dt=torch.float32)  # the expand's input
         self.output = (torch.zeros_like(self.h) if shape.op == "shrink"  # zeroed per check run; timing adds on
                        else torch.zeros(shape.tokens, sum(shape.slices), dtype=dtype, device=device))
 
@@ -197,7 +196,7 @@ class VllmProblem(Problem):
         rules = VllmRules(default, shape.max_loras, shape.tokens, device)
         rules.load(self.slots)
         self.args = rules.kernel_meta.meta_args(shape.tokens, False)
-        self.h = self.randn(self.gen, len(shape.slices), shape.tokens, rank, dt=torch.float32)  # vLLM's fp32 buffer
+        self.h = self.randn(len(shape.slices), shape.tokens, rank, dt=torch.float32)  # vLLM's fp32 buffer
         self.output = (torch.zeros_like(self.h) if shape.op == "shrink"
                        else torch.zeros(shape.tokens, sum(shape.slices), dtype=dtype, device=device))
 
