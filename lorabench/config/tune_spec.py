@@ -47,6 +47,13 @@ def _budget(text: str) -> float:
     raise UserError(f"--budget-s: {text!r} is not a positive number of seconds")
 
 
+def default_dtype(device: str, kernels: list[str]) -> str:
+    """The sweep's default dtype on the device (float16 on a GPU, float32 on the CPU), so that
+    ``sweep --tuned`` takes the folder as it is; float16 wherever vLLM's ops are tuned (half
+    precision only)."""
+    return "float16" if device == "cuda" or "vllm" in kernels else "float32"
+
+
 def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], bool]) -> tuple[TuneSpec, str | None]:
     """Flags (strings, None = not given) -> a checked spec and a one-line notice or None.
     ``vllm_available()``: whether vLLM's ops load here, asked only when no --kernels is given on a
@@ -59,8 +66,10 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
         notices.append(f"tuning {', '.join(kernels)} (--kernels to choose)")
     if flags.get("model") is None and device == "cpu":
         notices.append("On the CPU: tuning the tiny preset in Triton's interpreter; its times are CPU figures, not GPU results")
+    if flags.get("dtype") is None and device == "cpu" and default_dtype(device, kernels) == "float32":
+        notices.append("in float32, the CPU sweep's dtype (--dtype to choose)")
     spec = TuneSpec(kernels=list(dict.fromkeys(kernels)), model=flags.get("model") or ("llama-2-7b" if device == "cuda" else "tiny"),
-                    rank=_ints("--rank", flags.get("rank") or "16", 1, 1 << 16)[0], dtype=flags.get("dtype") or "float16",
+                    rank=_ints("--rank", flags.get("rank") or "16", 1, 1 << 16)[0], dtype=flags.get("dtype") or default_dtype(device, kernels),
                     max_loras=_ints("--max-loras", flags.get("max_loras") or "4", 1, 4096),
                     tokens=_ints("--tokens", flags.get("tokens") or "1,8,32", 1, MAX_TOKENS),
                     budget_s=_budget(flags.get("budget_s") or "300"), out=flags.get("out") or "tuned", device=device,

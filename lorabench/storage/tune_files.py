@@ -4,15 +4,81 @@
   (``{"kernel": "triton"|"fused", "shape": [...], "config": {...}, ...}``), what ``--tuned`` loads;
 - ``vllm/{GPU}_SHRINK.json``, ``{GPU}_EXPAND_TRUE.json``, ``{GPU}_EXPAND_FALSE.json``: vLLM's
   ``VLLM_TUNED_CONFIG_FOLDER`` layout, ``[max_loras][num_slices][m][k][n] -> config``;
-- ``cache.jsonl`` (every timed config, for resuming) and ``tune.md`` are the tune's own.
+- ``cache.jsonl`` (every timed config, for resuming; ``read_cache``) and ``tune.md`` are the
+  tune's own. The tables and ``tune.md`` are rebuilt from the whole cache after every shape, so a
+  folder accumulates what every tune into it measured.
 """
 
 import json
+from numbers import Real
 from pathlib import Path
 
 from lorabench.errors import UserError
 
 TUNED_FILE = "lorabench_tuned.json"
+CACHE_FILE = "cache.jsonl"
+
+# What every cache row holds, and its type (``read_cache`` checks them); ok rows also hold timings.
+ROW_FIELDS = {"kernel": str, "op": str, "shape": list, "config": dict, "default": bool, "status": str, "spent_s": Real}
+OK_FIELDS = {"us": Real, "p10_us": Real, "p90_us": Real}
+
+
+def _row_problem(row) -> str | None:
+    """Why ``row`` is not a cache row (None if it is one)."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    fields = ROW_FIELDS | (OK_FIELDS if row.get("status") == "ok" else {})
+    for name, kind in fields.items():
+        if name not in row:
+            return f"no {name!r}"
+        if not isinstance(row[name], kind) or (kind is Real and isinstance(row[name], bool)):
+            return f"{name!r} is {json.dumps(row[name])[:40]}, not a {'number' if kind is Real else kind.__name__}"
+    if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in row["shape"]):
+        return "'shape' holds something other than strings and integers"
+    if not isinstance(row.get("linear", ""), str):
+        return "'linear' is not a string"
+    return None
+
+
+def read_cache(path: Path) -> tuple[list[dict], str | None]:
+    """A tune's ``cache.jsonl``: its rows, and a one-line notice or None.
+
+    A last line cut short with no newline is what an interrupted tune leaves behind: it is dropped
+    from the file (so that the next row starts on a line of its own) and the notice says so. Any
+    other line that is not a cache row is a UserError naming the file and line."""
+    if not path.is_file():
+        return [], None
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e}); move it away or rerun with --fresh") from None
+    lines = text.split("\n")
+    tail = lines.pop()  # "" when the file ends with a newline: a line still being written otherwise
+    rows, notice = [], None
+    last = len(lines) + 1 if tail else None  # the number of a line cut short
+    for number, line in enumerate(lines + ([tail] if tail else []), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            why = _row_problem(row)
+        except ValueError as e:
+            row, why = None, f"not JSON: {e}"
+        if why is None:
+            rows.append(row)
+            continue
+        if number == last:  # cut short by an interrupt: drop it and carry on
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(f"{x}\n" for x in lines))
+            tmp.replace(path)
+            notice = f"{path}: dropped its last line, cut short (an interrupted tune); {len(rows)} measurements kept"
+            return rows, notice
+        raise UserError(f"{path}: line {number} is not a tune measurement ({why}); "
+                        f"move the file away or rerun with --fresh (which keeps it as {path.name}.prev)")
+    if tail:  # a complete last row without its newline: the next row must start a line of its own
+        with path.open("a") as f:
+            f.write("\n")
+    return rows, notice
 
 
 def write_json(path: Path, data) -> None:

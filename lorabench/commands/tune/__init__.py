@@ -13,7 +13,7 @@ import sys
 
 from rich.console import Console
 
-from lorabench.commands.tune.output import tune_table
+from lorabench.commands.tune.output import skipped_line, sweep_hint, tune_table
 from lorabench.commands.tune.search import Tuner
 from lorabench.config.tune_spec import build_tune_spec
 from lorabench.errors import UserError
@@ -42,9 +42,10 @@ def tune(flags: dict, resume: bool, console: Console) -> int:
         raise UserError("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1 before lorabench's kernels are imported")
     if "vllm" in spec.kernels:
         env.require_vllm()
-    if notice:
-        console.print(notice)
     tuner = Tuner(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, fresh=not resume)
+    for line in (notice, tuner.cache.notice, skipped_line(tuner.cache)):
+        if line:
+            console.print(line, highlight=False, markup=False)
     console.print(f"tune: {len(tuner.shapes)} shapes, {spec.budget_s:g} s -> {tuner.out}")
     try:
         results = tuner.run()
@@ -52,7 +53,13 @@ def tune(flags: dict, resume: bool, console: Console) -> int:
         tuner.write()
         print(f"interrupted: measurements kept in {tuner.cache.path}; rerun the same command to resume", file=sys.stderr)
         return 130
-    console.print(tune_table(results, tuner.meta))
+    mine = set(tuner.shapes)
+    console.print(tune_table([r for r in results if r["shape"] in mine], tuner.meta))
+    earlier = sum(r["shape"] not in mine for r in results)
+    if earlier:
+        console.print(f"the folder's tables also keep {earlier} shapes measured by earlier tunes into it (tune.md lists them)")
+    vllm = any(r["best"] for r in results if r["shape"].kernel == "vllm")
     console.print(f"-> {tuner.out / 'lorabench_tuned.json'}, {tuner.out / 'tune.md'}"
-                  + (f", {tuner.out / 'vllm'} (VLLM_TUNED_CONFIG_FOLDER)" if "vllm" in spec.kernels else ""))
+                  + (f", {tuner.out / 'vllm'} (VLLM_TUNED_CONFIG_FOLDER)" if vllm else ""))
+    console.print(sweep_hint(spec, machine, results), highlight=False, markup=False, soft_wrap=True)
     return 0

@@ -1,9 +1,15 @@
 """What a tune reports: each shape's outcome from its cache rows (``summarise``), the entries of
 ``lorabench_tuned.json`` and vLLM's files, ``tune.md`` and the console's table."""
 
+import shlex
+
 from rich.table import Table
 
 from lorabench.commands.tables import markdown_table
+from lorabench.config.flags import Machine
+from lorabench.config.spec import build_spec
+from lorabench.config.tune_spec import TuneSpec
+from lorabench.errors import UserError
 
 LORABENCH_KERNELS = ("triton", "fused")  # their configs go to lorabench_tuned.json; vLLM's to vllm/
 
@@ -56,12 +62,17 @@ def _cells(r: dict) -> list[str]:
     return head + [f"{r['default_us']:.2f}", f"{r['tuned_us']:.2f}{mark}", f"{r['speedup']:.2f}x", tried, config]
 
 
-def markdown(meta: dict, results: list[dict]) -> str:
+def markdown(meta: dict, results: list[dict], earlier: int = 0) -> str:
+    """``tune.md``: the last tune's machine and command, then every shape of the folder's tables;
+    ``earlier`` of them were measured by earlier tunes into the folder only."""
     e = meta["env"]
+    others = [c for c in meta.get("commands", []) if c != meta["command"]]
     lines = ["# lorabench tune", "",
              f"- machine: {meta['device']}" + (f", {meta['gpu']}" if meta["gpu"] else "") +
              f"; torch {e['torch']}, triton {e['triton']}, git {e['git_sha']}",
              f"- command: `{meta['command']}`",
+             *([f"- also {earlier} shapes measured by earlier tunes into this folder (its cache.jsonl, same machine and dtype)"
+                + (": " + ", ".join(f"`{c}`" for c in others) if others else "")] if earlier else []),
              f"- {meta['model']}, rank {meta['rank']}, {meta['dtype']}, budget {meta['budget_s']:g} s; timing "
              + ("per launch, median of CUDA-graph replays of "
                 f"{meta['launches_per_graph']} launches" if meta["device"] == "cuda" else "CPU wall time in Triton's interpreter")
@@ -86,3 +97,37 @@ def tune_table(results: list[dict], meta: dict) -> Table:
     for r in results:
         table.add_row(*_cells(r))
     return table
+
+
+def skipped_line(cache) -> str | None:
+    """One line on the cache rows a tune's tables leave out (another device, GPU or dtype; other
+    kernel sources), or None."""
+    parts = [f"{n} of {what}" for what, n in cache.skipped["identity"].items()]
+    if cache.skipped["revision"]:
+        parts.append(f"{cache.skipped['revision']} of lorabench's kernels from other sources")
+    return (f"{cache.path}: leaving out measurements made elsewhere ({', '.join(parts)}); "
+            "the tables hold this machine's and dtype's") if parts else None
+
+
+def sweep_hint(spec: TuneSpec, machine: Machine, results: list[dict]) -> str:
+    """The sweep that runs the folder's configs next to the defaults, at this tune's shapes;
+    checked by the sweep's own spec builder, so that the line printed is one the sweep accepts."""
+    kernels = [k for k in (*LORABENCH_KERNELS, "vllm") if any(r["best"] and r["shape"].kernel == k for r in results)]
+    if not kernels:
+        return "no tuned configs: every shape's default config failed (tune.md)"
+    flags = {"kernels": ",".join(kernels), "tuned": spec.out, "max_loras": ",".join(map(str, spec.max_loras)),
+             "concurrency": ",".join(map(str, spec.tokens))}
+    cuda = spec.device == "cuda"
+    if spec.model != ("llama-2-7b" if cuda else "tiny"):
+        flags["model"] = spec.model
+    if spec.rank != 16:
+        flags["rank"] = str(spec.rank)
+    if spec.dtype != ("float16" if cuda else "float32"):
+        flags["dtype"] = spec.dtype
+    if not cuda and machine.cuda:
+        flags["device"] = "cpu"
+    try:
+        build_spec(dict(flags), None, machine)
+    except UserError as e:
+        return f"no sweep takes this folder as it is: {e}"
+    return "sweep with them: " + shlex.join(["lorabench", "sweep"] + [a for k, v in flags.items() for a in (f"--{k.replace('_', '-')}", v)])

@@ -14,12 +14,13 @@ interpreter's wall time per call, labelled ``cpu_wall``: CPU figures, never GPU 
 import json
 import os
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lorabench.commands.tune.backends import TUNERS, TuneBackend
 from lorabench.commands.tune.output import (
@@ -35,7 +36,7 @@ from lorabench.errors import UserError
 from lorabench.runtime import env
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.timing import replay_times
-from lorabench.storage.tune_files import TUNED_FILE, vllm_folder, write_json, write_vllm
+from lorabench.storage.tune_files import CACHE_FILE, TUNED_FILE, read_cache, vllm_folder, write_json, write_vllm
 
 LAUNCHES, REPLAYS, CPU_CALLS = 20, 100, 3
 
@@ -99,33 +100,47 @@ def _cid(cfg: dict) -> str:
 
 
 class Cache:
-    """OUT/cache.jsonl: one line per measured (shape, config), appended the moment it exists.
-    Rows of another device, GPU or dtype, and rows of lorabench's kernels timed from other kernel
-    sources (``revs``: kernel -> its backend's ``revision``), are kept in the file and ignored."""
+    """OUT/cache.jsonl: one line per measured (shape, config), appended the moment it exists, by
+    every tune into OUT. Rows of another device, GPU or dtype, and rows of lorabench's kernels
+    timed from other kernel sources (``revs``: kernel -> its backend's ``revision``), are kept in
+    the file and ignored (``skipped`` counts them). ``notice``: what reading the file repaired."""
 
     def __init__(self, path: Path, identity: dict, fresh: bool, revs: dict[str, str | None] | None = None):
         self.path, self.identity, self.revs = path, identity, revs or {}
         if fresh and path.exists():
             path.replace(path.with_name(path.name + ".prev"))
-        self.rows = [r for r in self._read() if all(r.get(k) == v for k, v in identity.items())
-                     and r.get("kernels_rev") == self.revs.get(r.get("kernel"))]
+        every, self.notice = read_cache(path)
+        self.rows: list[dict] = []
+        self._of: dict[tuple, list[dict]] = {}
+        self.skipped = {"identity": Counter(), "revision": 0}
+        for r in every:
+            if not all(r.get(k) == v for k, v in identity.items()):
+                self.skipped["identity"][" ".join(str(r.get(k)) for k in ("device", "gpu", "dtype") if r.get(k))] += 1
+            elif r.get("kernels_rev") != self.revs.get(r["kernel"]):
+                self.skipped["revision"] += 1
+            else:
+                self._keep(r)
 
-    def _read(self) -> list[dict]:
-        rows = []
-        for line in self.path.read_text().splitlines() if self.path.exists() else []:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by an interrupt
-                pass
-        return rows
+    @staticmethod
+    def key(kernel: str, op: str, shape) -> tuple:
+        return kernel, op, tuple(shape)
+
+    def _keep(self, row: dict) -> None:
+        self.rows.append(row)
+        self._of.setdefault(self.key(row["kernel"], row["op"], row["shape"]), []).append(row)
 
     def of(self, shape: Shape) -> list[dict]:
-        key = list(shape.key)
-        return [r for r in self.rows if (r["kernel"], r["op"], r["shape"]) == (shape.kernel, shape.op, key)]
+        return self._of.get(self.key(shape.kernel, shape.op, shape.key), [])
+
+    def shapes(self) -> list[Shape]:
+        """A shape per key the usable rows hold, named by the linears its rows were tuned as."""
+        return [Shape.measured(*key, linear="/".join(dict.fromkeys(
+                    part for r in rows for part in (r.get("linear") or "?").split("/"))))
+                for key, rows in self._of.items()]
 
     def append(self, row: dict) -> None:
         row = {**row, **self.identity, "kernels_rev": self.revs.get(row["kernel"])}
-        self.rows.append(row)
+        self._keep(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -147,7 +162,8 @@ class Tuner:
         identity = {"device": spec.device, "gpu": gpu, "dtype": spec.dtype,  # timings of one kind only
                     "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1}
         self.backends = {name: TUNERS[name]() for name in TUNERS if name in spec.kernels}
-        self.cache = Cache(self.out / "cache.jsonl", identity, fresh, {n: b.revision for n, b in self.backends.items()})
+        revs = {name: (self.backends.get(name) or cls()).revision for name, cls in TUNERS.items()}  # every kernel's rows count
+        self.cache = Cache(self.out / CACHE_FILE, identity, fresh, revs)
         self.shapes = build_shapes(spec, self.backends)
         self.share = spec.budget_s / len(self.shapes)
         self.session = f"{time.strftime('%Y%m%dT%H%M%S')}-{id(self):x}"
@@ -156,15 +172,25 @@ class Tuner:
         self.meta = {"gpu": gpu, "device": spec.device, "timing": "cuda_graph" if self.cuda else "cpu_wall",
                      "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "command": command,
                      "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device)}
+        self._timed = lambda n: None  # told the number of configs timed for the current shape
 
     def run(self) -> list[dict]:
-        with pdl_off(), Progress(console=self.console, transient=True) as progress:
-            task = progress.add_task("tuning", total=len(self.shapes))
-            for shape in self.shapes:
-                progress.update(task, description=shape.label)
+        """Tune every shape under a progress bar (shapes done / total, the current shape, elapsed);
+        where the console is no terminal (a pipe, a log), one line per shape instead."""
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        t0, total = time.perf_counter(), len(self.shapes)
+        with pdl_off(), Progress(*columns, console=self.console, transient=False) as progress:
+            task = progress.add_task("tune", total=total)
+            for i, shape in enumerate(self.shapes, 1):
+                self._timed = lambda n, label=shape.label: progress.update(task, description=f"{label}: {n} timed")
+                self._timed(len(self.cache.of(shape)))
                 self.tune(shape)
                 self.write()
                 progress.advance(task)
+                if not self.console.is_terminal:
+                    self.console.print(f"{i}/{total} {shape.label}: {len(self.cache.of(shape))} timed, "
+                                       f"{time.perf_counter() - t0:.0f} s", highlight=False, markup=False)
+            progress.update(task, description="tune")
         return self.write()
 
     def tune(self, shape: Shape) -> None:
@@ -198,15 +224,31 @@ class Tuner:
         t0 = time.perf_counter()
         result, out = measure(self.backends[shape.kernel], problem, cfg, ref, TOLERANCE[self.spec.dtype].kernel, self.timer)
         row = {"kernel": shape.kernel, "op": shape.op, "linear": shape.linear, "shape": list(shape.key), "config": cfg,
-               "default": is_default, **result, "spent_s": time.perf_counter() - t0, "session": self.session}
+               "default": is_default, **result, "spent_s": time.perf_counter() - t0, "session": self.session,
+               "command": self.meta["command"]}
         self.cache.append(row)
+        self._timed(len(self.cache.of(shape)))
         return {**row, "_out": out}
 
+    def tables(self) -> list[Shape]:
+        """What the folder's tables hold: this tune's shapes, and every other shape the cache has
+        usable rows of (earlier tunes into the folder, of any kernel), by kernel and op."""
+        mine = {Cache.key(s.kernel, s.op, s.key) for s in self.shapes}
+        shapes = self.shapes + [s for s in self.cache.shapes() if Cache.key(s.kernel, s.op, s.key) not in mine]
+        order = list(TUNERS)  # stable: within a kernel's op, this tune's order, then the cache's
+        return sorted(shapes, key=lambda s: (order.index(s.kernel) if s.kernel in order else len(order), s.kernel,
+                                             ("fused", "shrink", "expand", s.op).index(s.op), s.op))
+
     def write(self) -> list[dict]:
-        """Rewrite every output from the cache; returns one summary per shape."""
-        results = [summarise(s, self.cache.of(s), self.viable.get(s)) for s in self.shapes]
-        write_json(self.out / TUNED_FILE, {**self.meta, "entries": lorabench_entries(results)})
-        if "vllm" in self.backends:
-            write_vllm(vllm_folder(self.out), self.meta["gpu"], vllm_best(results))
-        (self.out / "tune.md").write_text(markdown(self.meta, results))
+        """Rewrite every output from the whole cache (this tune's shapes and earlier tunes'); returns
+        one summary per shape of the tables."""
+        results = [summarise(s, self.cache.of(s), self.viable.get(s)) for s in self.tables()]
+        commands = list(dict.fromkeys([self.meta["command"]] + [r["command"] for r in self.cache.rows if r.get("command")]))
+        meta = {**self.meta, "commands": commands}
+        write_json(self.out / TUNED_FILE, {**meta, "entries": lorabench_entries(results)})
+        best = vllm_best(results)
+        if best or "vllm" in self.backends:
+            write_vllm(vllm_folder(self.out), self.meta["gpu"], best)
+        mine = set(self.shapes)
+        (self.out / "tune.md").write_text(markdown(meta, results, earlier=sum(r["shape"] not in mine for r in results)))
         return results

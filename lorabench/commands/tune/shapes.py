@@ -32,6 +32,12 @@ class Shape:
     max_loras: int
     active: int  # adapters in the timing batch = lorabench's kernels' launch count
 
+    @classmethod
+    def measured(cls, kernel: str, op: str, key: tuple, linear: str) -> "Shape":
+        """A shape known from a tune folder's cache rows only (an earlier tune's): enough to
+        summarise and write it, never to time it (no problem dimensions)."""
+        return cls(kernel, op, linear, tuple(key), k=0, slices=(), tokens=0, max_loras=0, active=0)
+
     @property
     def label(self) -> str:
         return f"{self.kernel} {self.op} {self.linear} {list(self.key)}"
