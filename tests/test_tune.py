@@ -2,6 +2,10 @@
 read. On the CPU the kernels run in Triton's interpreter, on the tiny preset with a tiny budget."""
 
 import json
+import os
+import pty
+import re
+import subprocess
 import sys
 from collections import Counter
 from types import SimpleNamespace
@@ -307,7 +311,7 @@ def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
 
     out = tmp_path / "tuned"
     assert main(["tune", "--model", "tiny", "--kernels", "triton", "--tokens", "1", "--max-loras", "1",
-                 "--budget-s", "2", "--out", str(out), "--dtype", DTYPE]) == 0
+                 "--budget-s", "2", "--out", str(out)]) == 0  # the tune's default dtype is the sweep's
     entries = tune_files.tuned_table(out)
     ops = sorted(e["shape"][0] for e in entries)
     assert ops == ["expand"] * 3 + ["shrink"] * 4 and all(e["kernel"] == "triton" for e in entries)  # o and down share an expand
@@ -322,3 +326,125 @@ def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
                  "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(runs), "--model", "tiny"]) == 0
     df = pd.read_parquet(next(runs.glob("*/points.parquet")))
     assert set(df.kernels) == {"triton", "triton+tuned"} and (df.status == "ok").all() and df.correct.all()
+
+
+IDENTITY = {"device": DEVICE, "gpu": GPU, "dtype": "float16", "timing": "cuda_graph" if HAS_CUDA else "cpu_wall",
+            "launches_per_graph": search.LAUNCHES if HAS_CUDA else 1}  # what a float16 tune here keys its rows by
+
+
+def cache_row(kernel, op, shape, config, us, default=False, **extra) -> dict:
+    return {"kernel": kernel, "op": op, "linear": "o", "shape": list(shape), "config": config, "default": default,
+            "status": "ok", "us": us, "p10_us": us, "p90_us": us, "spent_s": 0.1, "session": "s", **IDENTITY,
+            "kernels_rev": None, **extra}
+
+
+@pytest.fixture
+def instant_measure(monkeypatch):
+    """Every config runs at once and takes 1 us (the default 2 us): the search's files without
+    running a kernel."""
+    def measure(backend, problem, cfg, ref, tol, timer):
+        us = 2.0 if cfg == backend.default(problem.shape) else 1.0
+        return {"status": "ok", "us": us, "p10_us": us, "p90_us": us, "timing": IDENTITY["timing"]}, torch.zeros(1)
+
+    monkeypatch.setattr(search, "measure", measure)
+
+
+def test_a_tune_of_other_kernels_adds_to_the_folders_tables(tmp_path, instant_measure, capsys):
+    """A second tune with other --kernels into the same folder keeps what the first found: its
+    tables come from every shape its cache.jsonl holds for this machine and dtype, whichever tune
+    measured it. vLLM's rows are written here (its ops need vLLM); rows of another dtype stay out."""
+    args = ["tune", "--model", "tiny", "--tokens", "1", "--max-loras", "1", "--budget-s", "0.01", "--out", str(tmp_path),
+            "--dtype", "float16"]  # vLLM's ops take half precision only
+    assert main(args + ["--kernels", "fused"]) == 0
+    fused = tune_files.tuned_table(tmp_path)
+    assert len(fused) == 4 and {e["kernel"] for e in fused} == {"fused"}
+    default = {"block_m": 16, "block_n": 32, "block_k": 32, "split_k": 1, "num_warps": 4, "num_stages": 2}
+    vllm_key, best = (2, 1, 1, 128, 16), {**default, "block_n": 16}
+    with (tmp_path / "cache.jsonl").open("a") as f:
+        for row in (cache_row("vllm", "shrink", vllm_key, default, 10.0, default=True), cache_row("vllm", "shrink", vllm_key, best, 5.0),
+                    cache_row("fused", "fused", [1, 64, 64, 16, 1, 1], default, 3.0, default=True, dtype="bfloat16")):
+            f.write(json.dumps(row) + "\n")
+    capsys.readouterr()
+    assert main(args + ["--kernels", "triton"]) == 0
+    out = capsys.readouterr().out
+    entries = tune_files.tuned_table(tmp_path)
+    assert Counter(e["kernel"] for e in entries) == {"fused": 4, "triton": 7}
+    assert [e for e in entries if e["kernel"] == "fused"] == fused, "the first tune's entries, as they were"
+    assert all(e["config"] != e.get("default_config") and e["speedup"] == 2.0 for e in entries)
+    prefix = (GPU or "CPU").replace(" ", "_").replace("-", "_")
+    shrink = json.loads((tune_files.vllm_folder(tmp_path) / f"{prefix}_SHRINK.json").read_text())
+    assert shrink == {"2": {"1": {"1": {"128": {"16": best}}}}}
+    md = (tmp_path / "tune.md").read_text()
+    assert "## fused" in md and "## triton shrink" in md and "## vllm shrink" in md
+    assert "also 5 shapes measured by earlier tunes" in md
+    assert "1 of " in out and "bfloat16" in out, "the rows left out are counted"
+    assert f"sweep with them: lorabench sweep --kernels triton,fused,vllm --tuned {tmp_path} --max-loras 1 --concurrency 1" in out
+
+
+GOOD = json.dumps(cache_row("fused", "fused", [1, 128, 128, 16, 1, 1], {"block_m": 16}, 1.0, default=True))
+CORRUPT = [
+    ("garbage", f"{GOOD}\nnot json at all\n{GOOD}\n", "line 2"),
+    ("a line cut short, then more", f"{GOOD[:40]}\n{GOOD}\n", "line 1"),
+    ("a JSON list", f"[1, 2]\n{GOOD}\n", "not an object"),
+    ("a string for a number", GOOD.replace('"us": 1.0', '"us": "fast"') + "\n", "'us'"),
+    ("no shape", json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "shape"}) + "\n", "'shape'"),
+    ("a nested shape", GOOD.replace("[1, 128, 128, 16, 1, 1]", "[[1], 128]") + "\n", "'shape'"),
+]
+
+
+@pytest.mark.parametrize("content,needle", [c[1:] for c in CORRUPT], ids=[c[0] for c in CORRUPT])
+def test_a_corrupt_cache_is_one_line(tmp_path, capsys, content, needle):
+    (tmp_path / "cache.jsonl").write_text(content)
+    assert run_tune(tmp_path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "cache.jsonl" in err[0] and needle in err[0], err
+    assert "--fresh" in err[0] and (tmp_path / "cache.jsonl").read_text() == content, "the file is left as it was"
+
+
+def test_a_last_line_cut_short_by_an_interrupt_is_dropped(tmp_path, capsys, instant_measure):
+    (tmp_path / "cache.jsonl").write_text(f"{GOOD}\n{GOOD[:-20]}")
+    assert run_tune(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "dropped its last line, cut short (an interrupted tune); 1 measurements kept" in out
+    rows = cache_rows(tmp_path)
+    assert rows[0] == json.loads(GOOD) and len(rows) > 1, "the file goes on from its last whole line"
+
+
+def in_a_terminal(argv: list[str], env: dict) -> str:
+    """What ``argv`` shows in a terminal (a pseudo-terminal), escape codes stripped."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # every writer has closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=600) == 0, b"".join(chunks).decode(errors="replace")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+
+
+def test_a_tune_shows_its_progress_and_the_sweep_it_prints_runs(tmp_path):
+    """A terminal user sees a progress bar (shapes done / total, the current shape, elapsed), on
+    the CPU drawn by the interpreter child; the sweep command the tune prints then takes its folder
+    (on the CPU: float32, the CPU sweep's dtype)."""
+    import pandas as pd
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # on the CPU: the CLI's own child
+    out = tmp_path / "tuned"
+    shown = in_a_terminal([sys.executable, "-m", "lorabench", "tune", "--kernels", "fused", "--tokens", "1", "--max-loras", "1",
+                           "--budget-s", "0.01", "--out", str(out)], {**env, "COLUMNS": "200"})
+    assert re.search(r"fused fused \w+ \[[0-9, ]+\]: \d+ timed", shown), shown
+    assert re.search(r"4/4 \d:\d\d:\d\d", shown), shown
+    [hint] = [line.strip() for line in shown.splitlines() if line.startswith("sweep with them: ")]
+    argv = hint.removeprefix("sweep with them: lorabench ").split()
+    assert argv[:5] == ["sweep", "--kernels", "fused", "--tuned", str(out)] and "--dtype" not in argv
+    runs = tmp_path / "runs"
+    assert main(argv + ["--strategy", "max", "--iters", "2", "--warmup", "1", "--out", str(runs)]) == 0
+    df = pd.read_parquet(next(runs.glob("*/points.parquet")))
+    assert set(df.kernels) == {"fused", "fused+tuned"} and (df.status == "ok").all() and df.correct.all()
