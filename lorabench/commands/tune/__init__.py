@@ -45,7 +45,7 @@ def tune(flags: dict, resume: bool, console: Console) -> int:
     tuner = Tuner(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, fresh=not resume)
     for line in (notice, tuner.cache.notice, skipped_line(tuner.cache)):
         if line:
-            console.print(line, highlight=False, markup=False)
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     console.print(f"tune: {len(tuner.shapes)} shapes, {spec.budget_s:g} s -> {tuner.out}")
     try:
         results = tuner.run()

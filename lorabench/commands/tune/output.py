@@ -101,12 +101,12 @@ def tune_table(results: list[dict], meta: dict) -> Table:
 
 def skipped_line(cache) -> str | None:
     """One line on the cache rows a tune's tables leave out (another device, GPU or dtype; other
-    kernel sources), or None."""
-    parts = [f"{n} of {what}" for what, n in cache.skipped["identity"].items()]
+    sources of lorabench's kernels), or None."""
+    parts = [f"{n} timed on {what}" for what, n in cache.skipped["identity"].items()]
     if cache.skipped["revision"]:
-        parts.append(f"{cache.skipped['revision']} of lorabench's kernels from other sources")
-    return (f"{cache.path}: leaving out measurements made elsewhere ({', '.join(parts)}); "
-            "the tables hold this machine's and dtype's") if parts else None
+        parts.append(f"{cache.skipped['revision']} timed with other sources of lorabench's kernels")
+    ours = " ".join(str(cache.identity[k]) for k in ("device", "gpu", "dtype") if cache.identity.get(k))
+    return f"{cache.path}: the tables leave out {', '.join(parts)} (they hold {ours} rows)" if parts else None
 
 
 def sweep_hint(spec: TuneSpec, machine: Machine, results: list[dict]) -> str:

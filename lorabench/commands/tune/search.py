@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from lorabench.commands.tune.backends import TUNERS, TuneBackend
 from lorabench.commands.tune.output import (
@@ -36,7 +42,14 @@ from lorabench.errors import UserError
 from lorabench.runtime import env
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.timing import replay_times
-from lorabench.storage.tune_files import CACHE_FILE, TUNED_FILE, read_cache, vllm_folder, write_json, write_vllm
+from lorabench.storage.tune_files import (
+    CACHE_FILE,
+    TUNED_FILE,
+    read_cache,
+    vllm_folder,
+    write_json,
+    write_vllm,
+)
 
 LAUNCHES, REPLAYS, CPU_CALLS = 20, 100, 3
 
