@@ -349,12 +349,13 @@ def instant_measure(monkeypatch):
     monkeypatch.setattr(search, "measure", measure)
 
 
-def test_a_tune_of_other_kernels_adds_to_the_folders_tables(tmp_path, instant_measure, capsys):
+def test_a_tune_of_other_kernels_adds_to_the_folders_tables(tmp_path, instant_measure, capsys, monkeypatch):
     """A second tune with other --kernels into the same folder keeps what the first found: its
     tables come from every shape its cache.jsonl holds for this machine and dtype, whichever tune
     measured it. vLLM's rows are written here (its ops need vLLM); rows of another dtype stay out."""
     args = ["tune", "--model", "tiny", "--tokens", "1", "--max-loras", "1", "--budget-s", "0.01", "--out", str(tmp_path),
             "--dtype", "float16"]  # vLLM's ops take half precision only
+    monkeypatch.setattr(sys, "argv", ["lorabench", *args, "--kernels", "fused"])  # what tune.md names the command by
     assert main(args + ["--kernels", "fused"]) == 0
     fused = tune_files.tuned_table(tmp_path)
     assert len(fused) == 4 and {e["kernel"] for e in fused} == {"fused"}
@@ -365,6 +366,7 @@ def test_a_tune_of_other_kernels_adds_to_the_folders_tables(tmp_path, instant_me
                     cache_row("fused", "fused", [1, 64, 64, 16, 1, 1], default, 3.0, default=True, dtype="bfloat16")):
             f.write(json.dumps(row) + "\n")
     capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["lorabench", *args, "--kernels", "triton"])
     assert main(args + ["--kernels", "triton"]) == 0
     out = capsys.readouterr().out
     entries = tune_files.tuned_table(tmp_path)
@@ -376,7 +378,8 @@ def test_a_tune_of_other_kernels_adds_to_the_folders_tables(tmp_path, instant_me
     assert shrink == {"2": {"1": {"1": {"128": {"16": best}}}}}
     md = (tmp_path / "tune.md").read_text()
     assert "## fused" in md and "## triton shrink" in md and "## vllm shrink" in md
-    assert "also 5 shapes measured by earlier tunes" in md
+    assert "- command: `lorabench tune " in md and md.count("--kernels triton`") == 1
+    assert "also 5 shapes measured by earlier tunes into this folder" in md and md.count("--kernels fused`") == 1
     assert f"the tables leave out 1 timed on {DEVICE} {GPU + ' ' if GPU else ''}bfloat16" in out, "the rows left out are counted"
     assert f"sweep with them: lorabench sweep --kernels triton,fused,vllm --tuned {tmp_path} --max-loras 1 --concurrency 1" in out
 

@@ -62,11 +62,12 @@ def _cells(r: dict) -> list[str]:
     return head + [f"{r['default_us']:.2f}", f"{r['tuned_us']:.2f}{mark}", f"{r['speedup']:.2f}x", tried, config]
 
 
-def markdown(meta: dict, results: list[dict], earlier: int = 0) -> str:
+def markdown(meta: dict, results: list[dict], earlier: int = 0, earlier_commands: list[str] = ()) -> str:
     """``tune.md``: the last tune's machine and command, then every shape of the folder's tables;
-    ``earlier`` of them were measured by earlier tunes into the folder only."""
+    ``earlier`` of them were measured by earlier tunes into the folder only (``earlier_commands``
+    as far as their rows say)."""
     e = meta["env"]
-    others = [c for c in meta.get("commands", []) if c != meta["command"]]
+    others = [c for c in earlier_commands if c != meta["command"]]
     lines = ["# lorabench tune", "",
              f"- machine: {meta['device']}" + (f", {meta['gpu']}" if meta["gpu"] else "") +
              f"; torch {e['torch']}, triton {e['triton']}, git {e['git_sha']}",

@@ -255,13 +255,17 @@ class Tuner:
     def write(self) -> list[dict]:
         """Rewrite every output from the whole cache (this tune's shapes and earlier tunes'); returns
         one summary per shape of the tables."""
-        results = [summarise(s, self.cache.of(s), self.viable.get(s)) for s in self.tables()]
-        commands = list(dict.fromkeys([self.meta["command"]] + [r["command"] for r in self.cache.rows if r.get("command")]))
-        meta = {**self.meta, "commands": commands}
+        shapes, mine = self.tables(), set(self.shapes)
+        results = [summarise(s, self.cache.of(s), self.viable.get(s)) for s in shapes]
+
+        def commands(of: list[Shape]) -> list[str]:  # the commands whose rows hold these shapes, first seen first
+            return list(dict.fromkeys(r["command"] for s in of for r in self.cache.of(s) if isinstance(r.get("command"), str)))
+
+        earlier = [s for s in shapes if s not in mine]
+        meta = {**self.meta, "commands": list(dict.fromkeys([self.meta["command"], *commands(shapes)]))}
         write_json(self.out / TUNED_FILE, {**meta, "entries": lorabench_entries(results)})
         best = vllm_best(results)
         if best or "vllm" in self.backends:
             write_vllm(vllm_folder(self.out), self.meta["gpu"], best)
-        mine = set(self.shapes)
-        (self.out / "tune.md").write_text(markdown(meta, results, earlier=sum(r["shape"] not in mine for r in results)))
+        (self.out / "tune.md").write_text(markdown(meta, results, earlier=len(earlier), earlier_commands=commands(earlier)))
         return results
