@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lorabench.analysis.costmodel import CostModel, lora_graphs
-from lorabench.analysis.points import ok_points, verdicts
+from lorabench.analysis.compare import COMPLETE
+from lorabench.analysis.points import configs, ok_points, verdicts, with_columns
 from lorabench.analysis.recommend import (
     PAYS,
     SPECIALISED,
     UNVERIFIED_POW2,
+    VLLM_NOTE,
+    recommend,
     verified_pow2,
     vllm_flags,
 )
@@ -35,6 +38,7 @@ from lorabench.config.backends import backend_of
 from lorabench.config.strategies import BASELINE, STRATEGIES, Vllm, strategy
 from lorabench.config.workload import parse_workload
 
+PLAIN = "the cost model's best set within the budgets"  # auto's reason when no rule of the report's had to step in
 NOISE = 0.005  # predicted gains under 0.5 % are not worth a graph (H200 reruns differ by up to 0.57 %)
 
 
@@ -198,45 +202,161 @@ def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> boo
 
 
 def auto_recommendations(df, workload: str, memory_bytes: float | None = None, startup_s: float | None = None,
-                         kernels: list[str] | None = None, max_loras: list[int] | None = None) -> list[dict]:
+                         kernels: list[str] | None = None, max_loras: list[int] | None = None,
+                         planned: dict[tuple[str, int], list[int]] | None = None) -> list[dict]:
     """Per (kernels, max_loras) of a run: the ``auto`` set under the workload and budgets, next
-    to ``max``, ``pow2`` and ``dense`` as the same cost model prices them."""
+    to ``max``, ``pow2`` and ``dense`` as the same cost model prices them, and next to what the
+    report says of the measured strategies (``measured``: ``lorabench.analysis.recommend.measured_choice``
+    on the same ``Comparison``).
+
+    The report and this never contradict each other:
+    - sets are priced over the concurrencies where max has every needed point (the comparison's
+      grid), the concurrencies the report compares over; with none, nothing is comparable;
+    - a set other than max is proposed only when it is at least ``PAYS`` faster than max (the
+      report's rule); within that, the fewest graphs within ``NOISE`` of the optimum;
+    - measured beats modelled: the model's best set is taken only if the run did not measure it
+      or the report proposes it; where the model keeps max but the report proposes a measured set
+      (one that fits the budgets), auto takes that set;
+    - the vLLM flags are the report's (they follow what was measured).
+    ``planned``: (kernels, max_loras) -> the concurrencies the run planned."""
     wl = parse_workload(workload)
-    ok, checked = ok_points(df), verdicts(df)
+    df = with_columns(df)
+    ok = ok_points(df)
+    measured = {(r["kernels"], r["max_loras"]): r for r in recommend(df, [wl.name], planned)["recommendations"]}
+    sets = _measured_sets(df)
     out = []
     for (k, m), _ in ok.groupby(["kernels", "max_loras"]):
         if (kernels and k not in kernels) or (max_loras and int(m) not in max_loras):
             continue
         if backend_of(k) == "vllm":
             continue  # vLLM captures max or pow2 only; its own rules are not lorabench's dispatch
+        meas = measured[(k, int(m))]
+        grid = meas["comparison"]["compared_over"]
+        entry = {"kernels": k, "max_loras": int(m), "workload": wl.name, "capture_sizes": meas["capture_sizes"],
+                 "concurrency": grid, "budgets": {"graph_memory_bytes": memory_bytes, "startup_s": startup_s},
+                 "measured": _measured_dict(meas)}
+        if not grid:
+            out.append({**entry, "auto": None, "reason": meas["reason"]})
+            continue
         model = CostModel(df, k, int(m))
-        opt = Optimiser(model, {c: wl.active_count_pmf(c, int(m)) for c in model.concurrency})
+        opt = Optimiser(model, {c: wl.active_count_pmf(c, int(m)) for c in grid})
+        entry["concurrency"] = opt.conc
+        entry["capture_sizes"] = model.capture_sizes
         best = opt.best(memory_bytes, startup_s)
         base = opt.baselines()
-        entry = {"kernels": k, "max_loras": int(m), "workload": wl.name, "capture_sizes": model.capture_sizes,
-                 "concurrency": model.concurrency, "budgets": {"graph_memory_bytes": memory_bytes, "startup_s": startup_s}}
         if best is None:
-            out.append({**entry, "auto": None, "reason": "no capture set fits the budgets (not even max)"})
+            need = base.get(BASELINE)
+            out.append({**entry, "auto": None, "reason": "no capture set fits the budgets (not even max" + (
+                "" if need is None else f": {_cost(need)}") + ")"})
             continue
+        best, reason = _settle(opt, best, base[BASELINE], meas, sets.get((k, int(m)), {}), memory_bytes, startup_s)
         entry["auto"] = _plan_dict(best)
+        entry["reason"] = reason
         entry["baselines"] = {}
+        cmp = meas["comparison"]["strategies"]
         for name, plan in base.items():
             if plan is not None:
                 entry["baselines"][name] = {**_plan_dict(plan), "fits_budgets": fits(plan, memory_bytes, startup_s),
                                             "auto_gain_pct": round(100 * (1 - best.expected_ms / plan.expected_ms), 2)}
+                if name in cmp:
+                    entry["baselines"][name]["measured"] = {x: cmp[name][x] for x in ("status", "compared_over", "gain_over_max_pct")}
         realisable = [s.counts(int(m)) for s in STRATEGIES.values() if s.vllm in (Vllm.DEFAULT, Vllm.SPECIALISE)]
         exact = best.counts in realisable
-        specialise = best.counts != strategy(BASELINE).counts(int(m)) and _pow2_pays(base)
         note = ("vLLM captures max_loras+1 or, with --specialize-active-lora, powers of two: "
-                + ("the auto set is one of those" if exact else "the auto set is lorabench's own; the flags give the better of vLLM's two"))
-        if specialise and not verified_pow2(checked):
-            note += "; " + UNVERIFIED_POW2
-        entry["vllm"] = {"flags": vllm_flags(int(m), int(ok["rank"].iloc[0]), specialise), "note": note}
+                + ("the auto set is one of those" if exact else "the auto set is lorabench's own"))
+        flags = meas["vllm"]["flags"]
+        if flags is None:  # the report realises nothing here (every measured strategy wrong): the model's rule
+            specialise = best.counts != strategy(BASELINE).counts(int(m)) and _pow2_pays(base)
+            flags = vllm_flags(int(m), int(ok["rank"].iloc[0]), specialise)
+            note += "; the flags give the better of vLLM's two as the model prices them"
+            if specialise and not verified_pow2(verdicts(df)):
+                note += "; " + UNVERIFIED_POW2
+        else:
+            note += "; the flags are the report's (from what was measured)"
+            if meas["vllm"]["note"] != VLLM_NOTE:
+                note += f": {meas['vllm']['note']}"
+            if SPECIALISED not in cmp or cmp[SPECIALISED]["status"] != COMPLETE:
+                p, mx = base.get(SPECIALISED), base.get(BASELINE)
+                if p is not None and mx is not None and _pow2_pays(base):
+                    note += (f"; pow2 is not measured at every concurrency max is: the model predicts it "
+                             f"{100 * (1 - p.expected_ms / mx.expected_ms):.1f} % faster than max, so measure it "
+                             f"before enabling --specialize-active-lora")
+        entry["vllm"] = {"flags": flags, "note": note}
         entry["validate"] = (f"lorabench sweep --max-loras {int(m)} --strategy '[{','.join(map(str, best.counts))}]' "
                              f"--concurrency {','.join(map(str, model.concurrency))} "
                              f"--capture-sizes {','.join(map(str, model.capture_sizes))} --kernels {k} --workload {wl.name}")
         out.append(entry)
     return out
+
+
+def _settle(opt: Optimiser, best: Plan, max_plan: Plan, meas: dict, sets: dict[tuple, str],
+            memory_bytes: float | None, startup_s: float | None) -> tuple[Plan, str]:
+    """The model's best set, held to the report's rules: at least PAYS faster than max, and never
+    against what the run measured (see ``auto_recommendations``). Returns the set and why."""
+    L = opt.L
+    chosen = meas["strategy"]
+    gain = 1 - best.expected_ms / max_plan.expected_ms
+    reason = PLAIN
+    if best.counts != [L] and gain < PAYS:
+        reason = (f"the cost model's best set {best.counts} is only {100 * gain:.1f} % faster than max "
+                  f"(< 2 %: extra graphs do not pay), so max")
+        best = max_plan
+    by_counts = {counts: s for counts, s in sets.items() if s != BASELINE}
+    s = by_counts.get(tuple(best.counts))
+    if s is not None and s != chosen:
+        why = meas["comparison"]["strategies"].get(s, {}).get("coverage", s)
+        reason = (f"the cost model's best set {best.counts} is {s}'s, which this run measured ({why}) and the report "
+                  f"does not propose; measured beats modelled")
+        best = max_plan
+        fallback = _counts_of(chosen, sets)
+        if fallback is not None and fallback != (L,):
+            plan = opt.evaluate(list(fallback))
+            if plan is not None and fits(plan, memory_bytes, startup_s):
+                best, reason = plan, reason + f", so {chosen}'s set, which the report proposes"
+        if best is max_plan:
+            reason += ", so max"
+    elif best.counts == [L] and chosen not in (None, BASELINE):
+        counts = _counts_of(chosen, sets)
+        plan = None if counts is None else opt.evaluate(list(counts))
+        g = meas["gain_over_max_pct"]
+        if plan is not None and fits(plan, memory_bytes, startup_s):
+            reason = (f"the cost model prices no set {100 * PAYS:.0f} % faster than max, but this run measured {chosen} "
+                      f"{g:.1f} % faster: measured beats modelled, so {chosen}'s set")
+            best = plan
+        elif counts is not None:
+            reason += f"; the report proposes {chosen} (measured {g:.1f} % faster than max), which does not fit the budgets"
+        else:
+            reason += f"; the report proposes {chosen} (measured {g:.1f} % faster than max), a set auto does not price"
+    return best, reason
+
+
+def _measured_sets(df) -> dict[tuple[str, int], dict[tuple, str]]:
+    """Per (kernels, max_loras): each measured count-sized capture set -> its strategy."""
+    out: dict[tuple[str, int], dict[tuple, str]] = {}
+    for r in configs(df).itertuples():
+        if r.strategy in STRATEGIES and STRATEGIES[r.strategy].bucket_grid:
+            continue  # the same counts as max, with another grid
+        out.setdefault((r.kernels, int(r.max_loras)), {}).setdefault(tuple(int(x) for x in r.captured_counts), r.strategy)
+    return out
+
+
+def _counts_of(name: str | None, sets: dict[tuple, str]) -> tuple | None:
+    return next((counts for counts, s in sets.items() if s == name), None)
+
+
+def _cost(plan: Plan) -> str:
+    parts = [f"{plan.graphs} LoRA graphs"]
+    if plan.graph_mem_bytes is not None:
+        parts.append(f"{plan.graph_mem_bytes / 2**20:.0f} MiB")
+    if plan.startup_s is not None:
+        parts.append(f"{plan.startup_s:.2f} s startup")
+    return "max needs " + ", ".join(parts)
+
+
+def _measured_dict(meas: dict) -> dict:
+    """What the report recommends for the same (kernels, max_loras, workload)."""
+    return {x: meas[x] for x in ("strategy", "captured_counts", "gain_over_max_pct", "reason")} | {
+        "vllm_flags": meas["vllm"]["flags"], "comparison": meas["comparison"]}
 
 
 def _pow2_pays(base: dict) -> bool:

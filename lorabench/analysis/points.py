@@ -7,9 +7,16 @@ import pandas as pd
 
 from lorabench.config.strategies import BASELINE
 from lorabench.config.workload import parse_workload
+from lorabench.storage.results import COLUMNS
 
 CONFIG = ["kernels", "max_loras", "strategy"]
 VERDICT = ["correct", "check_detail"]
+
+
+def with_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """Every column of the schema, null where rows made by hand (tests, notebooks) lack one."""
+    missing = [c for c in COLUMNS if c not in df]
+    return df.reindex(columns=[*df.columns, *missing]) if missing else df
 
 
 def ok_points(df: pd.DataFrame) -> pd.DataFrame:

@@ -1,6 +1,13 @@
 """``lorabench recommend RUN``: the capture set (strategy auto) that minimises the expected step
-under a workload within the budgets, from what a run measured, next to max, pow2 and dense;
-added to the run's ``recommendation.json`` under ``"auto"``."""
+under a workload within the budgets, from what a run measured, next to max, pow2 and dense and
+next to what ``lorabench report`` recommends among the measured strategies (the same comparison:
+``lorabench.analysis.compare``); added to the run's ``recommendation.json`` under ``"auto"``, with
+the run's ``"coverage"``.
+
+Exit status 0 when at least one (kernels, max_loras) gets a set; each that gets none (no set fits
+the budgets, not even max; or nothing is comparable with max) is named in a line. Exit status 2,
+one line on stderr and nothing written, when none gets a set.
+"""
 
 import json
 from pathlib import Path
@@ -8,11 +15,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lorabench.analysis.optimise import auto_recommendations
+from lorabench.analysis.optimise import PLAIN, auto_recommendations
 from lorabench.config.spec import coerce
 from lorabench.config.strategies import STRATEGIES
 from lorabench.errors import UserError
 from lorabench.storage.results import load_run
+from lorabench.storage.runs import Coverage, coverage
 
 
 def auto_table(recs: list[dict]) -> Table:
@@ -36,11 +44,12 @@ def auto_table(recs: list[dict]) -> Table:
     return table
 
 
-def write_auto(run_dir: Path, recs: list[dict]) -> Path:
-    """Into the run's recommendation.json, under "auto" keyed by workload (the rest is the
-    report's and stays as it is)."""
+def write_auto(run_dir: Path, recs: list[dict], cov: Coverage | None = None) -> Path:
+    """Into the run's recommendation.json, under "auto" keyed by workload, and the run's coverage
+    (the rest is the report's and stays as it is)."""
     path = Path(run_dir) / "recommendation.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
+    data["coverage"] = cov.to_dict() if cov else None
     data.setdefault("auto", {})[recs[0]["workload"]] = recs
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")
     return path
@@ -49,20 +58,37 @@ def write_auto(run_dir: Path, recs: list[dict]) -> Path:
 def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, startup_budget: str | None,
               kernels: str | None, max_loras: str | None, console: Console) -> int:
     df = load_run(run_dir)
+    cov = coverage(run_dir, df)
+    incomplete = None if cov is None or cov.complete else "incomplete run, " + cov.line()
     memory = coerce("graph_memory_budget", graph_memory_budget) * 2**20 if graph_memory_budget is not None else None
     startup = coerce("startup_budget", startup_budget) if startup_budget is not None else None
     try:
         recs = auto_recommendations(df, workload, memory, startup,
                                     kernels=coerce("kernels", kernels) if kernels else None,
-                                    max_loras=coerce("max_loras", max_loras) if max_loras else None)
+                                    max_loras=coerce("max_loras", max_loras) if max_loras else None,
+                                    planned=cov.planned_concurrency if cov else None)
     except ValueError as e:
         raise UserError(str(e)) from None
     if not recs:
         raise UserError(f"{run_dir}: nothing to optimise (no lorabench-kernel points matching --kernels/--max-loras)")
+    none = [r for r in recs if r["auto"] is None]
+    if len(none) == len(recs):
+        raise UserError(f"{run_dir}: nothing to recommend" + (f" ({incomplete})" if incomplete else "") + ": "
+                        + "; ".join(f"{r['kernels']} max_loras {r['max_loras']}: {r['reason']}" for r in none))
+    if incomplete:
+        console.print(f"{incomplete}; every comparison is over the concurrencies where max has every point")
     console.print(auto_table(recs))
     for r in recs:
-        if r["auto"] is not None:
-            console.print(f"{r['kernels']} max_loras={r['max_loras']}: validate with  {r['validate']}")
-            console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
-    console.print(f"-> {write_auto(run_dir, recs)}")
+        where = f"{r['kernels']} max_loras={r['max_loras']}"
+        if r["auto"] is None:
+            console.print(f"{where}: no set: {r['reason']}")
+            continue
+        if r["reason"] != PLAIN:
+            console.print(f"{where}: auto is {r['auto']['counts']}: {r['reason']}")
+        m = r["measured"]
+        chosen = "nothing proposed" if m["strategy"] is None else f"{m['strategy']} {m['captured_counts']}"
+        console.print(f"{where}: measured, as lorabench report says: {chosen}: {m['reason']}")
+        console.print(f"  validate with  {r['validate']}")
+        console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
+    console.print(f"-> {write_auto(run_dir, recs, cov)}")
     return 0

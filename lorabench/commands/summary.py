@@ -1,38 +1,81 @@
-"""The console's summary of a sweep: one row per (kernels, max_loras, strategy)."""
+"""The console's summary of a sweep: one small table per (kernels, max_loras), a line for failed
+points and, for an incomplete run, a line saying what it lacks. It fits an 80-column terminal
+(and a pipe, which Rich renders 80 wide): concurrencies are rows and strategies columns, so a
+wider sweep grows downwards, not off the edge."""
 
 import pandas as pd
+from rich.columns import Columns
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from lorabench.analysis.points import CONFIG, configs, ok_points
+from lorabench.config.backends import label_order
+from lorabench.config.strategies import report_order
+from lorabench.storage.runs import Coverage
+
+ERROR_CHARS = 300  # of the first failure's error, on its line
 
 
-def points_table(df: pd.DataFrame, device: str) -> Table:
-    """Per (kernels, max_loras, strategy): capture set, cost, and the first workload's median step."""
+def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None) -> Group:
+    """Per (kernels, max_loras): each strategy's median step under the run's first workload at
+    every concurrency, its capture set's cost (LoRA graphs + no-LoRA graphs, graph MiB, startup s),
+    its failed points and its check's verdict. Under the tables: the failed points and the first
+    one's error; with ``coverage`` (``lorabench.storage.runs.coverage``) of an incomplete run, its
+    status, planned vs finished points and which configurations lack how many."""
     ok = ok_points(df)
     workload = ok[ok["mode"] == "workload"]["workload"].dropna().unique()
     wl = workload[0] if len(workload) else None
-    conc = sorted(df.concurrency.dropna().unique())
     unit = "ms GPU" if device == "cuda" else "ms CPU wall"
-    table = Table(title=f"median step ({unit}), workload {wl}" if wl else "median step")
-    for col in ["kernels", "L", "strategy", "graphs", "MiB", "start s"]:
-        table.add_column(col, justify="right" if col not in ("kernels", "strategy") else "left", no_wrap=True)
-    for c in conc:
-        table.add_column(f"c={c}", justify="right", no_wrap=True)
-    table.add_column("failed", justify="right")
-    table.add_column("check", justify="left")
-    cost = configs(df).set_index(CONFIG)
-    for (k, m, s), g in df.groupby(CONFIG, sort=False):
-        cells = [k, str(m), s, "-", "-", "-"]
-        if (k, m, s) in cost.index:
-            c_row = cost.loc[(k, m, s)]
-            mem = c_row.graph_mem_bytes
-            cells[3:] = [str(int(c_row.num_graphs)), f"{mem / 2**20:.0f}" if pd.notna(mem) else "-", f"{c_row.startup_s:.1f}"]
-        good = ok_points(g)
-        for c in conc:
-            pt = good[(good.concurrency == c) & (good["mode"] == "workload") & (good.workload == wl)]
+    cost = configs(df).set_index(CONFIG) if len(ok) else None
+    what = f"median step ({unit}) under workload {wl}" if wl else f"median step ({unit})"
+    tables = []
+    for k, m in sorted(set(zip(df.kernels, df.max_loras)), key=lambda km: (label_order(km[0]), km[0], km[1])):
+        g = df[(df.kernels == k) & (df.max_loras == m)]
+        tables.append(_table(g, k, m, sorted(g.strategy.unique(), key=report_order), wl, cost))
+    parts: list = [Text(f"{what}, by concurrency c", style="bold"), Columns(tables, padding=(0, 2))]
+    failed = df[df.status == "failed"]
+    if len(failed):
+        first = failed.sort_values("point").iloc[0] if "point" in failed else failed.iloc[0]
+        where = f"{first.kernels} max_loras {first.max_loras} {first.strategy} c={_int(first.concurrency)}"
+        where += f" n={_int(first.n_active)}" if pd.notna(first.get("n_active")) else f" workload {first.get('workload')}"
+        error = str(first.get("error") or "no error recorded")
+        error = error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 3] + "..."
+        parts.append(Text(f"{len(failed)} failed point{'s' * (len(failed) != 1)}; first: {where}: {error}", style="red"))
+    if coverage is not None and not coverage.complete:
+        parts.append(Text(f"incomplete run, {coverage.line()}", style="yellow"))
+    return Group(*parts)
+
+
+def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost) -> Table:
+    table = Table(title=f"{k}, max_loras {m}", title_justify="left")
+    table.add_column("c", justify="right", no_wrap=True)
+    for s in strats:
+        table.add_column(s, justify="right", overflow="fold")
+    good = ok_points(g)
+    conc = sorted(int(c) for c in g.concurrency.dropna().unique())
+    for i, c in enumerate(conc):
+        cells = []
+        for s in strats:
+            pt = good[(good.strategy == s) & (good.concurrency == c) & (good["mode"] == "workload") & (good.workload == wl)]
             cells.append(f"{pt.step_ms_median.iloc[0]:.3f}" if len(pt) else "-")
-        cells.append(str(int((g.status == "failed").sum())))
-        verdict = g["correct"].dropna().tolist() if "correct" in g else []
-        cells.append("[red]WRONG[/]" if False in verdict else "ok" if verdict else "-")
-        table.add_row(*cells)
+        table.add_row(f"{c}", *cells, end_section=i == len(conc) - 1)
+    rows = {"graphs": [], "MiB": [], "start s": [], "failed": [], "check": []}
+    for s in strats:
+        rs = g[g.strategy == s]
+        c_row = cost.loc[(k, m, s)] if cost is not None and (k, m, s) in cost.index else None
+        mem = None if c_row is None else c_row.graph_mem_bytes
+        rows["graphs"].append("-" if c_row is None else str(int(c_row.num_graphs)))
+        rows["MiB"].append(f"{mem / 2**20:.0f}" if mem is not None and pd.notna(mem) else "-")
+        rows["start s"].append("-" if c_row is None else f"{c_row.startup_s:.1f}")
+        n_failed = int((rs.status == "failed").sum())
+        rows["failed"].append(f"[red]{n_failed}[/]" if n_failed else "0")
+        verdict = rs["correct"].dropna().tolist() if "correct" in rs else []
+        rows["check"].append("[red]WRONG[/]" if False in verdict else "ok" if verdict else "-")
+    for name, cells in rows.items():
+        table.add_row(name, *cells)
     return table
+
+
+def _int(v) -> str:
+    return "-" if v is None or pd.isna(v) else str(int(v))

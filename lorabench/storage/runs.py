@@ -61,6 +61,7 @@ class Coverage:
     failed: int  # planned points whose row is failed
     missing: tuple[int, ...] = ()  # planned point indices without a row (empty when the plan is not known)
     missing_by_config: dict = field(default_factory=dict)  # (kernels, max_loras, strategy) -> points without a row
+    planned_concurrency: dict = field(default_factory=dict)  # (kernels, max_loras) -> the concurrencies planned
 
     @property
     def complete(self) -> bool:
@@ -71,6 +72,23 @@ class Coverage:
         missing = self.planned - self.finished
         return (f"{self.status}: {self.finished} of {self.planned} planned points finished "
                 f"({missing} missing, {self.failed} failed)")
+
+    def missing_text(self) -> str:
+        """Which configurations lack how many points: ``triton/4/pow2 10, triton/4/dense 19``, or ''."""
+        return ", ".join(f"{k}/{m}/{s} {n}" for (k, m, s), n in self.missing_by_config.items())
+
+    def line(self) -> str:
+        """The summary and, when points are missing, where: what the console and report.md say of
+        an incomplete run."""
+        text = self.missing_text()
+        return self.summary() + (f"; missing: {text}" if text else "")
+
+    def to_dict(self) -> dict:
+        """JSON (recommendation.json's ``coverage``)."""
+        return {"status": self.status, "complete": self.complete, "planned": self.planned, "finished": self.finished,
+                "missing": self.planned - self.finished, "failed": self.failed,
+                "missing_by_config": [{"kernels": k, "max_loras": m, "strategy": s, "missing": n}
+                                      for (k, m, s), n in self.missing_by_config.items()]}
 
 
 def coverage(run_dir: Path, df: pd.DataFrame | None = None) -> Coverage | None:
@@ -87,21 +105,25 @@ def coverage(run_dir: Path, df: pd.DataFrame | None = None) -> Coverage | None:
     rows = df.dropna(subset=["point"]) if "point" in df else df.iloc[0:0]
     done = set(rows.point.astype(int))
     failed_points = set(rows[rows.status == "failed"].point.astype(int)) - set(rows[rows.status == "ok"].point.astype(int))
-    planned, missing, by_config = 0, [], {}
+    spec_conc = [int(c) for c in (info.get("spec") or {}).get("concurrency") or []]
+    planned, missing, by_config, conc = 0, [], {}, {}
     for job in jobs:
         key = (job["kernels"], int(job["max_loras"]), job["strategy"])
         points = job["points"]
         if isinstance(points, int):  # a run from before the plan was written: a count only
             planned += points
+            conc.setdefault(key[:2], set()).update(spec_conc)
             have = int(((df.kernels == key[0]) & (df.max_loras == key[1]) & (df.strategy == key[2])).sum()) if len(df) else 0
             if points > have:
                 by_config[key] = points - have
             continue
         planned += len(points)
+        conc.setdefault(key[:2], set()).update(int(p["concurrency"]) for p in points)
         lacking = [p["index"] for p in points if p["index"] not in done]
         missing += lacking
         if lacking:
             by_config[key] = len(lacking)
     finished = planned - sum(by_config.values())
     return Coverage(status=run_status(info), planned=planned, finished=finished, failed=len(failed_points),
-                    missing=tuple(sorted(missing)), missing_by_config=by_config)
+                    missing=tuple(sorted(missing)), missing_by_config=by_config,
+                    planned_concurrency={k: tuple(sorted(v)) for k, v in conc.items()})

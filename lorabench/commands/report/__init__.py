@@ -3,20 +3,41 @@
 import json
 from pathlib import Path
 
+from rich.console import Console
+
+from lorabench.analysis.compare import compare
 from lorabench.analysis.points import configs, expected_steps, lora_overhead, ok_points
 from lorabench.analysis.recommend import recommend
 from lorabench.analysis.roofline import floors
 from lorabench.commands.report import plots as p
 from lorabench.commands.report.markdown import render_markdown
 from lorabench.storage.results import load_run
+from lorabench.storage.runs import Coverage, coverage, run_status
 
 
-def write_report(run_dir: Path) -> list[Path]:
-    """Every figure the run's rows allow, report.md and recommendation.json; returns their paths."""
+def incomplete_line(run_info: dict, cov: Coverage | None) -> str | None:
+    """One line saying how a run is incomplete (its status, planned vs finished points, which
+    configurations lack how many), or None for a finished run with every planned point."""
+    if cov is not None:
+        return None if cov.complete else "incomplete run, " + cov.line()
+    status = run_status(run_info) if run_info else None
+    if status in (None, "finished"):
+        return None
+    return f"incomplete run, {status} (run.json lists no plan: which points are missing is not known)"
+
+
+def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
+    """Every figure the run's rows allow, report.md and recommendation.json; returns their paths.
+    With a console, an incomplete run is said there too, in one line."""
     run_dir = Path(run_dir)
     df = load_run(run_dir)
     info_path = run_dir / "run.json"
     run_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    cov = coverage(run_dir, df)
+    planned = cov.planned_concurrency if cov else None
+    incomplete = incomplete_line(run_info, cov)
+    if console is not None and incomplete:
+        console.print(f"{run_dir}: {incomplete}")
     cfg, exp, over = configs(df), expected_steps(df), lora_overhead(df)
     plots = {
         "latency_vs_active": p.latency_vs_active(df, run_dir / "latency_vs_active.png"),
@@ -25,13 +46,16 @@ def write_report(run_dir: Path) -> list[Path]:
     if not exp.empty:
         plots["latency_vs_concurrency"] = p.latency_vs_concurrency(df, exp, run_dir / "latency_vs_concurrency.png")
         plots["speedup"] = p.speedup(df, exp, run_dir / "speedup_vs_max.png")
-        plots["latency_vs_memory"] = p.latency_vs_memory(df, exp, cfg, run_dir / "latency_vs_memory.png")
+        first = sorted(exp.workload.unique())[0]
+        plots["latency_vs_memory"] = p.latency_vs_memory(df, compare(df, [first], planned), cfg, run_dir / "latency_vs_memory.png")
     if ok_points(df).kernels.nunique() > 1:
         plots["backends"] = p.backends(df, over, run_dir / "backends.png")
     fl = floors(df)
     if not fl.empty:
         plots["roofline"] = p.roofline(df, fl, run_dir / "roofline.png")
-    rec = recommend(df)
+    rec = recommend(df, planned=planned)
+    rec = {**{k: v for k, v in rec.items() if k != "recommendations"}, "coverage": cov.to_dict() if cov else None,
+           "recommendations": rec["recommendations"]}
     rec_path = run_dir / "recommendation.json"
     if rec_path.is_file():  # keep what `lorabench recommend` added (strategy auto per workload)
         try:
@@ -42,7 +66,7 @@ def write_report(run_dir: Path) -> list[Path]:
             rec["auto"] = auto
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
-    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots)
+    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")
         md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"

@@ -12,6 +12,7 @@ from lorabench.commands.report.labels import backends, in_order, strategies, uni
 from lorabench.commands.tables import markdown_table
 from lorabench.config.backends import label_order
 from lorabench.config.strategies import AUTO, BASELINE, STRATEGIES, report_order
+from lorabench.storage.runs import run_status
 
 BUCKET_GRID = [name for name, s in STRATEGIES.items() if s.bucket_grid]  # agnostic
 
@@ -182,8 +183,11 @@ def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str) -> list
                       "expected vs predicted", "measured vs predicted"], rows), ""]
 
 
-def recommendation_md(rec: dict) -> list[str]:
+def recommendation_md(rec: dict, incomplete: str | None = None) -> list[str]:
     out = ["## Recommendation", ""]
+    if incomplete:
+        out += [f"This run is incomplete ({incomplete.removeprefix('incomplete run, ')}): each strategy is compared "
+                "with max only over the concurrencies where both have every point the workload needs.", ""]
     for x in rec["recommendations"]:
         head = f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: "
         if x["strategy"] is None:
@@ -192,26 +196,49 @@ def recommendation_md(rec: dict) -> list[str]:
             out.append(head + f"`{x['strategy']}` {x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "
                        f"{x['num_graphs']} graphs ({x['num_graphs_max']} for max). {x['reason']}. vLLM: `{x['vllm']['flags']}`")
         out += [f"  - rejected `{r['strategy']}`: {r['reason']}" for r in x.get("rejected", [])]
+        out += coverage_md(x.get("comparison"))
     notes = dict.fromkeys(x["vllm"]["note"] for x in rec["recommendations"] if x["strategy"] is not None)
     out += [f"\nvLLM: {n}" for n in notes if n != VLLM_NOTE]
     return out
 
 
-def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots) -> str:
+def coverage_md(cmp: dict | None) -> list[str]:
+    """Sub-bullets of a recommendation whose comparison is not over every planned concurrency:
+    each strategy's coverage, what it is compared over and its gain there; none when complete."""
+    if not cmp or cmp["complete"]:
+        return []
+    out = []
+    for name, s in cmp["strategies"].items():
+        text = f"  - coverage `{name}`: {s['coverage'].partition(': ')[2]}"
+        if s["status"] == "not comparable":
+            text += " (not comparable)"
+        elif name != BASELINE:
+            text += f" ({s['gain_over_max_pct']:+.1f} % vs max there" + ("" if s["status"] == "complete" else "; partial: not proposed") + ")"
+        out.append(text)
+    return out
+
+
+def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: str | None = None) -> str:
     """The whole report: configurations, expected steps, LoRA overhead, roofline floors (``fl``),
-    the recommendation and the figures already written (``plots``: name -> path)."""
+    the recommendation and the figures already written (``plots``: name -> path); ``incomplete``:
+    the line saying how the run is incomplete (``lorabench.commands.report.incomplete_line``), if it is."""
     r = ok_points(df).iloc[0]
     where = f"{r.gpu_name} (driver {r.driver}, CUDA {r.cuda})" if r.device == "cuda" else "CPU: figures are CPU wall times, not GPU results"
     u = unit(df)
+    wall = run_info.get("wall_s")
+    wall = (f"{wall:.1f} s" if wall is not None
+            else f"not recorded (run {run_status(run_info)})" if run_info else "not recorded (no run.json)")
     out = [
         f"# lorabench report: {r.run_id}",
         "",
+        *([f"> **Incomplete run**: {incomplete.removeprefix('incomplete run, ')}. Comparisons are over the points "
+           "both strategies have (see Recommendation).", ""] if incomplete else []),
         f"- machine: {where}",
         f"- model: {r.model}, {int(r.layers)} layers, hidden {int(r.hidden)}, rank {int(r['rank'])}, {r['dtype']}, "
         f"context {int(r.context_len) if pd.notna(r.context_len) else '-'}",
         f"- torch {r.torch}, triton {r.triton}, git {r.git_sha}",
         f"- command: `{run_info.get('argv', r.argv)}`",
-        f"- sweep wall time: {run_info.get('wall_s', float('nan')):.1f} s; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
+        f"- sweep wall time: {wall}; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
         f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %)",
         f"- timing: {u}; median of {int(r.iters)} steps per point after {int(r.warmup)} warm-up steps",
         "",
@@ -267,7 +294,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots) -> str:
                      [[k, int(c), h["host"], h["copy"], h["launch"]] for (k, c), h in host.iterrows()]), ""]
     if "latency_vs_memory" in plots:
         out += [f"![latency vs memory]({plots['latency_vs_memory'].name})", ""]
-    out += recommendation_md(rec)
+    out += recommendation_md(rec, incomplete)
     bad = df[(df.status == "failed") | df.noisy.fillna(False).astype(bool)]
     if len(bad):
         out += ["", "## Failed and noisy points", "",

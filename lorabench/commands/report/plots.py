@@ -123,11 +123,17 @@ def memory_startup(df: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path:
     return _save(fig, df, "What each capture set costs", path)
 
 
-def latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFrame, path: Path) -> Path:
+def latency_vs_memory(df: pd.DataFrame, cmps: list, cfg: pd.DataFrame, path: Path) -> Path:
+    """Each capture set's expected step against its graph memory, for one workload: the mean over
+    one set of concurrencies for all (``Comparison.means``); sets measured at only part of it are left out."""
     fig, axes = _grid(1, 1, w=5.5, h=4)
     ax = axes[0][0]
-    w = sorted(exp.workload.unique())[0]
-    mean = exp[exp.workload == w].groupby(["kernels", "max_loras", "strategy"]).expected_ms.mean()
+    w = cmps[0].workload if cmps else "-"
+    mean, partial = {}, []
+    for cmp in cmps:
+        means = cmp.means()
+        mean.update({(cmp.kernels, cmp.max_loras, s): v for s, v in means.items()})
+        partial += [s for s in cmp.covers if s not in means]
     for r in cfg.itertuples():
         if (r.kernels, r.max_loras, r.strategy) not in mean:
             continue
@@ -137,7 +143,11 @@ def latency_vs_memory(df: pd.DataFrame, exp: pd.DataFrame, cfg: pd.DataFrame, pa
         ax.annotate(f"{label(df, r.kernels, r.strategy)} L={r.max_loras}", (x, y), fontsize=7)
     ax.set_xlabel("graph memory (MiB)")
     ax.set_ylabel(f"expected step, mean over concurrency ({unit(df)})")
-    ax.set_title(f"workload {w}", fontsize=9)
+    title = f"workload {w}"
+    if partial or any(cmp.has_max and cmp.grid != cmp.planned for cmp in cmps):
+        over = "the concurrencies max covers" if any(cmp.has_max for cmp in cmps) else "every planned concurrency"
+        title += f"; mean over {over}" + (f", without {', '.join(sorted(set(partial)))}" if partial else "")
+    ax.set_title(title, fontsize=9)
     return _save(fig, df, "Latency vs graph memory", path)
 
 

@@ -1,0 +1,179 @@
+"""Which strategies are compared with which, over which points: the one table that both
+``lorabench report`` (its recommendation among the measured strategies) and ``lorabench recommend``
+(strategy auto) build on, so that on the same run and workload they cannot tell different stories.
+
+Per (kernels, max_loras, workload), a strategy *covers* a concurrency c when its expected step
+``E[t | c] = sum_n P(n | c) t(c, n)`` is defined: every active count n the workload produces at c
+has a successful fixed point (a failed or missing point leaves c uncovered). ``max``, the
+baseline, covers some of the concurrencies the run planned: those are the comparison's *grid*.
+Every other strategy is compared with max only over the concurrencies both cover, which are the
+same (c, n) fixed points, since P(n | c) is the workload's:
+
+- ``complete``: it covers the whole grid; its gain is over the grid, the same concurrencies for
+  every complete strategy, so complete strategies can be ranked against each other;
+- ``partial``: it covers part of the grid; its gain is over that part only, and it is never
+  proposed over max (it could look faster only because it lacks the points it would lose on);
+- ``not comparable``: it shares no concurrency with max, or max covers none.
+
+Concurrencies a strategy covers and max does not are listed (``extra``), never compared.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from lorabench.analysis.points import expected_steps
+from lorabench.config.strategies import BASELINE, report_order
+
+COMPLETE, PARTIAL, NOT_COMPARABLE = "complete", "partial", "not comparable"
+
+
+def c_list(cs) -> str:
+    """``c = 1, 2, 4`` (or ``no concurrency``)."""
+    cs = list(cs)
+    return "c = " + ", ".join(str(c) for c in cs) if cs else "no concurrency"
+
+
+@dataclass(frozen=True)
+class Cover:
+    """One strategy against max: where it has an expected step, and what it gains where both do."""
+
+    strategy: str
+    by_c: dict[int, float]  # its expected step (ms) at every concurrency it covers
+    grid: tuple[int, ...]  # the concurrencies max covers
+    planned: tuple[int, ...]  # the concurrencies the run planned for these (kernels, max_loras)
+
+    @property
+    def compared_over(self) -> tuple[int, ...]:
+        return tuple(c for c in self.grid if c in self.by_c)
+
+    @property
+    def lacks(self) -> tuple[int, ...]:
+        """Grid concurrencies it does not cover: not comparable there."""
+        return tuple(c for c in self.grid if c not in self.by_c)
+
+    @property
+    def extra(self) -> tuple[int, ...]:
+        """Concurrencies it covers and max does not: never compared."""
+        return tuple(sorted(c for c in self.by_c if c not in self.grid))
+
+    @property
+    def status(self) -> str:
+        if not self.compared_over:
+            return NOT_COMPARABLE
+        return COMPLETE if not self.lacks else PARTIAL
+
+    @property
+    def comparable(self) -> bool:
+        return self.status != NOT_COMPARABLE
+
+    def mean_ms(self) -> float | None:
+        """Its expected step averaged over the concurrencies it is compared over."""
+        over = self.compared_over
+        return float(np.mean([self.by_c[c] for c in over])) if over else None
+
+    def text(self) -> str:
+        """``pow2: 3 of 4 concurrencies; compared over c = 1, 2, 4``."""
+        have = len(set(self.by_c) & set(self.planned))
+        out = f"{self.strategy}: {have} of {len(self.planned)} concurrencies"
+        if self.comparable:
+            out += f"; compared over {c_list(self.compared_over)}"
+        return out
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every strategy of one (kernels, max_loras) under one workload, against max."""
+
+    kernels: str
+    max_loras: int
+    workload: str
+    planned: tuple[int, ...]  # the concurrencies planned (from the run's plan) or, without one, seen in its rows
+    covers: dict[str, Cover] = field(default_factory=dict)  # every strategy of the run here, max included, report order
+
+    @property
+    def has_max(self) -> bool:
+        return BASELINE in self.covers
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """The concurrencies max covers: every gain is over (part of) these."""
+        return tuple(sorted(self.covers[BASELINE].by_c)) if self.has_max else ()
+
+    @property
+    def complete(self) -> bool:
+        """Every strategy covers every planned concurrency: nothing to qualify."""
+        return all(set(self.planned) <= set(c.by_c) for c in self.covers.values())
+
+    def max_ms(self, over) -> float | None:
+        return float(np.mean([self.covers[BASELINE].by_c[c] for c in over])) if self.has_max and over else None
+
+    def gain(self, strategy: str) -> float | None:
+        """1 - its expected step / max's, both averaged over the concurrencies both cover; None
+        when not comparable."""
+        cv = self.covers.get(strategy)
+        if cv is None or not cv.comparable:
+            return None
+        return 1 - cv.mean_ms() / self.max_ms(cv.compared_over)
+
+    def status(self, strategy: str) -> str:
+        cv = self.covers.get(strategy)
+        return NOT_COMPARABLE if cv is None else cv.status
+
+    def candidates(self) -> list[str]:
+        """Strategies that may be ranked and proposed: those covering the whole grid (max included)."""
+        return [s for s, cv in self.covers.items() if cv.status == COMPLETE]
+
+    def why_not_comparable(self) -> str:
+        """Why nothing here can be compared with max (when the grid is empty)."""
+        if not self.has_max:
+            return f"this run has no {BASELINE} (the baseline) for {self.kernels}, max_loras {self.max_loras}"
+        return (f"{BASELINE} (the baseline) has no concurrency with every fixed point the workload needs "
+                f"({self.covers[BASELINE].text()})")
+
+    def to_dict(self) -> dict:
+        """JSON: the grid and, per strategy, its coverage, what it is compared over and its gain."""
+        out = {"complete": self.complete, "planned_concurrency": list(self.planned), "compared_over": list(self.grid),
+               "strategies": {}}
+        for s, cv in self.covers.items():
+            g = self.gain(s)
+            out["strategies"][s] = {
+                "status": cv.status, "coverage": cv.text(), "compared_over": list(cv.compared_over),
+                "lacks": list(cv.lacks), "extra": list(cv.extra), "gain_over_max_pct": None if g is None else round(100 * g, 2)}
+        return out
+
+    def means(self) -> dict[str, float]:
+        """Each strategy's expected step averaged over one set of concurrencies, for plotting them
+        side by side: max's grid and the strategies covering it; without max, the planned
+        concurrencies and the strategies covering all of them."""
+        if self.has_max:
+            return {s: self.covers[s].mean_ms() for s in self.candidates()}
+        return {s: float(np.mean([cv.by_c[c] for c in self.planned])) for s, cv in self.covers.items()
+                if self.planned and set(self.planned) <= set(cv.by_c)}
+
+
+def compare(df: pd.DataFrame, workloads: list[str] | None = None,
+            planned: dict[tuple[str, int], list[int]] | None = None,
+            exp: pd.DataFrame | None = None) -> list[Comparison]:
+    """One Comparison per (kernels, max_loras, workload) of the run. ``workloads`` as in
+    ``expected_steps``; ``planned``: (kernels, max_loras) -> the concurrencies the run planned
+    (``lorabench.storage.runs.Coverage.planned_concurrency``), else those its rows (ok or failed) show;
+    ``exp``: ``expected_steps(df, workloads)`` when the caller has it already."""
+    exp = expected_steps(df, workloads) if exp is None else exp
+    if exp.empty:
+        return []
+    names = list(workloads) if workloads else sorted(exp.workload.unique())
+    exp = exp[exp.expected_ms.notna()]
+    rows = df.dropna(subset=["concurrency"])
+    seen = rows.groupby(["kernels", "max_loras"]).concurrency.agg(lambda c: sorted({int(x) for x in c}))
+    strategies = df.groupby(["kernels", "max_loras"]).strategy.agg(lambda s: sorted(set(s), key=report_order))
+    out = []
+    for (k, m), strats in strategies.items():
+        plan = tuple(sorted(set((planned or {}).get((k, int(m)), [])) | set(seen.get((k, m), []))))
+        for w in names:
+            sub = exp[(exp.kernels == k) & (exp.max_loras == m) & (exp.workload == w)]
+            by_s = {s: {int(c): float(v) for c, v in zip(g.concurrency, g.expected_ms)} for s, g in sub.groupby("strategy")}
+            grid = tuple(sorted(by_s.get(BASELINE, {})))
+            out.append(Comparison(k, int(m), w, plan, {s: Cover(s, by_s.get(s, {}), grid, plan) for s in strats}))
+    return out
