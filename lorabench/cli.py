@@ -66,6 +66,8 @@ def sweep(
     graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Strategy auto: most graph memory the set may take, MiB."),
     startup_budget: str = typer.Option(None, "--startup-budget", help="Strategy auto: most startup the set may take, s."),
     tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: each swept backend it has configs for (triton, fused, vllm) also runs as <backend>+tuned."),
+    resume: Path = typer.Option(None, "--resume", help="A run folder whose sweep ended early (killed, interrupted, or with failed points): measure its missing and failed points into it, under its own spec."),
+    force: bool = typer.Option(False, "--force", help="With --resume: resume even when this lorabench plans the run differently, runs other code, or finds another GPU (the run.json records it)."),
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
     from lorabench.commands.sweep import sweep as run
@@ -75,7 +77,7 @@ def sweep(
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
                  check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
                  startup_budget=startup_budget, tuned=tuned)
-    return run(flags, spec, console)
+    return run(flags, spec, console, resume=resume, force=force)
 
 
 @app.command()
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `lorabench report | head`: the reader left, nothing to say
+        return 141
     return rv if isinstance(rv, int) else 0
 
 

@@ -1,7 +1,9 @@
 """A sweep worker with one fault injected, for the tests (``conftest.fault_injected``):
-FAULT=build | capture | check | point:I (point I raises) | kill:I (SIGKILL at point I)."""
+FAULT=build | capture | check | point:I (point I raises) | kill:I (SIGKILL at point I) |
+slow:S (every point takes S seconds longer: the kill tests' stages stay observable)."""
 
 import os
+import time
 
 from lorabench.runtime import worker
 from lorabench.runtime.dispatch import Dispatcher
@@ -30,6 +32,14 @@ elif stage in ("point", "kill"):
         return measure(self, d, point)
 
     worker.Worker.measure = faulty_measure
+elif stage == "slow":
+    measure = worker.Worker.measure
+
+    def slow_measure(self, d, point):
+        time.sleep(float(index))
+        return measure(self, d, point)
+
+    worker.Worker.measure = slow_measure
 else:
     raise SystemExit(f"unknown FAULT {fault!r}")
 

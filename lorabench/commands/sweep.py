@@ -10,10 +10,13 @@ environment), ``checks.json`` (each configuration's correctness verdict) and one
 import json
 import os
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS
 from lorabench.runtime import env
 from lorabench.storage.results import PointsWriter, load_run, read_points
+from lorabench.storage.runs import FINISHED, INTERRUPTED, RUNNING, read_info, run_status
 from lorabench.storage.tune_files import vllm_folder
 
 WORKER = "lorabench.runtime.worker"  # the module each worker process runs (``python -m``)
@@ -85,59 +89,161 @@ def new_run_dir(out: Path, device: str) -> tuple[str, Path]:
     while (out / run_id).exists():
         i += 1
         run_id = f"{stamp}-{device}-{i}"
-    (out / run_id).mkdir(parents=True)
+    try:
+        (out / run_id).mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the run folder there ({e.strerror or e})") from None
     return run_id, out / run_id
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the sweep: it stops as Ctrl-C stops it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 class Sweep:
-    """A run: ``check_only`` builds and checks every configuration and times nothing."""
+    """A run: ``check_only`` builds and checks every configuration and times nothing.
+    ``Sweep.resume`` continues a run that ended early, in its own folder."""
 
     def __init__(self, spec: SweepSpec, argv: str, console: Console, check_only: bool = False):
         self.spec, self.argv, self.console, self.check_only = spec, argv, console, check_only
         self.run_id, self.run_dir = new_run_dir(Path(spec.out), spec.device)
         self.writer = PointsWriter(self.run_dir)
-        self.started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.started_at = now()
         self.jobs = plan(spec, self.run_id, self.started_at, argv)
         if check_only:
             self.jobs = [replace(job, points=()) for job in self.jobs]
+        self.todo = list(enumerate(self.jobs))  # (index, job) this process runs: all, or a resumed run's unfinished points
         self.checks: list[dict] = []  # one verdict per configuration, also in checks.json
         self.info = {
-            "run_id": self.run_id, "started_at": self.started_at, "argv": argv, "status": "running",
-            "spec": spec.to_dict(), "env": env.collect("cpu"),
-            "jobs": [job.config | {"points": len(job.points)} for job in self.jobs],
+            "run_id": self.run_id, "command": "check" if check_only else "sweep", "started_at": self.started_at,
+            "argv": argv, "status": RUNNING, "spec": spec.to_dict(), "env": env.collect("cpu"),
+            "jobs": [asdict(job) for job in self.jobs],
         }
+        self.wall_before = 0.0  # wall time of earlier parts of a resumed run
         self.write_info()
+
+    @classmethod
+    def resume(cls, run_dir: Path, argv: str, console: Console, force: bool = False) -> "Sweep":
+        """The sweep that measures ``run_dir``'s missing and failed points into it, under the plan
+        recorded in its run.json. Refuses in one line, unless ``force``, when this lorabench would
+        plan it differently, runs other code, or this machine has another GPU."""
+        info = read_info(run_dir)
+        if not info:
+            raise UserError(f"--resume {run_dir}: no readable run.json there (is it a sweep's output folder?)")
+        if info.get("command") == "check":
+            raise UserError(f"--resume {run_dir}: a check run times nothing; run lorabench check again")
+        jobs_raw = info.get("jobs") or []
+        if not jobs_raw or any(not isinstance(j.get("points"), list) for j in jobs_raw):
+            raise UserError(f"--resume {run_dir}: its run.json has no plan to resume (written by an older lorabench)")
+        status = run_status(info)
+        if status == RUNNING and not force:
+            where = f"process {info.get('pid')} on {info.get('host')}"
+            raise UserError(f"--resume {run_dir}: its sweep is still running ({where}); "
+                            "if that process is gone, add --force")
+        try:
+            spec = SweepSpec(**info["spec"])
+            jobs = [Job.from_json(json.dumps(j)) for j in jobs_raw]
+        except (TypeError, KeyError) as e:
+            raise UserError(f"--resume {run_dir}: its run.json is not one this lorabench can read ({e})") from None
+        self = cls.__new__(cls)
+        self.spec, self.argv, self.console, self.check_only = spec, argv, console, False
+        self.run_id, self.run_dir, self.started_at = info["run_id"], Path(run_dir), info["started_at"]
+        self.jobs, self.info = jobs, info
+        self.writer = PointsWriter(self.run_dir, resume=True)
+        differences = self.differences()
+        if differences and not force:
+            raise UserError(f"--resume {run_dir}: {'; '.join(differences)} (--force resumes it anyway)")
+        ok = {r["point"] for r in self.writer.rows if r["status"] == "ok"}
+        lacking = [(i, replace(j, points=tuple(p for p in j.points if p.index not in ok))) for i, j in enumerate(jobs)]
+        self.todo = [(i, j) for i, j in lacking if j.points]
+        checks = self.run_dir / "checks.json"
+        self.checks = json.loads(checks.read_text()) if checks.is_file() else []
+        self.wall_before = float(info.get("wall_s") or 0.0)
+        info.setdefault("resumes", []).append({"at": now(), "argv": argv, "points": self.points,
+                                               "previous_status": status, "forced": differences if force else []})
+        info.update(status=RUNNING)
+        self.write_info()
+        return self
+
+    def differences(self) -> list[str]:
+        """What makes this resume differ from the run: the plan, the code, the GPU (empty: none)."""
+        out = []
+        replanned = plan(self.spec, self.run_id, self.started_at, self.jobs[0].argv if self.jobs else "")
+        if [asdict(j) for j in replanned] != [asdict(j) for j in self.jobs]:
+            out.append(f"this lorabench plans the run's spec differently ({sum(len(j.points) for j in replanned)} "
+                       f"points in {len(replanned)} workers; the run has {sum(len(j.points) for j in self.jobs)} "
+                       f"in {len(self.jobs)})")
+        rows = [r for r in self.writer.rows if r["status"] == "ok"]
+        here = env.collect("cpu") | {"gpu_name": env.machine().gpu_name}
+        for key, what in (("git_sha", "code"), ("torch", "torch"), ("triton", "triton"), ("gpu_name", "GPU")):
+            theirs = {r[key] for r in rows if r.get(key)} or ({self.info["env"][key]} if self.info.get("env", {}).get(key) else set())
+            if key == "gpu_name" and self.spec.device == "cpu":
+                continue
+            if theirs and theirs != {here[key]}:
+                out.append(f"other {what}: the run has {', '.join(sorted(map(str, theirs)))}, this machine {here[key]}")
+        return out
 
     @property
     def points(self) -> int:
-        return sum(len(j.points) for j in self.jobs)
+        return sum(len(j.points) for _, j in self.todo)
 
     def write_info(self) -> None:
+        self.info.update(pid=os.getpid(), host=socket.gethostname())
         tmp = self.run_dir / "run.json.tmp"
         tmp.write_text(json.dumps(self.info, indent=2) + "\n")
         os.replace(tmp, self.run_dir / "run.json")
 
     def run(self) -> Path:
+        """Measure ``self.todo``. SIGTERM and SIGHUP stop it as Ctrl-C does (``Stopped``): the
+        run is marked interrupted, the worker killed, every finished row kept."""
         t0 = time.perf_counter()
-        total = len(self.jobs) if self.check_only else self.points
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+        total = len(self.todo) if self.check_only else self.points
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         try:
             with Progress(*columns, console=self.console, transient=False) as progress:
                 task = progress.add_task("starting", total=total)
-                for i, job in enumerate(self.jobs):
+
+                def advance() -> None:
+                    progress.advance(task)
+                    self.info["wall_s"] = self.wall_before + time.perf_counter() - t0
+                    self.write_info()
+
+                for index, job in self.todo:
                     progress.update(task, description=f"{job.kernels} max_loras={job.max_loras} {job.strategy}")
-                    self.run_worker(i, job, lambda: progress.advance(task))
-        except KeyboardInterrupt:
-            self.info.update(status="interrupted", wall_s=time.perf_counter() - t0)
+                    self.run_worker(index, job, advance)
+        except KeyboardInterrupt as e:
+            signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+            self.writer.flush()
+            self.info.update(status=INTERRUPTED, signal=signal.Signals(signum).name,
+                             wall_s=self.wall_before + time.perf_counter() - t0)
             self.write_info()
             raise
-        self.info.update(status="finished", wall_s=time.perf_counter() - t0,
-                         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        self.info.update(status=FINISHED, wall_s=self.wall_before + time.perf_counter() - t0, finished_at=now())
+        self.info.pop("signal", None)
         self.write_info()
         return self.run_dir
 
     def add_check(self, verdict: dict, advance) -> None:
-        self.checks.append(verdict)
+        key = {k: verdict.get(k) for k in ("kernels", "max_loras", "strategy")}
+        self.checks = [c for c in self.checks if {k: c.get(k) for k in key} != key] + [verdict]
         (self.run_dir / "checks.json").write_text(json.dumps(self.checks, indent=2) + "\n")
         if self.check_only:
             advance()
@@ -154,11 +260,14 @@ class Sweep:
         return child_env
 
     def run_worker(self, index: int, job: Job, advance) -> None:
-        message = json.dumps({"job": job.to_json(), "spawned_at": time.time()})
+        message = json.dumps({"job": job.to_json(), "spawned_at": time.time(), "parent": os.getpid()})
         log_path = self.run_dir / f"worker-{index}.log"
         done: set[int] = set()
-        checks_before = len(self.checks)
-        with open(log_path, "w") as log:
+        verdicts = 0
+        with open(log_path, "a") as log:
+            if log.tell():
+                log.write(f"--- resumed {now()}: {len(job.points)} points ---\n")
+                log.flush()
             proc = subprocess.Popen([sys.executable, "-m", WORKER], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, text=True, env=self.worker_env(job))
             try:
@@ -173,6 +282,7 @@ class Sweep:
                         advance()
                     elif kind == "@@check":
                         self.add_check(json.loads(body), advance)
+                        verdicts += 1
                     elif kind == "@@env":
                         self.info["env"] = json.loads(body)
                         self.write_info()
@@ -183,12 +293,12 @@ class Sweep:
                 raise
         missing = [p for p in job.points if p.index not in done]
         tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
-        if self.spec.check and len(self.checks) == checks_before:
+        if self.spec.check and not verdicts:
             self.add_check({**job.config, "correct": None,
                             "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"}, advance)
         if missing:
             error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
-            base = {"run_id": self.run_id, "started_at": self.started_at, "argv": self.argv, **job.config,
+            base = {"run_id": self.run_id, "started_at": self.started_at, "argv": job.argv, **job.config,
                     "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype}
             for p in missing:
                 self.writer.append({**base, "point": p.index, "mode": p.mode, "concurrency": p.concurrency,
@@ -196,21 +306,45 @@ class Sweep:
                 advance()
 
 
-def sweep(flags: dict, spec_file: Path | None, console: Console) -> int:
-    """The command: run the sweep, print its table. Exit status 1 when no point was measured."""
-    spec, notice = prepare(flags, spec_file)
-    if notice:
-        console.print(notice)
-    run = Sweep(spec, shlex.join(["lorabench"] + sys.argv[1:]), console)
-    console.print(f"run {run.run_id}: {run.points} points in {len(run.jobs)} workers -> {run.run_dir}")
+def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | None = None,
+          force: bool = False) -> int:
+    """The command: run the sweep (or resume one), print its table. Exit status 1 when no point
+    was measured; 128 + the signal's number when a signal stopped it."""
+    argv = shlex.join(["lorabench"] + sys.argv[1:])
+    if resume is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None] + (["--spec"] if spec_file else [])
+        if given:
+            raise UserError(f"--resume continues the run under its own spec; drop {', '.join(given)}")
+        run = Sweep.resume(resume, argv, console, force)
+        if any(j.label.vllm for _, j in run.todo):
+            env.require_vllm()
+        planned = sum(len(j.points) for j in run.jobs)
+        if run.todo:
+            console.print(f"resume {run.run_id}: {run.points} of {planned} points to measure in {len(run.todo)} "
+                          f"workers -> {run.run_dir}")
+        else:
+            console.print(f"{run.run_dir}: every one of its {planned} planned points has an ok row; nothing to measure")
+    else:
+        if force:
+            raise UserError("--force goes with --resume")
+        spec, notice = prepare(flags, spec_file)
+        if notice:
+            console.print(notice)
+        run = Sweep(spec, argv, console)
+        console.print(f"run {run.run_id}: {run.points} points in {len(run.jobs)} workers -> {run.run_dir}")
     try:
         run_dir = run.run()
-    except KeyboardInterrupt:
-        print(f"interrupted: {len(run.writer.rows)} finished rows kept in {run.writer.path}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        print(f"interrupted ({signal.Signals(signum).name}): {len(run.writer.rows)} finished rows kept in "
+              f"{run.writer.path}; finish it with: lorabench sweep --resume {shlex.quote(str(run.run_dir))}",
+              file=sys.stderr)
+        return 128 + signum
     df = read_points(run_dir)
-    console.print(points_table(df, spec.device))
+    console.print(points_table(df, run.spec.device))
     failed = int((df.status == "failed").sum())
     console.print(f"{len(df)} points ({failed} failed) in {run.info['wall_s']:.1f} s -> {run_dir / 'points.parquet'}")
-    console.print(f"next: lorabench report {run_dir}")
+    if failed:
+        console.print(f"re-measure the failed points with: lorabench sweep --resume {shlex.quote(str(run_dir))}")
+    console.print(f"next: lorabench report {shlex.quote(str(run_dir))}")
     return 1 if failed == len(df) else 0  # 1: nothing was measured

@@ -6,10 +6,13 @@ row and the worker goes on; if the build or the capture fails, every point becom
 Run as ``python -m lorabench.runtime.worker < job.json`` (a ``lorabench.config.plan.Job``).
 """
 
+import ctypes
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -186,10 +189,29 @@ class Worker:
                 emit("row", {**self.point_row(p), "status": "failed", "error": _error(e)})
 
 
+def exit_with_parent(parent: int) -> None:
+    """End this process when the sweep that started it is gone (SIGKILL, a crash), so no worker
+    is left timing for nobody. Linux tells us at once (PR_SET_PDEATHSIG); elsewhere, and for
+    a parent that died before that was set, a daemon thread checks twice a second."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main() -> None:
-    """Read the job from stdin (``{"job": ..., "spawned_at": ...}``) and run it."""
+    """Read the job from stdin (``{"job": ..., "spawned_at": ..., "parent": pid}``) and run it."""
     sys.stdout = sys.stderr  # stdout carries rows only
     message = json.loads(sys.stdin.read())
+    if message.get("parent"):
+        exit_with_parent(int(message["parent"]))
     Worker(Job.from_json(message["job"]), message["spawned_at"]).run()
 
 

@@ -63,9 +63,33 @@ COLUMNS = SCHEMA.names
 
 
 class PointsWriter:
-    def __init__(self, run_dir: Path):
+    """Writes a run's rows as they arrive. ``resume=True`` starts from the rows already in the
+    folder; a row for a point that already has one replaces it (a resumed sweep re-measures
+    failed points), so ``points.parquet`` holds one row per point. ``points.jsonl`` is the
+    append-only log, written first: a re-measured point appears in it twice (the later line
+    counts), and after a SIGKILL it may hold the one row the Parquet file had no time to get."""
+
+    def __init__(self, run_dir: Path, resume: bool = False):
         self.run_dir = Path(run_dir)
         self.rows: list[dict] = []
+        if resume:
+            for row in self.logged_rows():
+                self._put({c: row.get(c) for c in COLUMNS})
+            self.flush()
+
+    def logged_rows(self) -> list[dict]:
+        """Every complete line of points.jsonl (a line cut short by a kill is skipped), or the
+        Parquet file's rows when there is no log."""
+        log = self.run_dir / "points.jsonl"
+        if not log.is_file():
+            return pq.read_table(self.path).to_pylist() if self.path.is_file() else []
+        rows = []
+        for line in log.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        return rows
 
     @property
     def path(self) -> Path:
@@ -76,12 +100,29 @@ class PointsWriter:
         if unknown:
             raise KeyError(f"unknown columns {sorted(unknown)}")
         full = {c: row.get(c) for c in COLUMNS}
-        self.rows.append(full)
+        self._put(full)
         with open(self.run_dir / "points.jsonl", "a") as f:
             f.write(json.dumps(full) + "\n")
+        self.flush()
+
+    def _put(self, full: dict) -> None:
+        same = [i for i, r in enumerate(self.rows) if full["point"] is not None and r["point"] == full["point"]]
+        if same:
+            self.rows[same[0]] = full
+        else:
+            self.rows.append(full)
+
+    def flush(self) -> None:
+        """points.parquet from every row held; the sweep calls it again when a signal stops it
+        in the middle of an append."""
+        if not self.rows:
+            return
         tmp = self.path.with_suffix(".parquet.tmp")
         pq.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA), tmp)
         os.replace(tmp, self.path)
+
+
+REQUIRED = ("run_id", "kernels", "max_loras", "strategy", "concurrency", "mode", "status")  # what every reader uses
 
 
 def read_points(run_dir: Path) -> pd.DataFrame:
@@ -99,6 +140,9 @@ def load_run(run_dir: Path) -> pd.DataFrame:
         df = read_points(run_dir)
     except Exception as e:  # noqa: BLE001 - a corrupt file is bad input, not a crash
         raise UserError(f"{run_dir}/points.parquet cannot be read: {e}") from None
+    lacking = [c for c in REQUIRED if c not in df.columns]
+    if lacking:
+        raise UserError(f"{run_dir}/points.parquet is not a lorabench sweep's (no column {', '.join(lacking)})")
     if not (df.status == "ok").any():
         raise UserError(f"{run_dir}/points.parquet holds no successful points to report on")
     return df
