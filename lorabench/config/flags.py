@@ -8,10 +8,19 @@ from lorabench.errors import UserError
 
 @dataclass(frozen=True)
 class Machine:
-    """What a spec's automatic defaults and checks depend on: is there a GPU, and which."""
+    """What a spec's automatic defaults and checks depend on: is there a GPU, which, and how
+    much memory a worker may take (None: unknown, not checked)."""
 
     cuda: bool
     gpu_name: str | None = None
+    free_gpu_bytes: int | None = None  # free memory of the GPU workers run on
+    free_ram_bytes: int | None = None  # RAM available to a new process (MemAvailable)
+
+    def free_bytes(self, device: str) -> tuple[int | None, str]:
+        """The memory a worker on ``device`` may take, and what it is called."""
+        if device == "cuda":
+            return self.free_gpu_bytes, f"free GPU memory{f' ({self.gpu_name})' if self.gpu_name else ''}"
+        return self.free_ram_bytes, "available RAM"
 
 
 def flag(name: str) -> str:
@@ -33,7 +42,7 @@ def split_list(text: str) -> list[str]:
     return parts
 
 
-def to_int(name: str, value, minimum: int) -> int:
+def to_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
     try:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError
@@ -42,6 +51,8 @@ def to_int(name: str, value, minimum: int) -> int:
         raise UserError(f"{flag(name)}: {value!r} is not an integer") from None
     if v < minimum:
         raise UserError(f"{flag(name)}: {v} must be at least {minimum}")
+    if maximum is not None and v > maximum:
+        raise UserError(f"{flag(name)}: {v} must be at most {maximum}")
     return v
 
 

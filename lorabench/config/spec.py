@@ -1,13 +1,17 @@
 """A sweep's specification: defaults, then a TOML spec file, then command-line flags, checked
 once up front so that bad input ends in one clear line (``UserError``) before anything runs."""
 
+import os
+import tempfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lorabench.config.backends import KernelsLabel, require_vllm_dtype
 from lorabench.config.flags import (
     Machine,
+    flag,
     resolve_device,
     to_bool,
     to_int,
@@ -15,7 +19,8 @@ from lorabench.config.flags import (
     to_positive,
     to_strs,
 )
-from lorabench.config.models import PRESETS
+from lorabench.config.limits import Shape, culprit, estimate, graph_count, size
+from lorabench.config.models import PRESETS, preset
 from lorabench.config.strategies import AUTO, Vllm, strategy
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
@@ -23,6 +28,8 @@ from lorabench.kernels import DTYPES, SUPPORTED_RANKS
 from lorabench.storage.tune_files import tuned_file, tuned_table, vllm_folder
 
 MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
+MAX_SEED = 2**32 - 1  # numpy's generators take seeds below 2**32 (torch's below 2**64)
+MAX_STEPS = 100_000  # --iters, --warmup: a worker draws every timed step's batch up front
 
 
 @dataclass
@@ -74,7 +81,8 @@ def coerce(name: str, value):
     if name in LIST_STR:
         return to_strs(name, value)
     if name in INTS:
-        return to_int(name, value, 0 if name in ("warmup", "seed") else 1)
+        maximum = {"seed": MAX_SEED, "iters": MAX_STEPS, "warmup": MAX_STEPS}.get(name)
+        return to_int(name, value, 0 if name in ("warmup", "seed") else 1, maximum)
     if name in FLOATS:
         return to_positive(name, value)
     if name in BOOLS:
@@ -82,34 +90,80 @@ def coerce(name: str, value):
     return str(value)
 
 
+class Names:
+    """How an error names a setting: by its flag, or by its key in the spec file that gave it
+    (a spec file's ``check = "yes"`` is key `check`, not a ``--check`` flag that does not exist)."""
+
+    def __init__(self, spec_file: Path | None = None, keys: dict[str, str] | None = None):
+        self.spec_file, self.keys = spec_file, keys or {}  # field name -> the key as the file spells it
+
+    def __call__(self, name: str) -> str:
+        if name in self.keys:
+            return f"{self.spec_file}: key `{self.keys[name]}`"
+        return flag(name)
+
+    def value(self, name: str, value: str) -> str:
+        """A setting and its value: ``--strategy auto``, or ``FILE: key `strategy` = auto``."""
+        return f"{self(name)} = {value}" if name in self.keys else f"{self(name)} {value}"
+
+    def renamed(self, name: str, error: UserError) -> UserError:
+        """An error about ``name`` that starts with its flag, naming where the value came from."""
+        text, prefix = str(error), flag(name)
+        if name in self.keys and text.startswith(prefix) and text[len(prefix):][:1] in (":", " "):
+            return UserError(self(name) + text[len(prefix):])
+        return error
+
+
 def load_spec_file(path: Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
+    """The spec file's settings by field name."""
+    return {name: value for name, (_, value) in read_spec_file(Path(path)).items()}
+
+
+def read_spec_file(path: Path) -> dict[str, tuple[str, object]]:
+    """The spec file's settings: field name -> (its key as the file writes it, its value)."""
+    if os.path.isdir(path):
+        raise UserError(f"spec file {path} is a folder, not a TOML file")
+    if not os.path.isfile(path):
         raise UserError(f"spec file {path} does not exist")
     try:
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"spec file {path} is not valid TOML: {e}") from None
-    values = {}
+    except OSError as e:
+        raise UserError(f"spec file {path} cannot be read: {e.strerror or e}") from None
+    values: dict[str, tuple[str, object]] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in FIELDS:
             raise UserError(f"spec file {path}: unknown key {key!r} (known: {', '.join(sorted(FIELDS))})")
-        values[name] = value
+        if name in values:
+            raise UserError(f"spec file {path}: key `{key}` repeats key `{values[name][0]}`")
+        values[name] = (key, value)
     return values
 
 
 def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[SweepSpec, str | None]:
     """Merge defaults < spec file < flags (None = not given), validate, resolve the automatic
     defaults for this machine. Returns the spec and a one-line notice (CPU fallback) or None.
-    Strategy auto's sets are chosen later, by the sweep command (they need a run's points)."""
-    given = load_spec_file(spec_file) if spec_file else {}
+    Errors name the flag, or the spec file's key, that gave the value. Nothing is created here:
+    the output folder is only checked, and a configuration that does not fit the machine's free
+    memory is refused. Strategy auto's sets are chosen later, by the sweep command (they need a
+    run's points)."""
+    from_file = read_spec_file(Path(spec_file)) if spec_file else {}
+    given = {name: value for name, (_, value) in from_file.items()}
     given.update({k: v for k, v in flags.items() if v is not None})
+    names = Names(spec_file, {name: key for name, (key, _) in from_file.items() if flags.get(name) is None})
     spec = SweepSpec()
     for name, value in given.items():
-        setattr(spec, name, coerce(name, value))
+        try:
+            setattr(spec, name, coerce(name, value))
+        except UserError as e:
+            raise names.renamed(name, e) from None
 
-    device = resolve_device(spec.device, machine)
+    try:
+        device = resolve_device(spec.device, machine)
+    except UserError as e:
+        raise names.renamed("device", e) from None
     notice = None
     if device == "cpu" and spec.model is None:
         kernels = "torch kernels" if spec.kernels is None else "the " + ",".join(spec.kernels) + " kernels"
@@ -124,20 +178,30 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     spec.max_loras = sorted(set(spec.max_loras))
 
     if spec.model not in PRESETS:
-        raise UserError(f"--model: unknown preset {spec.model!r} (choose from {', '.join(PRESETS)})")
+        raise UserError(f"{names('model')}: unknown preset {spec.model!r} (choose from {', '.join(PRESETS)})")
+    if spec.layers is not None and spec.layers > PRESETS[spec.model].layers:
+        raise UserError(f"{names('layers')}: {spec.layers} is more than {spec.model}'s {PRESETS[spec.model].layers} "
+                        "layers (--layers shortens a model)")
     if spec.rank not in SUPPORTED_RANKS:
-        raise UserError(f"--rank: {spec.rank} is not supported (choose from {', '.join(map(str, SUPPORTED_RANKS))})")
+        raise UserError(f"{names('rank')}: {spec.rank} is not supported (choose from {', '.join(map(str, SUPPORTED_RANKS))})")
     if spec.dtype not in DTYPES:
-        raise UserError(f"--dtype: {spec.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+        raise UserError(f"{names('dtype')}: {spec.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     try:
         spec.kernels = list(dict.fromkeys(str(KernelsLabel.parse(k)) for k in spec.kernels))
     except ValueError as e:
-        raise UserError(f"--kernels: {e}") from None
-    _resolve_tuned(spec, machine)
-    if any(k.vllm for k in spec.labels):
-        require_vllm_dtype(spec.dtype)
-    if max(spec.concurrency + spec.capture_sizes) > MAX_TOKENS:
-        raise UserError(f"--concurrency/--capture-sizes: at most {MAX_TOKENS} tokens per step are supported")
+        raise UserError(f"{names('kernels')}: {e}") from None
+    try:
+        _resolve_tuned(spec, machine)
+        if any(k.vllm for k in spec.labels):
+            require_vllm_dtype(spec.dtype)
+    except UserError as e:
+        raise names.renamed("tuned", names.renamed("kernels", e)) from None
+    for name in ("concurrency", "capture_sizes"):
+        if max(getattr(spec, name)) > MAX_TOKENS:
+            raise UserError(f"{names(name)}: at most {MAX_TOKENS} tokens per step are supported")
+    check_out(spec.out, names("out"))
+    # Before the strategies: a dense set of a huge max_loras is a huge list.
+    check_memory(spec, machine, lambda label, max_loras: 2 * len(spec.capture_sizes))
     try:
         strategies = [strategy(s) for s in spec.strategy]
         for s in strategies:
@@ -145,7 +209,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
                 if s.name != AUTO:
                     s.counts(m)
     except ValueError as e:
-        raise UserError(f"--strategy: {e}") from None
+        raise UserError(f"{names('strategy')}: {e}") from None
     spec.strategy = list(dict.fromkeys(s.name for s in strategies))
     for w in spec.workload:
         try:
@@ -155,21 +219,78 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
                     if w.strip().startswith("trace:"):
                         wl.active_count_pmf(c, m)
         except ValueError as e:
-            raise UserError(f"--workload: {e}") from None
+            raise UserError(f"{names('workload')}: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
     if any(k.vllm for k in spec.labels) and no_vllm:
         if all(k.vllm for k in spec.labels) and len(no_vllm) == len(spec.strategy):
-            raise UserError(f"--strategy {','.join(no_vllm)}: vLLM has no count-agnostic grid; use --kernels triton or fused")
+            raise UserError(f"{names.value('strategy', ','.join(no_vllm))}: vLLM has no count-agnostic grid; use --kernels triton or fused")
         notice = "; ".join(filter(None, [notice, f"{','.join(no_vllm)} runs with lorabench's kernels only (vLLM's grid follows its count)"]))
     if AUTO in spec.strategy:
         if not spec.auto_from:
-            raise UserError("--strategy auto needs --auto-from RUN: the sweep whose points price the capture sets")
+            raise UserError(f"{names.value('strategy', AUTO)} needs --auto-from RUN: the sweep whose points price the capture sets")
         if any(k.vllm for k in spec.labels):
-            raise UserError("--strategy auto chooses lorabench's capture sets; vLLM captures max or pow2 only (drop vllm from --kernels)")
+            raise UserError(f"{names.value('strategy', AUTO)} chooses lorabench's capture sets; vLLM captures max or pow2 only (drop vllm from --kernels)")
     elif spec.auto_from or spec.graph_memory_budget or spec.startup_budget:
-        raise UserError("--auto-from and the budgets apply to --strategy auto only")
+        first = next(n for n in ("auto_from", "graph_memory_budget", "startup_budget") if getattr(spec, n))
+        raise UserError((f"{names(first)}: " if first in names.keys else "")
+                        + "--auto-from and the budgets apply to --strategy auto only")
+    check_memory(spec, machine, lambda label, max_loras: max(_graphs(spec, s, label, max_loras) for s in strategies))
     return spec, notice
+
+
+def check_out(out: str, where: str) -> None:
+    """The output root can hold a new run folder: a folder, or a path whose nearest existing
+    part is a folder this process can create folders in (tried with an empty folder, removed at
+    once: permission bits say nothing for root or on a read-only mount)."""
+    if not out.strip():
+        raise UserError(f"{where}: empty path; name the output root, e.g. results")
+    path = existing = Path(out)
+    while True:
+        try:
+            os.lstat(existing)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if existing == existing.parent:
+                break
+            existing = existing.parent
+        except (OSError, ValueError) as e:  # a name too long, a loop of links, a NUL byte
+            raise UserError(f"{where}: {out}: {getattr(e, 'strerror', None) or e}") from None
+    what = "" if existing == path else f"{path} cannot be made: "
+    if os.path.islink(existing) and not os.path.exists(existing):
+        raise UserError(f"{where}: {what}{existing} is a broken link")
+    if not os.path.isdir(existing):
+        kind = "a file, not a folder" if os.path.isfile(existing) else "not a folder"
+        raise UserError(f"{where}: {what}{existing} is {kind}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lorabench-", dir=existing))
+    except OSError as e:
+        raise UserError(f"{where}: cannot create folders in {existing} ({e.strerror or e})") from None
+
+
+def _graphs(spec: SweepSpec, s, label: KernelsLabel, max_loras: int) -> int:
+    """Graphs a worker of strategy ``s`` captures (auto: at most dense's)."""
+    counts = list(range(1, max_loras + 1)) if s.name == AUTO else s.counts(max_loras)
+    vllm = label.vllm and s.vllm is not Vllm.NONE
+    return graph_count(counts, max_loras, spec.capture_sizes, s.bucket_grid, vllm)
+
+
+def check_memory(spec: SweepSpec, machine: Machine, graphs: Callable[[KernelsLabel, int], int]) -> None:
+    """Every worker fits the memory free on its device: weights, adapter slots, KV cache,
+    activations, ``graphs(label, max_loras)`` graphs and the process's runtime
+    (``lorabench.config.limits``). Unknown free memory: not checked."""
+    free, what = machine.free_bytes(spec.device)
+    if free is None:
+        return
+    cfg = preset(spec.model, spec.layers)
+    max_tokens = max(spec.capture_sizes + spec.concurrency)
+    for m in reversed(spec.max_loras):
+        for label in spec.labels:
+            shape = Shape(cfg, m, spec.rank, spec.dtype, max_tokens, spec.context_len, vllm=label.vllm)
+            count, cuda = graphs(label, m), spec.device == "cuda"
+            need = estimate(shape, count, cuda)
+            if need.total > free:
+                raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}")
 
 
 def _resolve_tuned(spec: SweepSpec, machine: Machine) -> None:

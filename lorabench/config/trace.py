@@ -4,13 +4,14 @@
   ``none``, ``null`` or ``-1`` for a base-model request). A decode step of concurrency c is taken
   to be c consecutive requests (every window of the trace), its active count n the number of
   distinct adapters among them, at most ``max_loras`` (a server cannot run more at once);
-- steps, with ``concurrency`` and ``n_active`` columns (and optionally ``base_tokens``): the
-  active counts a server logged, used as they are for the concurrencies they cover.
+- steps, with ``concurrency`` and ``n_active`` columns (and optionally ``base_tokens``), whole
+  numbers: the active counts a server logged, used as they are for the concurrencies they cover.
 
 Either way the trace gives ``P(n | c)`` and batches for workload runs, like the built-in
 distributions in ``lorabench.config.workload``.
 """
 
+import os
 import random
 from functools import cache
 from pathlib import Path
@@ -26,7 +27,9 @@ BASE_NAMES = {"", "base", "none", "null", "nan", "-1"}
 @cache
 def _load(path: str) -> pd.DataFrame:
     p = Path(path)
-    if not p.is_file():
+    if os.path.isdir(p):
+        raise ValueError(f"trace file {path} is a folder, not a CSV or JSONL file")
+    if not os.path.isfile(p):
         raise ValueError(f"trace file {path} does not exist")
     jsonl = p.suffix in (".jsonl", ".json")
     try:
@@ -36,14 +39,22 @@ def _load(path: str) -> pd.DataFrame:
             df = pd.read_csv(p)
     except ValueError as e:
         raise ValueError(f"trace file {path} cannot be read as {'JSONL' if jsonl else 'CSV'}: {e}") from None
+    except OSError as e:
+        raise ValueError(f"trace file {path} cannot be read: {e.strerror or e}") from None
     if "adapter" in df.columns:
         return df
     if {"concurrency", "n_active"} <= set(df.columns):
         num = df.apply(pd.to_numeric, errors="coerce")
-        bad = num[num[["concurrency", "n_active"]].isna().any(axis=1)
+        counts = num[["concurrency", "n_active"]]
+        bad = num[counts.isna().any(axis=1) | (counts % 1 != 0).any(axis=1)  # 0.5 would become 0
                   | (num.n_active < 0) | (num.n_active > num.concurrency) | (num.concurrency < 1)]
         if len(bad):
             raise ValueError(f"trace file {path}: row {bad.index[0]} needs whole numbers with 0 <= n_active <= concurrency")
+        if "base_tokens" in num.columns:  # optional per step; when given, a whole number of the step's requests
+            base = num.base_tokens
+            bad = num[base.notna() & ((base % 1 != 0) | (base < 0) | (base > num.concurrency))]
+            if len(bad):
+                raise ValueError(f"trace file {path}: row {bad.index[0]} needs a whole base_tokens with 0 <= base_tokens <= concurrency")
         return num.astype({"concurrency": int, "n_active": int})
     raise ValueError(f"trace file {path} needs an `adapter` column (requests) or `concurrency` and `n_active` columns (steps)")
 

@@ -3,10 +3,12 @@
 Grammar: terms joined by ``+``. Adapter choice: ``uniform`` over the resident slots,
 ``zipf:S`` (slot i drawn with weight 1/(i+1)^S) or ``single`` (all adapter requests of a step
 share one slot); ``base:P`` makes a fraction P of requests base-model requests. Examples:
-``uniform``, ``zipf:1.2``, ``base:0.5`` (= ``uniform+base:0.5``), ``zipf:1.1+base:0.3``.
+``uniform``, ``zipf:1.2``, ``base:0.5`` (= ``uniform+base:0.5``), ``zipf:1.1+base:0.3``; each
+kind of term at most once (``base:0.5+base:0.3`` is refused, not read as ``base:0.3``).
 ``trace:PATH`` reads the workload from a server's trace instead (``lorabench.config.trace``).
 """
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -70,24 +72,24 @@ def parse_workload(text: str):
             raise ValueError(f"workload {text!r}: write trace:PATH alone (a trace cannot be combined with other terms)")
         return TraceWorkload(path)
     adapters, zipf_s, base = "uniform", 0.0, 0.0
-    seen_adapters = False
+    seen: set[str] = set()
     for term in (t.strip() for t in text.split("+")):
         name, _, arg = term.partition(":")
         try:
             if name in ("uniform", "single") and not arg:
                 adapters = name
-            elif name == "zipf" and arg and float(arg) > 0:
+            elif name == "zipf" and arg and 0 < float(arg) < math.inf:
                 adapters, zipf_s = "zipf", float(arg)
             elif name == "base" and arg and 0.0 <= float(arg) <= 1.0:
                 base = float(arg)
-                continue
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(
                 f"bad workload term {term!r} in {text!r}: use uniform, single, zipf:S (S>0), base:P (0<=P<=1), joined by +"
             ) from None
-        if seen_adapters:
-            raise ValueError(f"workload {text!r} names two adapter distributions")
-        seen_adapters = True
+        kind = "base" if name == "base" else "adapters"
+        if kind in seen:  # the later term would silently replace the earlier one
+            raise ValueError(f"workload {text!r} names " + ("base twice" if kind == "base" else "two adapter distributions"))
+        seen.add(kind)
     return Workload(adapters, zipf_s, base)

@@ -57,9 +57,23 @@ def collect(device: str) -> dict:
 
 
 def machine() -> Machine:
-    """This host as a spec sees it: a CUDA device or not, and its name."""
+    """This host as a spec sees it: a CUDA device or not, its name, and the memory a worker may
+    take (free GPU memory; RAM as Linux's MemAvailable), for the spec's memory check. None where
+    unknown: the check is then skipped."""
     cuda = torch.cuda.is_available()
-    return Machine(cuda=cuda, gpu_name=torch.cuda.get_device_name() if cuda else None)
+    free_gpu = free_ram = None
+    if cuda:
+        try:
+            free_gpu = torch.cuda.mem_get_info()[0]
+        except RuntimeError:  # a busy or broken device: no check here, the worker will say
+            pass
+    try:
+        with open("/proc/meminfo") as f:
+            free_ram = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError, IndexError):
+        pass
+    return Machine(cuda=cuda, gpu_name=torch.cuda.get_device_name() if cuda else None,
+                   free_gpu_bytes=free_gpu, free_ram_bytes=free_ram)
 
 
 def require_vllm() -> None:
