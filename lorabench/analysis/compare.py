@@ -154,26 +154,33 @@ class Comparison:
 
 
 def compare(df: pd.DataFrame, workloads: list[str] | None = None,
-            planned: dict[tuple[str, int], list[int]] | None = None,
+            planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None,
             exp: pd.DataFrame | None = None) -> list[Comparison]:
     """One Comparison per (kernels, max_loras, workload) of the run. ``workloads`` as in
-    ``expected_steps``; ``planned``: (kernels, max_loras) -> the concurrencies the run planned
-    (``lorabench.storage.runs.Coverage.planned_concurrency``), else those its rows (ok or failed) show;
-    ``exp``: ``expected_steps(df, workloads)`` when the caller has it already."""
+    ``expected_steps``; ``planned``: (kernels, max_loras, strategy) -> the concurrencies the run
+    planned for it (``lorabench.storage.runs.Coverage.planned``), so that a configuration or a
+    concurrency with no row at all (a sweep stopped before it) still counts; without it, what the
+    rows (ok or failed) show. ``exp``: ``expected_steps(df, workloads)`` when the caller has it."""
     exp = expected_steps(df, workloads) if exp is None else exp
-    if exp.empty:
+    names = list(workloads) if workloads else sorted(exp.workload.unique()) if len(exp) else []
+    if not names:
         return []
-    names = list(workloads) if workloads else sorted(exp.workload.unique())
     exp = exp[exp.expected_ms.notna()]
-    rows = df.dropna(subset=["concurrency"])
-    seen = rows.groupby(["kernels", "max_loras"]).concurrency.agg(lambda c: sorted({int(x) for x in c}))
-    strategies = df.groupby(["kernels", "max_loras"]).strategy.agg(lambda s: sorted(set(s), key=report_order))
+    conc: dict[tuple[str, int], set[int]] = {}
+    strats: dict[tuple[str, int], set[str]] = {}
+    for (k, m, s), g in df.dropna(subset=["concurrency"]).groupby(["kernels", "max_loras", "strategy"]):
+        conc.setdefault((k, int(m)), set()).update(int(c) for c in g.concurrency)
+        strats.setdefault((k, int(m)), set()).add(s)
+    for (k, m, s), cs in (planned or {}).items():
+        conc.setdefault((k, int(m)), set()).update(int(c) for c in cs)
+        strats.setdefault((k, int(m)), set()).add(s)
     out = []
-    for (k, m), strats in strategies.items():
-        plan = tuple(sorted(set((planned or {}).get((k, int(m)), [])) | set(seen.get((k, m), []))))
+    for (k, m) in sorted(conc):
+        plan = tuple(sorted(conc[(k, m)]))
         for w in names:
             sub = exp[(exp.kernels == k) & (exp.max_loras == m) & (exp.workload == w)]
             by_s = {s: {int(c): float(v) for c, v in zip(g.concurrency, g.expected_ms)} for s, g in sub.groupby("strategy")}
             grid = tuple(sorted(by_s.get(BASELINE, {})))
-            out.append(Comparison(k, int(m), w, plan, {s: Cover(s, by_s.get(s, {}), grid, plan) for s in strats}))
+            covers = {s: Cover(s, by_s.get(s, {}), grid, plan) for s in sorted(strats[(k, m)], key=report_order)}
+            out.append(Comparison(k, m, w, plan, covers))
     return out

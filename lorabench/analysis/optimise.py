@@ -203,7 +203,7 @@ def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> boo
 
 def auto_recommendations(df, workload: str, memory_bytes: float | None = None, startup_s: float | None = None,
                          kernels: list[str] | None = None, max_loras: list[int] | None = None,
-                         planned: dict[tuple[str, int], list[int]] | None = None) -> list[dict]:
+                         planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None) -> list[dict]:
     """Per (kernels, max_loras) of a run: the ``auto`` set under the workload and budgets, next
     to ``max``, ``pow2`` and ``dense`` as the same cost model prices them, and next to what the
     report says of the measured strategies (``measured``: ``lorabench.analysis.recommend.measured_choice``
@@ -218,7 +218,7 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
       or the report proposes it; where the model keeps max but the report proposes a measured set
       (one that fits the budgets), auto takes that set;
     - the vLLM flags are the report's (they follow what was measured).
-    ``planned``: (kernels, max_loras) -> the concurrencies the run planned."""
+    ``planned``: the run's plan, as ``lorabench.analysis.compare.compare`` takes it."""
     wl = parse_workload(workload)
     df = with_columns(df)
     ok = ok_points(df)

@@ -51,10 +51,10 @@ def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
 
 
 def recommend(df: pd.DataFrame, workloads: list[str] | None = None,
-              planned: dict[tuple[str, int], list[int]] | None = None) -> dict:
+              planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None) -> dict:
     """The report's recommendation: one entry per (kernels, max_loras, workload), each from that
     triple's ``Comparison`` (``lorabench.analysis.compare``: which strategies are compared with max
-    over which concurrencies). ``planned``: (kernels, max_loras) -> the concurrencies the run planned."""
+    over which concurrencies). ``planned``: the run's plan, as ``lorabench.analysis.compare.compare`` takes it."""
     df = with_columns(df)
     first = ok_points(df).iloc[0]  # failed rows may lack the model's columns
     rank = int(first["rank"])
@@ -126,7 +126,7 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
     if fastest_ok == BASELINE:
         reason = "max is the fastest" + (" strategy that passed its correctness check" if rejected else "")
         if len(cands) == 1 and len(cmp.covers) > 1:
-            reason = "max is the only strategy measured at every concurrency it covers"
+            reason = "max is kept: no other strategy is measured at every concurrency max covers"
     if best != fastest_ok:
         reason = f"{best} measured fastest but failed its correctness check, so it is not proposed; " + reason
     if chosen != BASELINE and not pays:
@@ -170,7 +170,7 @@ def _qualify(cmp: Comparison, chosen: str | None) -> str:
                        f"over {c_list(cv.compared_over)} it is {100 * abs(g):.1f} % {'faster' if g > 0 else 'slower'} "
                        f"than max, and it is not comparable at {c_list(cv.lacks)}")
         elif cv.status == NOT_COMPARABLE and s != BASELINE:
-            out.append(f"{s} is not comparable: it has no concurrency with every needed point in common with max")
+            out.append(f"{s} is not comparable: it is measured at no concurrency max covers")
     return "".join(f"; {x}" for x in out)
 
 

@@ -12,6 +12,7 @@ one line on stderr and nothing written, when none gets a set.
 import json
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -24,23 +25,25 @@ from lorabench.storage.runs import Coverage, coverage
 
 
 def auto_table(recs: list[dict]) -> Table:
+    """One row per (kernels, max_loras): the auto set, its predicted step and costs, and its gain
+    over the baselines as the model prices them (how each value was priced is on the lines below)."""
     baselines = [name for name, s in STRATEGIES.items() if s.fixed]
-    table = Table(title=f"strategy auto under {recs[0]['workload']}: expected step (model), mean over concurrency")
-    for col in ["kernels", "L", "set", "ms", "graphs", "MiB", "startup s", *(f"vs {b}" for b in baselines), "model values"]:
-        table.add_column(col, justify="left" if col in ("kernels", "set", "model values") else "right", overflow="fold")
+    table = Table(title=f"strategy auto under {recs[0]['workload']}: expected step (model), mean over c",
+                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
+    for col in ["kernels", "L", "set", "ms", "graphs", "MiB", "start s", *(f"vs {b}" for b in baselines)]:
+        table.add_column(col, justify="left" if col in ("kernels", "set") else "right", overflow="fold", no_wrap=col != "kernels")
     for r in recs:
         a = r["auto"]
         if a is None:
-            table.add_row(r["kernels"], str(r["max_loras"]), *["-"] * (5 + len(baselines)), r["reason"])
+            table.add_row(r["kernels"], str(r["max_loras"]), "none", *["-"] * (4 + len(baselines)))
             continue
         gains = []
         for name in baselines:
             b = r["baselines"].get(name)
-            gains.append("-" if b is None else f"{b['auto_gain_pct']:+.2f} %" + ("" if b["fits_budgets"] else " (over budget)"))
+            gains.append("-" if b is None else f"{b['auto_gain_pct']:+.2f}%" + ("" if b["fits_budgets"] else " (over budget)"))
         mem = "-" if a["graph_mem_bytes"] is None else f"{a['graph_mem_bytes'] / 2**20:.0f}"
-        table.add_row(r["kernels"], str(r["max_loras"]), str(a["counts"]), f"{a['expected_ms']:.3f}", str(a["lora_graphs"]), mem,
-                      "-" if a["startup_s"] is None else f"{a['startup_s']:.2f}", *gains,
-                      ", ".join(f"{v} {k}" for k, v in a["model_values"].items()))
+        table.add_row(r["kernels"], str(r["max_loras"]), "[" + ",".join(map(str, a["counts"])) + "]", f"{a['expected_ms']:.3f}", str(a["lora_graphs"]), mem,
+                      "-" if a["startup_s"] is None else f"{a['startup_s']:.2f}", *gains)
     return table
 
 
@@ -88,6 +91,7 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
         m = r["measured"]
         chosen = "nothing proposed" if m["strategy"] is None else f"{m['strategy']} {m['captured_counts']}"
         console.print(f"{where}: measured, as lorabench report says: {chosen}: {m['reason']}")
+        console.print(f"  model values: {', '.join(f'{v} {k}' for k, v in r['auto']['model_values'].items())}")
         console.print(f"  validate with  {r['validate']}")
         console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
     console.print(f"-> {write_auto(run_dir, recs, cov)}")

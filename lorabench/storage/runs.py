@@ -61,7 +61,7 @@ class Coverage:
     failed: int  # planned points whose row is failed
     missing: tuple[int, ...] = ()  # planned point indices without a row (empty when the plan is not known)
     missing_by_config: dict = field(default_factory=dict)  # (kernels, max_loras, strategy) -> points without a row
-    planned_concurrency: dict = field(default_factory=dict)  # (kernels, max_loras) -> the concurrencies planned
+    planned_concurrency: dict = field(default_factory=dict)  # (kernels, max_loras, strategy) -> the concurrencies planned
 
     @property
     def complete(self) -> bool:
@@ -112,13 +112,13 @@ def coverage(run_dir: Path, df: pd.DataFrame | None = None) -> Coverage | None:
         points = job["points"]
         if isinstance(points, int):  # a run from before the plan was written: a count only
             planned += points
-            conc.setdefault(key[:2], set()).update(spec_conc)
+            conc.setdefault(key, set()).update(spec_conc)
             have = int(((df.kernels == key[0]) & (df.max_loras == key[1]) & (df.strategy == key[2])).sum()) if len(df) else 0
             if points > have:
                 by_config[key] = points - have
             continue
         planned += len(points)
-        conc.setdefault(key[:2], set()).update(int(p["concurrency"]) for p in points)
+        conc.setdefault(key, set()).update(int(p["concurrency"]) for p in points)
         lacking = [p["index"] for p in points if p["index"] not in done]
         missing += lacking
         if lacking:

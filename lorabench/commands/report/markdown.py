@@ -186,8 +186,8 @@ def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str) -> list
 def recommendation_md(rec: dict, incomplete: str | None = None) -> list[str]:
     out = ["## Recommendation", ""]
     if incomplete:
-        out += [f"This run is incomplete ({incomplete.removeprefix('incomplete run, ')}): each strategy is compared "
-                "with max only over the concurrencies where both have every point the workload needs.", ""]
+        out += ["This run is incomplete (see the top): each strategy is compared with max only over the concurrencies "
+                "where both have every point the workload needs.", ""]
     for x in rec["recommendations"]:
         head = f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: "
         if x["strategy"] is None:
