@@ -2,7 +2,8 @@
 within a graph-memory and a startup budget.
 
 Expected step time of a set C (sorted launch counts, ending at max_loras), averaged over the
-swept concurrencies: ``E(C) = mean_c sum_n P(n | c) t(c, n, up_C(n))`` with ``up_C(n)`` the
+concurrencies where max has every point the workload needs (``lorabench.analysis.compare``'s
+grid, what the report compares over): ``E(C) = mean_c sum_n P(n | c) t(c, n, up_C(n))`` with ``up_C(n)`` the
 smallest count in C >= n (and the no-LoRA graph at n = 0), t from ``lorabench.analysis.costmodel``.
 
 Exact search: step time never drops when a grid grows, and a count's graphs are one per capture
@@ -16,14 +17,17 @@ count, graphs so far) finds the cheapest path for every graph count within the b
 memory and startup budgets allow; of those, ``auto`` takes the fewest graphs within ``NOISE`` of
 the optimum. Every set the budgets allow, max, pow2 and dense included, is in that search, so
 ``auto`` is never predicted slower than the best of them that fits by more than ``NOISE``.
+``auto_recommendations`` then holds that set to the report's rules (at least ``PAYS`` faster than
+max; what the run measured beats what the model predicts), so that ``lorabench report`` and
+``lorabench recommend`` never contradict each other on a run.
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lorabench.analysis.costmodel import CostModel, lora_graphs
 from lorabench.analysis.compare import COMPLETE
+from lorabench.analysis.costmodel import CostModel, lora_graphs
 from lorabench.analysis.points import configs, ok_points, verdicts, with_columns
 from lorabench.analysis.recommend import (
     PAYS,
@@ -289,59 +293,53 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
     return out
 
 
-def _settle(opt: Optimiser, best: Plan, max_plan: Plan, meas: dict, sets: dict[tuple, str],
+def _settle(opt: Optimiser, best: Plan, max_plan: Plan, meas: dict, sets: dict[str, tuple[int, ...]],
             memory_bytes: float | None, startup_s: float | None) -> tuple[Plan, str]:
     """The model's best set, held to the report's rules: at least PAYS faster than max, and never
-    against what the run measured (see ``auto_recommendations``). Returns the set and why."""
+    against what the run measured (see ``auto_recommendations``). ``sets``: each measured
+    strategy's capture set. Returns the set and why."""
     L = opt.L
     chosen = meas["strategy"]
     gain = 1 - best.expected_ms / max_plan.expected_ms
     reason = PLAIN
     if best.counts != [L] and gain < PAYS:
-        reason = (f"the cost model's best set {best.counts} is only {100 * gain:.1f} % faster than max "
+        reason = (f"the cost model's best set {best.counts} is only {100 * gain:.2f} % faster than max "
                   f"(< 2 %: extra graphs do not pay), so max")
         best = max_plan
-    by_counts = {counts: s for counts, s in sets.items() if s != BASELINE}
-    s = by_counts.get(tuple(best.counts))
-    if s is not None and s != chosen:
-        why = meas["comparison"]["strategies"].get(s, {}).get("coverage", s)
-        reason = (f"the cost model's best set {best.counts} is {s}'s, which this run measured ({why}) and the report "
-                  f"does not propose; measured beats modelled")
+    same = [s for s, counts in sets.items() if list(counts) == best.counts and s != BASELINE]
+    if same and chosen not in same:
+        why = "; ".join(meas["comparison"]["strategies"].get(s, {}).get("coverage", s) for s in same)
+        reason = (f"the cost model's best set {best.counts} is {' and '.join(same)}'s, which this run measured ({why}) "
+                  f"and the report does not propose; measured beats modelled")
         best = max_plan
-        fallback = _counts_of(chosen, sets)
-        if fallback is not None and fallback != (L,):
-            plan = opt.evaluate(list(fallback))
+        if chosen in sets and list(sets[chosen]) != [L]:
+            plan = opt.evaluate(list(sets[chosen]))
             if plan is not None and fits(plan, memory_bytes, startup_s):
                 best, reason = plan, reason + f", so {chosen}'s set, which the report proposes"
         if best is max_plan:
             reason += ", so max"
     elif best.counts == [L] and chosen not in (None, BASELINE):
-        counts = _counts_of(chosen, sets)
-        plan = None if counts is None else opt.evaluate(list(counts))
+        plan = opt.evaluate(list(sets[chosen])) if chosen in sets else None
         g = meas["gain_over_max_pct"]
         if plan is not None and fits(plan, memory_bytes, startup_s):
             reason = (f"the cost model prices no set {100 * PAYS:.0f} % faster than max, but this run measured {chosen} "
                       f"{g:.1f} % faster: measured beats modelled, so {chosen}'s set")
             best = plan
-        elif counts is not None:
+        elif chosen in sets:
             reason += f"; the report proposes {chosen} (measured {g:.1f} % faster than max), which does not fit the budgets"
         else:
             reason += f"; the report proposes {chosen} (measured {g:.1f} % faster than max), a set auto does not price"
     return best, reason
 
 
-def _measured_sets(df) -> dict[tuple[str, int], dict[tuple, str]]:
-    """Per (kernels, max_loras): each measured count-sized capture set -> its strategy."""
-    out: dict[tuple[str, int], dict[tuple, str]] = {}
+def _measured_sets(df) -> dict[tuple[str, int], dict[str, tuple[int, ...]]]:
+    """Per (kernels, max_loras): each measured strategy with count-sized grids -> its capture set."""
+    out: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}
     for r in configs(df).itertuples():
         if r.strategy in STRATEGIES and STRATEGIES[r.strategy].bucket_grid:
             continue  # the same counts as max, with another grid
-        out.setdefault((r.kernels, int(r.max_loras)), {}).setdefault(tuple(int(x) for x in r.captured_counts), r.strategy)
+        out.setdefault((r.kernels, int(r.max_loras)), {})[r.strategy] = tuple(int(x) for x in r.captured_counts)
     return out
-
-
-def _counts_of(name: str | None, sets: dict[tuple, str]) -> tuple | None:
-    return next((counts for counts, s in sets.items() if s == name), None)
 
 
 def _cost(plan: Plan) -> str:

@@ -1,6 +1,12 @@
 """Recommended configurations: per (kernels, max_loras, workload), the strategy with the lowest
-expected step time averaged over the swept concurrencies, what it gains over ``max``, what it
-costs in graph memory and startup, and the vLLM flags that realise it.
+expected step time averaged over the concurrencies it is compared over, what it gains over
+``max``, what it costs in graph memory and startup, and the vLLM flags that realise it.
+
+Which strategies are compared over which points is ``lorabench.analysis.compare``'s: a strategy is
+compared with max only over the concurrencies where both have every fixed point the workload
+needs; only strategies measured at every concurrency max covers are proposed, the others are
+shown with their coverage and their gain where they have points, or as not comparable.
+``lorabench recommend`` prints the same entry (``measured_choice``) next to strategy auto.
 
 A strategy is only recommended over ``max`` when it is at least ``PAYS`` faster: below that the
 difference is within run-to-run noise, and specialisation would spend memory and startup for
@@ -16,7 +22,13 @@ under ``rejected`` with the check's detail, and a failed vLLM ``pow2`` anywhere 
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis.compare import NOT_COMPARABLE, PARTIAL, Comparison, c_list, compare
+from lorabench.analysis.compare import (
+    NOT_COMPARABLE,
+    PARTIAL,
+    Comparison,
+    c_list,
+    compare,
+)
 from lorabench.analysis.points import configs, ok_points, verdicts, with_columns
 from lorabench.config.backends import backend_of
 from lorabench.config.strategies import BASELINE, STRATEGIES, Vllm

@@ -46,7 +46,7 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     if not exp.empty:
         plots["latency_vs_concurrency"] = p.latency_vs_concurrency(df, exp, run_dir / "latency_vs_concurrency.png")
         plots["speedup"] = p.speedup(df, exp, run_dir / "speedup_vs_max.png")
-        first = sorted(exp.workload.unique())[0]
+        first = min(exp.workload.unique())
         plots["latency_vs_memory"] = p.latency_vs_memory(df, compare(df, [first], planned), cfg, run_dir / "latency_vs_memory.png")
     if ok_points(df).kernels.nunique() > 1:
         plots["backends"] = p.backends(df, over, run_dir / "backends.png")
