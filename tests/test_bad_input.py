@@ -216,6 +216,8 @@ CASES = {
     "recommend max-loras not in the run": Case(["recommend", "{run}", "--max-loras", "7"], "nothing to optimise"),
     "recommend max-loras 0": Case(["recommend", "{run}", "--max-loras", "0"], "--max-loras: 0 must be at least 1"),
     "recommend without a run": Case(["recommend"], "Missing argument"),
+    "recommend budget nothing fits": Case(["recommend", "{run}", "--graph-memory-budget", "0.001"],
+                                          "no capture set fits the budgets"),
     # -- tune ---------------------------------------------------------------------------------
     "tune unknown kernels": Case(["tune", "--out", "{tmp}/tuned", "--kernels", "cutlass"], "--kernels"),
     "tune budget 0": Case(["tune", "--out", "{tmp}/tuned", "--budget-s", "0"], "--budget-s"),
