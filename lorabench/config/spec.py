@@ -114,11 +114,6 @@ class Names:
         return error
 
 
-def load_spec_file(path: Path) -> dict:
-    """The spec file's settings by field name."""
-    return {name: value for name, (_, value) in read_spec_file(Path(path)).items()}
-
-
 def read_spec_file(path: Path) -> dict[str, tuple[str, object]]:
     """The spec file's settings: field name -> (its key as the file writes it, its value)."""
     if os.path.isdir(path):
