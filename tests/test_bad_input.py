@@ -112,6 +112,7 @@ CASES = {
     "sweep budget without auto": sweep("--strategy", "max", "--graph-memory-budget", "100", "apply to --strategy auto only"),
     "sweep auto without a run": sweep("--strategy", "auto", "needs --auto-from"),
     "sweep tuned folder missing": sweep("--tuned", "{tmp}/no-such-tune", "--tuned: "),
+    "sweep tuned folder name too long": sweep("--tuned", "{tmp}/" + "x" * 300, "is not a folder"),
     "sweep tuned kernels without a folder": sweep("--kernels", "fused+tuned", "needs --tuned DIR"),
     # -- sweep --out --------------------------------------------------------------------------
     "sweep out is a file": sweep("--out", "{tmp}/afile", "--out: ", files={"afile": "keep me"}),

@@ -297,7 +297,7 @@ def _resolve_tuned(spec: SweepSpec, machine: Machine) -> None:
             raise UserError(f"--kernels {wants[0]}: needs --tuned DIR (the output of `lorabench tune`)")
         return
     folder = Path(spec.tuned)
-    if not folder.is_dir():
+    if not os.path.isdir(folder):  # also False for a name too long, not an OSError
         raise UserError(f"--tuned: {folder} is not a folder (run `lorabench tune --out {folder}` first)")
     spec.tuned = str(folder.resolve())
     meta = tuned_file(folder)
