@@ -114,7 +114,8 @@ def recommend(
     max_loras: str = typer.Option(None, "--max-loras", help=f"Only these max_loras, {LIST} [default: every one in the run]."),
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
-    workload within the budgets, from what a run measured; compare it with max, pow2 and dense."""
+    workload within the budgets, from what a run measured; compare it with max, pow2 and dense.
+    Exit status 2 when no (kernels, max_loras) gets a set; those that get none are named."""
     from lorabench.commands.recommend import recommend as run
 
     return run(run_dir, workload, graph_memory_budget, startup_budget, kernels, max_loras, console)
@@ -130,7 +131,7 @@ def report(
     from lorabench.storage.results import find_newest_run
 
     for run_dir in runs or [find_newest_run(results)]:
-        paths = write_report(run_dir)
+        paths = write_report(run_dir, console)
         console.print(f"{run_dir}: " + ", ".join(p.name for p in paths))
 
 
@@ -139,7 +140,7 @@ def tune(
     kernels: str = typer.Option(None, "--kernels", help=f"Kernels to tune, {LIST}: triton (lorabench's shrink and expand), fused (lorabench's), vllm (vLLM's shrink and expand) [default: triton,fused, plus vllm on a GPU when vLLM is installed]."),
     model: Model = None,
     rank: Rank = None,
-    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (lorabench's kernels only) [default: float16]."),
+    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (lorabench's kernels only) [default: the sweep's: float16 on a GPU, float32 on the CPU; float16 when tuning vllm]."),
     max_loras: MaxLoras = None,
     tokens: str = typer.Option(None, "--tokens", help=f"Token buckets (tokens per decode step) to tune, {LIST} [default: 1,8,32]."),
     budget_s: str = typer.Option(None, "--budget-s", help="Seconds of search, shared equally by the shapes (each still gets its default and one candidate) [default: 300]."),

@@ -38,7 +38,14 @@ from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS
 from lorabench.runtime import env
 from lorabench.storage.results import PointsWriter, load_run, read_points
-from lorabench.storage.runs import FINISHED, INTERRUPTED, RUNNING, read_info, run_status
+from lorabench.storage.runs import (
+    FINISHED,
+    INTERRUPTED,
+    RUNNING,
+    coverage,
+    read_info,
+    run_status,
+)
 from lorabench.storage.tune_files import vllm_folder
 
 WORKER = "lorabench.runtime.worker"  # the module each worker process runs (``python -m``)
@@ -60,7 +67,7 @@ def resolve_auto(spec: SweepSpec) -> str | None:
             if not recs:
                 raise UserError(f"--auto-from {spec.auto_from}: no successful {k} points at max_loras {m} to choose from")
             if recs[0]["auto"] is None:
-                raise UserError(f"--strategy auto: no capture set fits the budgets at max_loras {m}, not even max")
+                raise UserError(f"--strategy auto at max_loras {m}: {recs[0]['reason']}")
             if recs[0]["capture_sizes"] != spec.capture_sizes or not set(spec.concurrency) <= set(recs[0]["concurrency"]):
                 raise UserError(f"--strategy auto: the set is priced for the --auto-from run's capture sizes "
                                 f"{recs[0]['capture_sizes']} and concurrencies {recs[0]['concurrency']}; sweep with those "
@@ -341,7 +348,7 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
               file=sys.stderr)
         return 128 + signum
     df = read_points(run_dir)
-    console.print(points_table(df, run.spec.device))
+    console.print(points_table(df, run.spec.device, coverage(run_dir, df)))
     failed = int((df.status == "failed").sum())
     console.print(f"{len(df)} points ({failed} failed) in {run.info['wall_s']:.1f} s -> {run_dir / 'points.parquet'}")
     if failed:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from lorabench.config.backends import require_vllm_dtype
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
 from lorabench.config.models import PRESETS
-from lorabench.config.spec import MAX_TOKENS
+from lorabench.config.spec import MAX_SEED, MAX_TOKENS
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS, DTYPES, SUPPORTED_RANKS
 
@@ -73,7 +73,7 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
                     max_loras=_ints("--max-loras", flags.get("max_loras") or "4", 1, 4096),
                     tokens=_ints("--tokens", flags.get("tokens") or "1,8,32", 1, MAX_TOKENS),
                     budget_s=_budget(flags.get("budget_s") or "300"), out=flags.get("out") or "tuned", device=device,
-                    seed=_ints("--seed", flags.get("seed") or "0", 0, 2**31)[0])
+                    seed=_ints("--seed", flags.get("seed") or "0", 0, MAX_SEED)[0])
     for k in spec.kernels:
         one_of("kernels", k, TUNABLE)
     one_of("model", spec.model, PRESETS)

@@ -6,13 +6,10 @@ row and the worker goes on; if the build or the capture fails, every point becom
 Run as ``python -m lorabench.runtime.worker < job.json`` (a ``lorabench.config.plan.Job``).
 """
 
-import ctypes
 import json
 import os
 import random
-import signal
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -29,6 +26,7 @@ from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env
 from lorabench.runtime.check import check
 from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.lifeline import exit_with_parent
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
 from lorabench.runtime.timing import summarize, time_steps
@@ -187,23 +185,6 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
                 traceback.print_exc()
                 emit("row", {**self.point_row(p), "status": "failed", "error": _error(e)})
-
-
-def exit_with_parent(parent: int) -> None:
-    """End this process when the sweep that started it is gone (SIGKILL, a crash), so no worker
-    is left timing for nobody. Linux tells us at once (PR_SET_PDEATHSIG); elsewhere, and for
-    a parent that died before that was set, a daemon thread checks twice a second."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def main() -> None:

@@ -65,31 +65,17 @@ COLUMNS = SCHEMA.names
 class PointsWriter:
     """Writes a run's rows as they arrive. ``resume=True`` starts from the rows already in the
     folder; a row for a point that already has one replaces it (a resumed sweep re-measures
-    failed points), so ``points.parquet`` holds one row per point. ``points.jsonl`` is the
-    append-only log, written first: a re-measured point appears in it twice (the later line
-    counts), and after a SIGKILL it may hold the one row the Parquet file had no time to get."""
+    failed points), so ``points.parquet`` holds one row per point. It is written first, then
+    ``points.jsonl``, the append-only log: a re-measured point appears in the log twice (the later
+    line counts), and a SIGKILL between the two writes leaves the log one line short, never the
+    Parquet file."""
 
     def __init__(self, run_dir: Path, resume: bool = False):
         self.run_dir = Path(run_dir)
         self.rows: list[dict] = []
-        if resume:
-            for row in self.logged_rows():
+        if resume and self.path.is_file():
+            for row in pq.read_table(self.path).to_pylist():
                 self._put({c: row.get(c) for c in COLUMNS})
-            self.flush()
-
-    def logged_rows(self) -> list[dict]:
-        """Every complete line of points.jsonl (a line cut short by a kill is skipped), or the
-        Parquet file's rows when there is no log."""
-        log = self.run_dir / "points.jsonl"
-        if not log.is_file():
-            return pq.read_table(self.path).to_pylist() if self.path.is_file() else []
-        rows = []
-        for line in log.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-        return rows
 
     @property
     def path(self) -> Path:
@@ -101,9 +87,9 @@ class PointsWriter:
             raise KeyError(f"unknown columns {sorted(unknown)}")
         full = {c: row.get(c) for c in COLUMNS}
         self._put(full)
+        self.flush()
         with open(self.run_dir / "points.jsonl", "a") as f:
             f.write(json.dumps(full) + "\n")
-        self.flush()
 
     def _put(self, full: dict) -> None:
         same = [i for i, r in enumerate(self.rows) if full["point"] is not None and r["point"] == full["point"]]
@@ -132,9 +118,9 @@ def read_points(run_dir: Path) -> pd.DataFrame:
 def load_run(run_dir: Path) -> pd.DataFrame:
     """A run's rows, or one UserError line saying why there are none to use."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if not os.path.isdir(run_dir):  # os.path: Path.is_dir raises on a name too long for the file system
         raise UserError(f"{run_dir} is not a folder")
-    if not (run_dir / "points.parquet").is_file():
+    if not os.path.isfile(run_dir / "points.parquet"):
         raise UserError(f"{run_dir} has no points.parquet (is it a sweep's output folder?)")
     try:
         df = read_points(run_dir)

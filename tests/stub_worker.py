@@ -1,0 +1,39 @@
+"""A stand-in for the sweep's worker that imports no torch and measures nothing: it speaks the
+worker's protocol (``@@env``, ``@@check``, one ``@@row`` per point, each after STUB_SLOW
+seconds) and ties itself to its sweep with the real worker's ``lifeline``. The kill tests use it
+where what is under test is the sweep around the worker, not the worker's timing."""
+
+import json
+import os
+import sys
+import time
+
+from lorabench.config.plan import Job
+from lorabench.runtime.lifeline import exit_with_parent
+
+
+def emit(kind: str, payload: dict) -> None:
+    sys.stdout.write(f"@@{kind} {json.dumps(payload)}\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    message = json.loads(sys.stdin.read())
+    exit_with_parent(int(message["parent"]))
+    job = Job.from_json(message["job"])
+    emit("env", {"device": job.device, "gpu_name": None, "git_sha": os.environ.get("LORABENCH_GIT_SHA")})
+    if job.check:
+        emit("check", {**job.config, "correct": True, "detail": "stub"})
+    for p in job.points:
+        time.sleep(float(os.environ.get("STUB_SLOW", "0")))
+        emit("row", {"run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, **job.config,
+                     "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype,
+                     "git_sha": os.environ.get("LORABENCH_GIT_SHA"), "point": p.index, "mode": p.mode,
+                     "concurrency": p.concurrency, "n_active": p.n_active, "workload": p.workload,
+                     "captured_counts": list(job.counts), "capture_sizes": list(job.capture_sizes),
+                     "num_graphs": len(job.counts), "build_s": 0.0, "compile_s": 0.0, "capture_s": 0.0,
+                     "startup_s": 0.0, "status": "ok", "step_ms_median": 1.0 + p.index, "correct": True})
+
+
+if __name__ == "__main__":
+    main()
