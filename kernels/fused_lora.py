@@ -1,34 +1,48 @@
 """Fused Triton LoRA: shrink and expand in one launch per LoRA linear, all its slices at once.
 
 A program owns (a tile of one active slot's tokens, one slice, one output tile of that slice,
-one of ``SPLIT_K`` parts of the input features). It computes its part of the rank-R
-intermediate and expands that part straight onto its output tile:
+one of ``SPLIT_K`` parts of the input features) and computes its part of the rank-R
+intermediate in fp32 registers:
 
-    h_j[BLOCK_M, R] = scale · x[rows, K_j] @ A[slot][slice s][:, K_j]ᵀ     (kept in registers)
-    y[rows, tile] += h_j @ B[slot][slice s][tile]ᵀ                          (fp atomics when split)
+    h_j[BLOCK_M, R] = scale · x[rows, K_j] @ A[slot][slice s][:, K_j]ᵀ
+    y[rows, tile] += (Σ_j h_j) @ B[slot][slice s][tile]ᵀ
 
-which sums to the LoRA update because the expand is linear in h. With ``SPLIT_K`` > 1 each part
-is rounded to y's dtype before its atomic add, in no fixed order: replays agree to within that
-rounding, not bit for bit (the check's tolerance is far wider). There is no scratch buffer,
-no memset and no second launch, and every program's chain is short: one pass over its K part,
-one B tile, one update. Why not one program per output tile that reduces all of K itself? It
-streams its slot's whole A slice before it can expand (tens of dependent loads): measured on an
-H200 that design took 9 µs per launch at K = 4096 and 18 µs at 11008. The price here is that
-each A part is read once per output tile and each B tile once per K part (from L2), and
-``SPLIT_K`` atomic adds per output element; ``lorabench tune`` picks the balance per shape.
+With ``SPLIT_K`` = 1, h_0 is all of h and the program expands it itself. Split, the tile's
+programs add their h_j into the tile's fp32 sum in a workspace (relaxed fp32 atomics) and count
+themselves in on its arrival count (an acq_rel atomic); the last to arrive reads the sum, sets
+sum and count back to zero (so the next launch or graph replay needs no memset), and expands.
+Either way y is read and rounded once, and h enters the expand with about 16 bits
+(``_expand_tile``): in bf16 the kernel is at least as accurate as the shrink + expand pair, which
+rounds h to bf16. (Expanding each part and adding it into y with atomics in y's dtype, as this
+kernel once did, rounded y ``SPLIT_K`` times: about 4x the pair's worst bf16 error at large K on
+an H200.) The fp32 sum's order varies, so replays agree to fp32 rounding, not bit for bit.
+
+The workspace is the kernel's own (``_workspace``: per device, zeroed when allocated, grown only
+outside graph capture, left zero by every launch): a row of BLOCK_R floats per (token, slice,
+output tile) for the sums and an int32 count per (first token of a tile, slice, output tile).
+That is more than the model's per-linear ``scratch`` ([max tokens, 3·rank] floats), which this
+kernel does not use. Launches on a device must not overlap; lorabench's run on one stream.
+
+Why not one program per output tile that reduces all of K itself? It streams its slot's whole A
+slice before it can expand (tens of dependent loads): measured on an H200 that design took 9 µs
+per launch at K = 4096 and 18 µs at 11008. The price here is that each A part is read once per
+output tile and each B tile once per K part (from L2), plus the split's two round trips below;
+``lorabench tune`` picks the balance per shape.
 
 The grid is ``(m tiles · K parts · output tiles, slices, launch count)``; as in the unfused
 kernels, program ``i`` on the last axis serves ``active_slots[i]`` and exits at once when that
 entry is -1 or its tile holds none of that slot's tokens. Base-model tokens are masked out.
 
-A decode launch is a chain of dependent memory round trips, so the chain is kept to two: the
-slot and the token tile (batch order, ``adapter_tile``) load together; then x, the A part and the
-B tile load together (B is issued before the K loop). On sm90+ the kernel is launched with PDL
-(see ``triton_lora``): it starts while the base GEMM before it finishes and waits only before it
-updates y, the GEMM's output; it lets its consumer launch at once.
+A decode launch is a chain of dependent memory round trips, so the chain is kept short: the slot
+and the token tile (batch order, ``adapter_tile``) load together; then x, the A part and the B
+tile load together (B is issued before the K loop). Split, a tile's last program adds two: the
+count (its y tile loads meanwhile), then the sum. On sm90+ the kernel is launched with PDL (see
+``triton_lora``): it starts while the base GEMM before it finishes and waits before it writes
+anything (sums, counts, y); it lets its consumer launch at once.
 
-Measured on an H200 (BENCHMARKS.md) the shrink + expand pair with PDL beats it at every
-point, one adapter included: what this kernel pays is the A re-reads and the atomics, not latency.
+Measured on an H200 (BENCHMARKS.md, with the earlier atomics into y) the shrink + expand pair
+with PDL beat it at every point, one adapter included: what this kernel pays is the A re-reads
+and the split-K reduction, not launch latency.
 """
 
 from dataclasses import asdict, dataclass
@@ -54,11 +68,27 @@ LETS_CONSUMER_LAUNCH = True  # see triton_lora
 
 
 @triton.jit
+def _expand_tile(h, b, UPCAST: tl.constexpr):
+    """h @ b in fp32: h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N] in the weights' dtype. In a
+    16-bit dtype h goes in as its rounded value plus the remainder of that rounding (two dots), so
+    it keeps about 16 bits: y's final rounding is then the only one that shows."""
+    if UPCAST:
+        return tl.dot(h, b.to(tl.float32))
+    hi = h.to(b.dtype)
+    acc = tl.dot(hi, b)
+    if b.dtype != tl.float32:
+        acc = tl.dot((h - hi.to(tl.float32)).to(b.dtype), b, acc)
+    return acc
+
+
+@triton.jit
 def _fused_kernel(
     x_ptr,  # [T, K] input activations
     a_ptr,  # [L, S·R, K] stacked A weights
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
+    sum_ptr,  # [T·S·output tiles·BLOCK_R] float32: h per (token, slice, output tile); zero, left zero
+    count_ptr,  # [T·S·output tiles] int32 arrivals per (tile's first token, slice, output tile); zero, left zero
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
@@ -67,10 +97,10 @@ def _fused_kernel(
     K,  # input features
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
-    stride_xm, stride_xk,
-    stride_al, stride_an, stride_ak,
-    stride_bl, stride_bn, stride_br,
-    stride_ym, stride_yn,
+    stride_xm, stride_xk,  # x's strides
+    stride_al, stride_an, stride_ak,  # lora_a's strides
+    stride_bl, stride_bn, stride_br,  # lora_b's strides
+    stride_ym, stride_yn,  # y's strides
     scale,  # LoRA scaling, applied to the intermediate
     BLOCK_M: tl.constexpr,  # tokens per tile (>= 16, tl.dot's minimum)
     BLOCK_N: tl.constexpr,  # output columns per tile
@@ -78,7 +108,7 @@ def _fused_kernel(
     BLOCK_R: tl.constexpr,  # >= R, at least 16
     SPLIT_K: tl.constexpr,  # K parts: programs per output tile, each over a strided part of K
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
-    USE_PDL: tl.constexpr,  # PDL-launched: wait for the GEMM before updating y
+    USE_PDL: tl.constexpr,  # PDL-launched: wait for the GEMM before writing anything
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
     pid = tl.program_id(0)
@@ -119,19 +149,28 @@ def _fused_kernel(
         h += tl.dot(x, a)
     h *= scale
 
-    # expand that part onto this program's output tile
-    if UPCAST:
-        delta = tl.dot(h, b.to(tl.float32))
-    else:
-        delta = tl.dot(h.to(b.dtype), b)  # as the unfused expand rounds its fp32 input
+    pdl_wait(USE_PDL)
     mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    pdl_wait(USE_PDL)
-    if SPLIT_K == 1:
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
+    y = tl.load(y_ptrs, mask=mask, other=0.0)  # in flight during the count below (only the last writes y)
+    if SPLIT_K > 1:
+        # Add this part into the tile's fp32 h and count it in; the tile's last program to arrive
+        # takes the sum and goes on alone, leaving the sum and the count zero again.
+        sums = sum_ptr + ((rows * tl.num_programs(1) + s) * num_n + pid_n)[:, None] * BLOCK_R + offs_r[None, :]
+        hr_mask = m_mask[:, None] & r_mask[None, :]
+        tl.atomic_add(sums, h, mask=hr_mask, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # all of this program's adds are made before its arrival is counted
+        first = tl.min(tl.where(m_mask, rows, T), axis=0)  # the tile's first token names its count
+        count = count_ptr + (first * tl.num_programs(1) + s) * num_n + pid_n
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") < SPLIT_K - 1:
+            return
+        h = tl.load(sums, mask=hr_mask, other=0.0, cache_modifier=".cg")
+        tl.store(sums, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=hr_mask)
+        tl.store(count, 0)  # both left zero for the next launch: a graph replay needs no memset
+
+    # expand onto this program's output tile: y is rounded once
+    delta = _expand_tile(h, b, UPCAST)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -197,9 +236,29 @@ def config_dict(cfg: FusedConfig) -> dict:
     return asdict(cfg)
 
 
+# The kernel's workspace: a float32 sums buffer and an int32 counts buffer per device, shared by
+# every launch there (lorabench runs its launches one after another on one stream, and a
+# PDL-launched kernel writes nothing before its predecessor has finished). Every launch leaves
+# them zero, so a buffer that served a graph's capture serves it at every replay. A buffer only
+# grows, never during a capture; an outgrown one stays alive for the graphs that use it.
+_WORKSPACE: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The device's zeroed workspace buffer of ``dtype`` with at least ``numel`` elements."""
+    bufs = _WORKSPACE.setdefault((str(device), dtype), [])
+    if not bufs or bufs[-1].numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_lora: a launch larger than any before it is being captured; "
+                               "run it once outside the capture first (that allocates its workspace)")
+        bufs.append(torch.zeros(triton.next_power_of_2(numel), dtype=dtype, device=device))
+    return bufs[-1]
+
+
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None, config=None):
     """y[t, slice s] += scale · (x[t] @ A[slot]ᵀ)[s·R:(s+1)·R] @ B[slot][slice s]ᵀ, in place, for
-    adapter tokens of the first ``launch_count`` active slots; one launch. ``scratch`` is unused."""
+    adapter tokens of the first ``launch_count`` active slots; one launch. ``scratch`` is unused:
+    split over K, the kernel uses its own workspace (``_workspace``), larger than that buffer."""
     del scratch
     if launch_count <= 0:
         return
@@ -211,18 +270,23 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     tokens, k = x.shape
     rank = lora_b.shape[2]
     cfg = config or config_for(tokens, k, widest, rank, num_slices, launch_count)
-    grid = (triton.cdiv(tokens, cfg.block_m) * cfg.split_k * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
+    n_tiles = triton.cdiv(widest, cfg.block_n)
+    split = cfg.split_k > 1
+    block_r = max(16, triton.next_power_of_2(rank))
+    sums = _workspace(y.device, torch.float32, tokens * num_slices * n_tiles * block_r if split else 1)
+    counts = _workspace(y.device, torch.int32, tokens * num_slices * n_tiles if split else 1)
+    grid = (triton.cdiv(tokens, cfg.block_m) * cfg.split_k * n_tiles, num_slices, launch_count)
     pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
-        x, lora_a, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start, tokens,
-        k, rank, *bounds,
+        x, lora_a, lora_b, y, sums, counts, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        tokens, k, rank, *bounds,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLIT_K=cfg.split_k,
+        BLOCK_R=block_r, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=INTERPRET and y.dtype == torch.bfloat16,  # bf16 dots upcast in the interpreter (see triton_lora)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
