@@ -27,6 +27,11 @@
 #            (with results/tuned-h200's configs when the tune stage ran on this machine); LB_LORAS, LB_POINTS
 #            (tokens:active[:launch]), LB_VARIANTS (e.g. triton,fused)
 #   shrink-grid - scripts/shrink_grid.py: the shrink configs of a small grid per shape against the default (~3 min)
+#   bf16-grid - scripts/bf16_error_grid.py: the pair's and the fused kernel's worst error in fp16/bf16 against fp32
+#   first-run - the README's two commands as a new user runs them (sweep --max-loras 4 --concurrency 1,2,4,8;
+#            report), timed from process start to the end of each
+#   resume - sweeps/card.toml stopped by SIGTERM (RESUME_AFTER s, default 25) and by SIGKILL, each resumed
+#            with --resume, timed; the rows compared with the plan
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 set -uo pipefail
@@ -84,6 +89,24 @@ for stage in "$@"; do
     auto-budget)  # a budget that excludes pow2 (and dense), with max and pow2 measured in the same run
       below=$(python3 -c "import pandas as p; d=p.read_parquet('results/auto/32/points.parquet'); print(d[d.strategy=='pow2'].graph_mem_bytes.dropna().iloc[0] / 2**20 - 1)")
       lorabench sweep --spec sweeps/auto-32.toml --strategy auto,max,pow2 --auto-from results/auto/32 --workload uniform --graph-memory-budget "$below" --out results 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
+    bf16-grid) python3 scripts/bf16_error_grid.py 2>&1 | tee -a "$OUT/bf16-grid.log" | tail -n 12 | tee -a "$OUT/stages.log" ;;
+    first-run)
+      /usr/bin/time -f "sweep wall %e s" lorabench sweep --max-loras 4 --concurrency 1,2,4,8 2>&1 | tail -n 4 | tee -a "$OUT/stages.log"
+      /usr/bin/time -f "report wall %e s" lorabench report 2>&1 | tail -n 2 | tee -a "$OUT/stages.log" ;;
+    resume)
+      for sig in TERM KILL; do
+        lorabench sweep --spec sweeps/card.toml --out results >"$OUT/resume-$sig.log" 2>&1 &
+        pid=$!; sleep "${RESUME_AFTER:-25}"; kill -s "$sig" "$pid"; wait "$pid"; echo "sweep after SIG$sig: rc=$?" | tee -a "$OUT/stages.log"
+        sleep 2; run=$(ls -td results/2*/ | head -1)
+        echo "workers left: $(pgrep -fc lorabench.runtime.worker)" | tee -a "$OUT/stages.log"
+        /usr/bin/time -f "resume wall %e s" lorabench sweep --resume "$run" 2>&1 | tail -n 4 | tee -a "$OUT/stages.log"
+        python3 -c "
+import json, sys, pandas as pd
+run = sys.argv[1]; info = json.load(open(run + 'run.json')); df = pd.read_parquet(run + 'points.parquet')
+planned = {p['index'] for j in info['jobs'] for p in j['points']}
+print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in info[\"resumes\"]]}, rows {len(df)} ok {int((df.status == \"ok\").sum())} of {len(planned)} planned, same points: {set(df.point) == planned}')
+" "$run" | tee -a "$OUT/stages.log"
+      done ;;
     report) for r in results/2*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
