@@ -1,6 +1,6 @@
 """A stand-in for the sweep's worker that imports no torch and measures nothing: it speaks the
 worker's protocol (``@@env``, ``@@check``, one ``@@row`` per point, each after STUB_SLOW
-seconds) and ties itself to its sweep with the real worker's ``lifeline``. The kill tests use it
+seconds), started as the real one is, under ``lorabench.runtime.lifeline``. The kill tests use it
 where what is under test is the sweep around the worker, not the worker's timing."""
 
 import json
@@ -9,7 +9,6 @@ import sys
 import time
 
 from lorabench.config.plan import Job
-from lorabench.runtime.lifeline import exit_with_parent
 
 
 def emit(kind: str, payload: dict) -> None:
@@ -19,7 +18,6 @@ def emit(kind: str, payload: dict) -> None:
 
 def main() -> None:
     message = json.loads(sys.stdin.read())
-    exit_with_parent(int(message["parent"]))
     job = Job.from_json(message["job"])
     emit("env", {"device": job.device, "gpu_name": None, "git_sha": os.environ.get("LORABENCH_GIT_SHA")})
     if job.check:

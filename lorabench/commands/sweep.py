@@ -48,7 +48,8 @@ from lorabench.storage.runs import (
 )
 from lorabench.storage.tune_files import vllm_folder
 
-WORKER = "lorabench.runtime.worker"  # the module each worker process runs (``python -m``)
+WORKER = "lorabench.runtime.worker"  # the module each worker process runs
+LIFELINE = "lorabench.runtime.lifeline"  # runs WORKER, tied to this process (it ends when the sweep does)
 
 
 def resolve_auto(spec: SweepSpec) -> str | None:
@@ -267,7 +268,7 @@ class Sweep:
         return child_env
 
     def run_worker(self, index: int, job: Job, advance) -> None:
-        message = json.dumps({"job": job.to_json(), "spawned_at": time.time(), "parent": os.getpid()})
+        message = json.dumps({"job": job.to_json(), "spawned_at": time.time()})
         log_path = self.run_dir / f"worker-{index}.log"
         done: set[int] = set()
         verdicts = 0
@@ -275,7 +276,7 @@ class Sweep:
             if log.tell():
                 log.write(f"--- resumed {now()}: {len(job.points)} points ---\n")
                 log.flush()
-            proc = subprocess.Popen([sys.executable, "-m", WORKER], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", LIFELINE, str(os.getpid()), WORKER], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, text=True, env=self.worker_env(job))
             try:
                 proc.stdin.write(message)

@@ -1,9 +1,15 @@
 """A worker process's tie to its sweep: it ends when the sweep that started it is gone.
-Imports no torch, so that the tests' stand-in workers use the same code."""
+
+The sweep starts every worker as ``python -m lorabench.runtime.lifeline SWEEP_PID MODULE``: the
+tie is made before MODULE (the worker) is imported, so a sweep killed while its worker still
+imports torch or initialises the GPU takes the worker with it at once. Imports no torch.
+"""
 
 import ctypes
 import os
+import runpy
 import signal
+import sys
 import threading
 import time
 
@@ -23,3 +29,16 @@ def exit_with_parent(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def main() -> None:
+    """``python -m lorabench.runtime.lifeline SWEEP_PID MODULE``: tie this process to the sweep,
+    then run MODULE as ``__main__``."""
+    parent, module = int(sys.argv[1]), sys.argv[2]
+    exit_with_parent(parent)
+    sys.argv = [module]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,8 @@ times every point of its job, and writes one ``@@row {json}`` line per point on 
 as the point finishes (the parent writes the Parquet). A point that fails becomes a ``failed``
 row and the worker goes on; if the build or the capture fails, every point becomes a failed row.
 
-Run as ``python -m lorabench.runtime.worker < job.json`` (a ``lorabench.config.plan.Job``).
+Run as ``python -m lorabench.runtime.worker < job.json`` (a ``lorabench.config.plan.Job``); the
+sweep runs it through ``python -m lorabench.runtime.lifeline SWEEP_PID lorabench.runtime.worker``.
 """
 
 import json
@@ -26,7 +27,6 @@ from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env
 from lorabench.runtime.check import check
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.lifeline import exit_with_parent
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
 from lorabench.runtime.timing import summarize, time_steps
@@ -188,11 +188,10 @@ class Worker:
 
 
 def main() -> None:
-    """Read the job from stdin (``{"job": ..., "spawned_at": ..., "parent": pid}``) and run it."""
+    """Read the job from stdin (``{"job": ..., "spawned_at": ...}``) and run it. The sweep runs
+    it under ``lorabench.runtime.lifeline``, which ends it when the sweep is gone."""
     sys.stdout = sys.stderr  # stdout carries rows only
     message = json.loads(sys.stdin.read())
-    if message.get("parent"):
-        exit_with_parent(int(message["parent"]))
     Worker(Job.from_json(message["job"]), message["spawned_at"]).run()
 
 
