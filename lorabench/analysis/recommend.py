@@ -126,7 +126,7 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
     if not passing:
         why = ("no configuration passed its correctness check (see rejected)" if cands
                else "no strategy that passed its correctness check has every point max has")
-        return {**rec, "reason": why + _qualify(cmp, None),
+        return {**rec, "reason": why + _qualify(cmp),
                 "vllm": {"flags": None, "realises": None, "note": "nothing to realise: every measured strategy is wrong"}}
     best = rec["fastest_measured"]
     fastest_ok = min(passing, key=passing.get)
@@ -143,7 +143,7 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
         reason = f"{best} measured fastest but failed its correctness check, so it is not proposed; " + reason
     if chosen != BASELINE and not pays:
         reason += "; max failed its correctness check"
-    reason += _qualify(cmp, chosen)
+    reason += _qualify(cmp)
     c_row = cfg.loc[(k, m, chosen)]
     if backend_of(k) == "vllm" and chosen in VLLM_STRATEGIES:
         realises = chosen
@@ -168,7 +168,7 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
     }
 
 
-def _qualify(cmp: Comparison, chosen: str | None) -> str:
+def _qualify(cmp: Comparison) -> str:
     """What the decision leaves out: max's own missing concurrencies, strategies measured at part
     of max's, and those not comparable at all; '' on a complete comparison."""
     out = []

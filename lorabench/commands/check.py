@@ -38,7 +38,7 @@ def check(flags: dict, spec_file: Path | None, console: Console) -> int:
     spec, notice = prepare({**flags, "check": True}, spec_file)
     if notice:
         console.print(notice)
-    run = Sweep(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
+    run = Sweep.start(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
     console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
     try:
         run.run()

@@ -124,23 +124,32 @@ class Sweep:
     """A run: ``check_only`` builds and checks every configuration and times nothing.
     ``Sweep.resume`` continues a run that ended early, in its own folder."""
 
-    def __init__(self, spec: SweepSpec, argv: str, console: Console, check_only: bool = False):
+    def __init__(self, spec: SweepSpec, argv: str, console: Console, run_dir: Path, info: dict,
+                 writer: PointsWriter, check_only: bool = False):
+        """A run whose folder and run.json exist (``start`` makes them, ``resume`` reads them)."""
         self.spec, self.argv, self.console, self.check_only = spec, argv, console, check_only
-        self.run_id, self.run_dir = new_run_dir(Path(spec.out), spec.device)
-        self.writer = PointsWriter(self.run_dir)
-        self.started_at = now()
-        self.jobs = plan(spec, self.run_id, self.started_at, argv)
-        if check_only:
-            self.jobs = [replace(job, points=()) for job in self.jobs]
+        self.run_dir, self.info, self.writer = Path(run_dir), info, writer
+        self.run_id, self.started_at = info["run_id"], info["started_at"]
+        self.jobs = [Job.from_json(json.dumps(j)) for j in info["jobs"]]
         self.todo = list(enumerate(self.jobs))  # (index, job) this process runs: all, or a resumed run's unfinished points
-        self.checks: list[dict] = []  # one verdict per configuration, also in checks.json
-        self.info = {
-            "run_id": self.run_id, "command": "check" if check_only else "sweep", "started_at": self.started_at,
-            "argv": argv, "status": RUNNING, "spec": spec.to_dict(), "env": env.collect("cpu"),
-            "jobs": [asdict(job) for job in self.jobs],
-        }
-        self.wall_before = 0.0  # wall time of earlier parts of a resumed run
-        self.write_info()
+        checks = self.run_dir / "checks.json"
+        self.checks: list[dict] = json.loads(checks.read_text()) if checks.is_file() else []  # one verdict per configuration
+        self.wall_before = float(info.get("wall_s") or 0.0)  # wall time of earlier parts of a resumed run
+
+    @classmethod
+    def start(cls, spec: SweepSpec, argv: str, console: Console, check_only: bool = False) -> "Sweep":
+        """A new run in a new folder under ``spec.out``."""
+        run_id, run_dir = new_run_dir(Path(spec.out), spec.device)
+        started_at = now()
+        jobs = plan(spec, run_id, started_at, argv)
+        if check_only:
+            jobs = [replace(job, points=()) for job in jobs]
+        info = {"run_id": run_id, "command": "check" if check_only else "sweep", "started_at": started_at,
+                "argv": argv, "status": RUNNING, "spec": spec.to_dict(), "env": env.collect("cpu"),
+                "jobs": [asdict(job) for job in jobs]}
+        run = cls(spec, argv, console, run_dir, info, PointsWriter(run_dir), check_only)
+        run.write_info()
+        return run
 
     @classmethod
     def resume(cls, run_dir: Path, argv: str, console: Console, force: bool = False) -> "Sweep":
@@ -161,29 +170,20 @@ class Sweep:
             raise UserError(f"--resume {run_dir}: its sweep is still running ({where}); "
                             "if that process is gone, add --force")
         try:
-            spec = SweepSpec(**info["spec"])
-            jobs = [Job.from_json(json.dumps(j)) for j in jobs_raw]
+            run = cls(SweepSpec(**info["spec"]), argv, console, run_dir, info, PointsWriter(run_dir, resume=True))
         except (TypeError, KeyError) as e:
             raise UserError(f"--resume {run_dir}: its run.json is not one this lorabench can read ({e})") from None
-        self = cls.__new__(cls)
-        self.spec, self.argv, self.console, self.check_only = spec, argv, console, False
-        self.run_id, self.run_dir, self.started_at = info["run_id"], Path(run_dir), info["started_at"]
-        self.jobs, self.info = jobs, info
-        self.writer = PointsWriter(self.run_dir, resume=True)
-        differences = self.differences()
+        differences = run.differences()
         if differences and not force:
             raise UserError(f"--resume {run_dir}: {'; '.join(differences)} (--force resumes it anyway)")
-        ok = {r["point"] for r in self.writer.rows if r["status"] == "ok"}
-        lacking = [(i, replace(j, points=tuple(p for p in j.points if p.index not in ok))) for i, j in enumerate(jobs)]
-        self.todo = [(i, j) for i, j in lacking if j.points]
-        checks = self.run_dir / "checks.json"
-        self.checks = json.loads(checks.read_text()) if checks.is_file() else []
-        self.wall_before = float(info.get("wall_s") or 0.0)
-        info.setdefault("resumes", []).append({"at": now(), "argv": argv, "points": self.points,
+        ok = {r["point"] for r in run.writer.rows if r["status"] == "ok"}
+        lacking = [(i, replace(j, points=tuple(p for p in j.points if p.index not in ok))) for i, j in run.todo]
+        run.todo = [(i, j) for i, j in lacking if j.points]
+        info.setdefault("resumes", []).append({"at": now(), "argv": argv, "points": run.points,
                                                "previous_status": status, "forced": differences if force else []})
         info.update(status=RUNNING)
-        self.write_info()
-        return self
+        run.write_info()
+        return run
 
     def differences(self) -> list[str]:
         """What makes this resume differ from the run: the plan, the code, the GPU (empty: none)."""
@@ -193,8 +193,10 @@ class Sweep:
             out.append(f"this lorabench plans the run's spec differently ({sum(len(j.points) for j in replanned)} "
                        f"points in {len(replanned)} workers; the run has {sum(len(j.points) for j in self.jobs)} "
                        f"in {len(self.jobs)})")
+        if self.spec.device == "cuda" and not env.machine().cuda:
+            raise UserError(f"--resume {self.run_dir}: the run was measured on a GPU; this machine has none")
         rows = [r for r in self.writer.rows if r["status"] == "ok"]
-        here = env.collect("cpu") | {"gpu_name": env.machine().gpu_name}
+        here = env.collect(self.spec.device)
         for key, what in (("git_sha", "code"), ("torch", "torch"), ("triton", "triton"), ("gpu_name", "GPU")):
             theirs = {r[key] for r in rows if r.get(key)} or ({self.info["env"][key]} if self.info.get("env", {}).get(key) else set())
             if key == "gpu_name" and self.spec.device == "cpu":
@@ -338,7 +340,7 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
         spec, notice = prepare(flags, spec_file)
         if notice:
             console.print(notice)
-        run = Sweep(spec, argv, console)
+        run = Sweep.start(spec, argv, console)
         console.print(f"run {run.run_id}: {run.points} points in {len(run.jobs)} workers -> {run.run_dir}")
     try:
         run_dir = run.run()

@@ -56,17 +56,26 @@ def collect(device: str) -> dict:
     }
 
 
+def free_gpu_bytes() -> int | None:
+    """Free memory of the GPU the workers get (torch's device 0), read by nvidia-smi: asking torch
+    (``mem_get_info``) would create a CUDA context in the sweep's own process, 0.5 GiB held for the
+    whole sweep. None when it cannot be read: the memory check is then skipped."""
+    try:
+        uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}"
+        out = subprocess.run(["nvidia-smi", "-i", uuid, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError, ValueError, IndexError):
+        return None
+
+
 def machine() -> Machine:
     """This host as a spec sees it: a CUDA device or not, its name, and the memory a worker may
     take (free GPU memory; RAM as Linux's MemAvailable), for the spec's memory check. None where
     unknown: the check is then skipped."""
     cuda = torch.cuda.is_available()
-    free_gpu = free_ram = None
-    if cuda:
-        try:
-            free_gpu = torch.cuda.mem_get_info()[0]
-        except RuntimeError:  # a busy or broken device: no check here, the worker will say
-            pass
+    free_gpu = free_gpu_bytes() if cuda else None
+    free_ram = None
     try:
         with open("/proc/meminfo") as f:
             free_ram = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)

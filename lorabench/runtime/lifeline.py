@@ -16,12 +16,17 @@ import time
 
 def exit_with_parent(parent: int) -> None:
     """End this process when the sweep that started it is gone (SIGKILL, a crash), so no worker
-    is left timing for nobody. Linux tells us at once (PR_SET_PDEATHSIG); elsewhere, and for
-    a parent that died before that was set, a daemon thread checks twice a second."""
+    is left timing for nobody. Linux tells us at once (PR_SET_PDEATHSIG; a parent that died
+    before that was set is caught by the check after it); elsewhere a daemon thread checks the
+    parent twice a second."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        tied = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) == 0  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        tied = False
+    if os.getppid() != parent:
+        os._exit(1)
+    if tied:
+        return
 
     def watch() -> None:
         while os.getppid() == parent:

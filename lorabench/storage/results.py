@@ -73,6 +73,7 @@ class PointsWriter:
     def __init__(self, run_dir: Path, resume: bool = False):
         self.run_dir = Path(run_dir)
         self.rows: list[dict] = []
+        self._place: dict[int, int] = {}  # point -> its row's place in self.rows
         if resume and self.path.is_file():
             for row in pq.read_table(self.path).to_pylist():
                 self._put({c: row.get(c) for c in COLUMNS})
@@ -92,10 +93,12 @@ class PointsWriter:
             f.write(json.dumps(full) + "\n")
 
     def _put(self, full: dict) -> None:
-        same = [i for i, r in enumerate(self.rows) if full["point"] is not None and r["point"] == full["point"]]
-        if same:
-            self.rows[same[0]] = full
+        place = self._place.get(full["point"]) if full["point"] is not None else None
+        if place is not None:
+            self.rows[place] = full
         else:
+            if full["point"] is not None:
+                self._place[full["point"]] = len(self.rows)
             self.rows.append(full)
 
     def flush(self) -> None:
