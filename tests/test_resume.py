@@ -64,7 +64,8 @@ def start(out: Path, strategies: str, worker: str = STUB) -> subprocess.Popen:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, "-c", LAUNCH, worker, "sweep", *SMALL, "--strategy", strategies, "--out", str(out)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,  # SIGINT handled as under a terminal, even when pytest
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # runs with it ignored
 
 
 def run_dir(out: Path) -> Path:
