@@ -62,7 +62,7 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
               kernels: str | None, max_loras: str | None, console: Console) -> int:
     df = load_run(run_dir)
     cov = coverage(run_dir, df)
-    incomplete = None if cov is None or cov.complete else "incomplete run, " + cov.line()
+    incomplete = cov.incomplete() if cov is not None else None
     memory = coerce("graph_memory_budget", graph_memory_budget) * 2**20 if graph_memory_budget is not None else None
     startup = coerce("startup_budget", startup_budget) if startup_budget is not None else None
     try:
@@ -76,10 +76,10 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
         raise UserError(f"{run_dir}: nothing to optimise (no lorabench-kernel points matching --kernels/--max-loras)")
     none = [r for r in recs if r["auto"] is None]
     if len(none) == len(recs):
-        raise UserError(f"{run_dir}: nothing to recommend" + (f" ({incomplete})" if incomplete else "") + ": "
+        raise UserError(f"{run_dir}: nothing to recommend" + (f" (incomplete run, {incomplete})" if incomplete else "") + ": "
                         + "; ".join(f"{r['kernels']} max_loras {r['max_loras']}: {r['reason']}" for r in none))
     if incomplete:
-        console.print(f"{incomplete}; every comparison is over the concurrencies where max has every point")
+        console.print(f"incomplete run, {incomplete}; every comparison is over the concurrencies where max has every point")
     console.print(auto_table(recs))
     for r in recs:
         where = f"{r['kernels']} max_loras={r['max_loras']}"

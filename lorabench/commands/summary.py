@@ -42,8 +42,9 @@ def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None
         error = str(first.get("error") or "no error recorded")
         error = error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 3] + "..."
         parts.append(Text(f"{len(failed)} failed point{'s' * (len(failed) != 1)}; first: {where}: {error}", style="red"))
-    if coverage is not None and not coverage.complete:
-        parts.append(Text(f"incomplete run, {coverage.line()}", style="yellow"))
+    lacks = coverage.incomplete() if coverage is not None else None
+    if lacks:
+        parts.append(Text(f"incomplete run, {lacks}", style="yellow"))
     return Group(*parts)
 
 

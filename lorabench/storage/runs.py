@@ -67,6 +67,10 @@ class Coverage:
     def complete(self) -> bool:
         return self.status == FINISHED and self.finished >= self.planned
 
+    def incomplete(self) -> str | None:
+        """What the run lacks, in one line (``line``), or None when it is complete."""
+        return None if self.complete else self.line()
+
     def summary(self) -> str:
         """One line: e.g. ``killed: 38 of 126 planned points finished (88 missing, 2 failed)``."""
         missing = self.planned - self.finished

@@ -12,18 +12,18 @@ from lorabench.analysis.roofline import floors
 from lorabench.commands.report import plots as p
 from lorabench.commands.report.markdown import render_markdown
 from lorabench.storage.results import load_run
-from lorabench.storage.runs import Coverage, coverage, run_status
+from lorabench.storage.runs import Coverage, coverage, read_info, run_status
 
 
 def incomplete_line(run_info: dict, cov: Coverage | None) -> str | None:
     """One line saying how a run is incomplete (its status, planned vs finished points, which
     configurations lack how many), or None for a finished run with every planned point."""
     if cov is not None:
-        return None if cov.complete else "incomplete run, " + cov.line()
+        return cov.incomplete()
     status = run_status(run_info) if run_info else None
     if status in (None, "finished"):
         return None
-    return f"incomplete run, {status} (run.json lists no plan: which points are missing is not known)"
+    return f"{status} (run.json lists no plan: which points are missing is not known)"
 
 
 def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
@@ -31,13 +31,12 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     With a console, an incomplete run is said there too, in one line."""
     run_dir = Path(run_dir)
     df = load_run(run_dir)
-    info_path = run_dir / "run.json"
-    run_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    run_info = read_info(run_dir)
     cov = coverage(run_dir, df)
     planned = cov.planned_concurrency if cov else None
     incomplete = incomplete_line(run_info, cov)
     if console is not None and incomplete:
-        console.print(f"{run_dir}: {incomplete}")
+        console.print(f"{run_dir}: incomplete run, {incomplete}")
     cfg, exp, over = configs(df), expected_steps(df), lora_overhead(df)
     plots = {
         "latency_vs_active": p.latency_vs_active(df, run_dir / "latency_vs_active.png"),

@@ -231,7 +231,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
     out = [
         f"# lorabench report: {r.run_id}",
         "",
-        *([f"> **Incomplete run**: {incomplete.removeprefix('incomplete run, ')}. Comparisons are over the points "
+        *([f"> **Incomplete run**: {incomplete}. Comparisons are over the points "
            "both strategies have (see Recommendation).", ""] if incomplete else []),
         f"- machine: {where}",
         f"- model: {r.model}, {int(r.layers)} layers, hidden {int(r.hidden)}, rank {int(r['rank'])}, {r['dtype']}, "
