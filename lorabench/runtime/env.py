@@ -11,6 +11,7 @@ import triton
 from lorabench.config.flags import Machine
 from lorabench.errors import UserError
 from lorabench.kernels import vllm_lora
+from lorabench.runtime import telemetry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,12 +33,8 @@ def git_sha() -> str | None:
 
 
 def driver_version() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    """The NVIDIA driver's version, read through NVML; None without NVML or a driver."""
+    return telemetry.driver_version()
 
 
 def collect(device: str) -> dict:
@@ -57,16 +54,15 @@ def collect(device: str) -> dict:
 
 
 def free_gpu_bytes() -> int | None:
-    """Free memory of the GPU the workers get (torch's device 0), read by nvidia-smi: asking torch
-    (``mem_get_info``) would create a CUDA context in the sweep's own process, 0.5 GiB held for the
-    whole sweep. None when it cannot be read: the memory check is then skipped."""
+    """Free memory of the GPU the workers get (torch's device 0), read through NVML by its UUID:
+    asking torch (``mem_get_info``) would create a CUDA context in the sweep's own process, 0.5 GiB
+    held for the whole sweep. None when it cannot be read: the memory check is then skipped."""
     try:
         uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}"
-        out = subprocess.run(["nvidia-smi", "-i", uuid, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
-        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError, ValueError, IndexError):
+    except (RuntimeError, AssertionError, AttributeError):  # no driver; torch without CUDA
         return None
+    gpu = telemetry.Gpu.by_uuid(uuid)
+    return gpu.free_bytes() if gpu else None
 
 
 def machine() -> Machine:
