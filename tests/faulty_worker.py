@@ -22,22 +22,22 @@ elif fault == "capture":
 elif fault == "check":
     worker.check = lambda *a, **kw: boom("check")
 elif stage in ("point", "kill"):
-    measure = worker.Worker.measure
+    turn = worker.Worker.turn
 
-    def faulty_measure(self, d, point):
+    def faulty_turn(self, arm, point, *args, **kwargs):
         if point.index == int(index):
             if stage == "kill":
                 os.kill(os.getpid(), 9)
             boom(fault)
-        return measure(self, d, point)
+        return turn(self, arm, point, *args, **kwargs)
 
-    worker.Worker.measure = faulty_measure
+    worker.Worker.turn = faulty_turn
 elif stage == "slow":
     measure = worker.Worker.measure
 
-    def slow_measure(self, d, point):
+    def slow_measure(self, entries):
         time.sleep(float(index))
-        return measure(self, d, point)
+        return measure(self, entries)
 
     worker.Worker.measure = slow_measure
 else:

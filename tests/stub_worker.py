@@ -18,19 +18,21 @@ def emit(kind: str, payload: dict) -> None:
 
 def main() -> None:
     message = json.loads(sys.stdin.read())
-    job = Job.from_json(message["job"])
-    emit("env", {"device": job.device, "gpu_name": None, "git_sha": os.environ.get("LORABENCH_GIT_SHA")})
-    if job.check:
-        emit("check", {**job.config, "correct": True, "detail": "stub"})
-    for p in job.points:
-        time.sleep(float(os.environ.get("STUB_SLOW", "0")))
-        emit("row", {"run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, **job.config,
-                     "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype,
-                     "git_sha": os.environ.get("LORABENCH_GIT_SHA"), "point": p.index, "mode": p.mode,
-                     "concurrency": p.concurrency, "n_active": p.n_active, "workload": p.workload,
-                     "captured_counts": list(job.counts), "capture_sizes": list(job.capture_sizes),
-                     "num_graphs": len(job.counts), "build_s": 0.0, "compile_s": 0.0, "capture_s": 0.0,
-                     "startup_s": 0.0, "status": "ok", "step_ms_median": 1.0 + p.index, "correct": True})
+    jobs = [Job.from_json(j) for j in message["jobs"]]
+    emit("env", {"device": jobs[0].device, "gpu_name": None, "git_sha": os.environ.get("LORABENCH_GIT_SHA")})
+    for job in jobs:
+        if job.check:
+            emit("check", {**job.config, "correct": True, "detail": "stub"})
+    for job in jobs:
+        for p in job.points:
+            time.sleep(float(os.environ.get("STUB_SLOW", "0")))
+            emit("row", {"run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, **job.config,
+                         "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype,
+                         "git_sha": os.environ.get("LORABENCH_GIT_SHA"), "point": p.index, "mode": p.mode,
+                         "concurrency": p.concurrency, "n_active": p.n_active, "workload": p.workload,
+                         "captured_counts": list(job.counts), "capture_sizes": list(job.capture_sizes),
+                         "num_graphs": len(job.counts), "build_s": 0.0, "compile_s": 0.0, "capture_s": 0.0,
+                         "startup_s": 0.0, "status": "ok", "step_ms_median": 1.0 + p.index, "correct": True})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""lorabench.analysis.stats on synthetic samples whose truth is known: the intervals cover what
+"""lorabench.stats on synthetic samples whose truth is known: the intervals cover what
 they claim, the comparisons see real shifts and not noise, the words match the verdicts."""
 
 import math
@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from lorabench.analysis.stats import (
+from lorabench.stats import (
     LEVEL,
     MIN_SAMPLES,
     N_BOOT,

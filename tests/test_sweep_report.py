@@ -93,24 +93,27 @@ def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
 
 
 def test_a_killed_worker_keeps_finished_rows(tmp_path, capsys):
-    code, run = sweep(tmp_path, fault="kill:0")
+    """One worker per (kernels, max_loras): the first one (max_loras 2) dies at its first point,
+    the next one (max_loras 4) runs normally."""
+    code, run = sweep(tmp_path, "--max-loras", "2,4", fault="kill:0")
     df = pd.read_parquet(run / "points.parquet").sort_values("point")
-    assert code == 0 and len(df) == POINTS
-    first = df[df.point < POINTS // 2]
+    first = df[df.max_loras == 2]
+    assert code == 0 and len(first) == 2 * ((2 + 2) + (3 + 2)) and len(df) == len(first) + POINTS
     assert (first.status == "failed").all()
     assert first.error.str.contains("worker exited with status -9").all()
-    assert (df[df.point >= POINTS // 2].status == "ok").all(), "the next worker runs normally"
+    assert (df[df.max_loras == 4].status == "ok").all(), "the next worker runs normally"
     assert main(["report", str(run)]) == 0, "failed rows first in the file must not break the report"
-    assert "| 0 | torch | 4 | max |" in (run / "report.md").read_text()
+    assert "| 0 | torch | 2 | max |" in (run / "report.md").read_text()
 
 
 def test_a_worker_killed_mid_run_keeps_its_earlier_rows(tmp_path):
+    """Both strategies are timed point by point in turns: killed at max's third point, the
+    worker has finished the first two points of both max and pow2 (its points 11 and 12)."""
     code, run = sweep(tmp_path, fault="kill:2")
     df = pd.read_parquet(run / "points.parquet").sort_values("point")
     assert code == 0 and len(df) == POINTS
-    first = df[df.point < POINTS // 2]
-    assert list(first[first.status == "ok"].point) == [0, 1]
-    assert first[first.point >= 2].error.str.contains("worker exited with status -9").all()
+    assert list(df[df.status == "ok"].point) == [0, 1, POINTS // 2, POINTS // 2 + 1]
+    assert df[df.status == "failed"].error.str.contains("worker exited with status -9").all()
 
 
 def test_interrupted_sweep_leaves_readable_rows(tmp_path):

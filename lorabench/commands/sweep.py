@@ -1,10 +1,11 @@
 """``lorabench sweep`` (and ``lorabench check``, which builds and checks the same workers but
-times nothing): plans the jobs, starts one worker process per (kernels, max_loras, strategy),
-writes each row the moment it arrives, and ends with a summary table.
+times nothing): plans the jobs, starts one worker process per (kernels, max_loras) that times its
+strategies in alternating turns, writes each row the moment it arrives, and ends with a summary
+table.
 
-Output: ``<out>/<run_id>/points.parquet`` (+ ``points.jsonl``), ``run.json`` (the spec, argv and
-environment), ``checks.json`` (each configuration's correctness verdict) and one
-``worker-<i>.log`` per worker.
+Output: ``<out>/<run_id>/points.parquet`` (+ ``points.jsonl``), ``samples/`` (every timed step of
+every point), ``run.json`` (the spec, argv and environment), ``checks.json`` (each
+configuration's correctness verdict) and one ``worker-<i>.log`` per worker.
 """
 
 import json
@@ -20,6 +21,7 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -31,12 +33,13 @@ from rich.progress import (
 
 from lorabench.analysis.optimise import auto_recommendations
 from lorabench.commands.summary import points_table
-from lorabench.config.plan import Job, auto_key, plan
+from lorabench.config.plan import Job, auto_key, groups, plan
 from lorabench.config.spec import SweepSpec, build_spec
 from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS
 from lorabench.runtime import env
+from lorabench.stats import median_interval
 from lorabench.storage.results import PointsWriter, load_run, read_points
 from lorabench.storage.runs import (
     FINISHED,
@@ -46,6 +49,7 @@ from lorabench.storage.runs import (
     read_info,
     run_status,
 )
+from lorabench.storage.samples import write_samples
 from lorabench.storage.tune_files import vllm_folder
 
 WORKER = "lorabench.runtime.worker"  # the module each worker process runs
@@ -233,9 +237,11 @@ class Sweep:
                     self.info["wall_s"] = self.wall_before + time.perf_counter() - t0
                     self.write_info()
 
-                for index, job in self.todo:
-                    progress.update(task, description=f"{job.kernels} max_loras={job.max_loras} {job.strategy}")
-                    self.run_worker(index, job, advance)
+                for group in groups(self.todo):
+                    lead = group[0][1]
+                    progress.update(task, description=f"{lead.kernels} max_loras={lead.max_loras} "
+                                                      f"{','.join(j.strategy for _, j in group)}")
+                    self.run_worker(group, advance)
         except KeyboardInterrupt as e:
             signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
             self.writer.flush()
@@ -269,17 +275,35 @@ class Sweep:
             child_env.pop("VLLM_TUNED_CONFIG_FOLDER", None)  # the defaults, whatever the shell says
         return child_env
 
-    def run_worker(self, index: int, job: Job, advance) -> None:
-        message = json.dumps({"job": job.to_json(), "spawned_at": time.time()})
-        log_path = self.run_dir / f"worker-{index}.log"
+    def worker_log(self, group: list[tuple[int, Job]]) -> Path:
+        """worker-<g>.log: g is the group's place among the run's whole plan's groups, so a
+        resumed worker appends to the log of the one before it."""
+        first = {members[0][0]: g for g, members in enumerate(groups(list(enumerate(self.jobs))))}
+        g = next((first[i] for i, _ in group if i in first), group[0][0])
+        return self.run_dir / f"worker-{g}.log"
+
+    def add_row(self, row: dict) -> None:
+        """A worker's row: its samples into their file first, their median's interval into the row."""
+        samples = row.pop("samples", None)
+        if samples is not None:
+            write_samples(self.run_dir, row["point"], samples)
+            interval = median_interval(np.asarray(samples["step_ms"], dtype=float))
+            if interval is not None:
+                row.update(step_ms_ci_low=interval.low, step_ms_ci_high=interval.high)
+        self.writer.append(row)
+
+    def run_worker(self, group: list[tuple[int, Job]], advance) -> None:
+        jobs = [job for _, job in group]
+        message = json.dumps({"jobs": [job.to_json() for job in jobs], "spawned_at": time.time()})
+        log_path = self.worker_log(group)
         done: set[int] = set()
-        verdicts = 0
+        verdicts: set[tuple] = set()
         with open(log_path, "a") as log:
             if log.tell():
-                log.write(f"--- resumed {now()}: {len(job.points)} points ---\n")
+                log.write(f"--- resumed {now()}: {sum(len(j.points) for j in jobs)} points ---\n")
                 log.flush()
             proc = subprocess.Popen([sys.executable, "-m", LIFELINE, str(os.getpid()), WORKER], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log, text=True, env=self.worker_env(job))
+                                    stdout=subprocess.PIPE, stderr=log, text=True, env=self.worker_env(jobs[0]))
             try:
                 proc.stdin.write(message)
                 proc.stdin.close()
@@ -287,12 +311,13 @@ class Sweep:
                     kind, _, body = line.partition(" ")
                     if kind == "@@row":
                         row = json.loads(body)
-                        self.writer.append(row)
+                        self.add_row(row)
                         done.add(row["point"])
                         advance()
                     elif kind == "@@check":
-                        self.add_check(json.loads(body), advance)
-                        verdicts += 1
+                        verdict = json.loads(body)
+                        self.add_check(verdict, advance)
+                        verdicts.add(verdict.get("strategy"))
                     elif kind == "@@env":
                         self.info["env"] = json.loads(body)
                         self.write_info()
@@ -301,19 +326,22 @@ class Sweep:
                 proc.kill()
                 proc.wait()
                 raise
-        missing = [p for p in job.points if p.index not in done]
         tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
-        if self.spec.check and not verdicts:
-            self.add_check({**job.config, "correct": None,
-                            "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"}, advance)
-        if missing:
-            error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
-            base = {"run_id": self.run_id, "started_at": self.started_at, "argv": job.argv, **job.config,
-                    "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype}
-            for p in missing:
-                self.writer.append({**base, "point": p.index, "mode": p.mode, "concurrency": p.concurrency,
-                                    "n_active": p.n_active, "workload": p.workload, "status": "failed", "error": error})
-                advance()
+        for job in jobs:
+            missing = [p for p in job.points if p.index not in done]
+            if self.spec.check and job.strategy not in verdicts:
+                self.add_check({**job.config, "correct": None,
+                                "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"},
+                               advance)
+            if missing:
+                error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
+                base = {"run_id": self.run_id, "started_at": self.started_at, "argv": job.argv, **job.config,
+                        "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype}
+                for p in missing:
+                    self.writer.append({**base, "point": p.index, "mode": p.mode, "concurrency": p.concurrency,
+                                        "n_active": p.n_active, "workload": p.workload, "status": "failed",
+                                        "error": error})
+                    advance()
 
 
 def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | None = None,
@@ -330,8 +358,8 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
             env.require_vllm()
         planned = sum(len(j.points) for j in run.jobs)
         if run.todo:
-            console.print(f"resume {run.run_id}: {run.points} of {planned} points to measure in {len(run.todo)} "
-                          f"workers -> {run.run_dir}")
+            console.print(f"resume {run.run_id}: {run.points} of {planned} points to measure in "
+                          f"{len(groups(run.todo))} workers -> {run.run_dir}")
         else:
             console.print(f"{run.run_dir}: every one of its {planned} planned points has an ok row; nothing to measure")
     else:
@@ -341,7 +369,7 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
         if notice:
             console.print(notice)
         run = Sweep.start(spec, argv, console)
-        console.print(f"run {run.run_id}: {run.points} points in {len(run.jobs)} workers -> {run.run_dir}")
+        console.print(f"run {run.run_id}: {run.points} points in {len(groups(run.todo))} workers -> {run.run_dir}")
     try:
         run_dir = run.run()
     except KeyboardInterrupt as e:

@@ -58,6 +58,7 @@ class Job:
     tuned: str | None  # the tune folder whose configs "+tuned" kernels run with
     points: tuple[Point, ...] = ()
     predicted_ms: tuple[tuple[str, int, float], ...] = ()  # strategy auto: (workload, c, the cost model's ms)
+    ci_target: float | None = None  # stop a point once its median's interval is within this % (at most iters steps)
 
     @property
     def label(self) -> KernelsLabel:
@@ -113,5 +114,21 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                     model=spec.model, layers=spec.layers, rank=spec.rank, dtype=spec.dtype, context_len=spec.context_len,
                     capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
                     iters=spec.iters, warmup=spec.warmup, seed=spec.seed, check=spec.check,
-                    tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted))
+                    tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
+                    ci_target=spec.ci_target))
     return jobs
+
+
+def group_key(job: Job) -> tuple[str, int]:
+    return job.kernels, job.max_loras
+
+
+def groups(jobs: list[tuple[int, Job]]) -> list[list[tuple[int, Job]]]:
+    """The jobs one worker process runs together: every strategy of one (kernels, max_loras),
+    which the report compares with each other, so it times them in alternating turns on one GPU
+    (drift in clocks or temperature then falls on all of them alike). ``jobs``: (index in the plan,
+    job); the groups keep the plan's order."""
+    out: dict[tuple[str, int], list[tuple[int, Job]]] = {}
+    for index, job in jobs:
+        out.setdefault(group_key(job), []).append((index, job))
+    return list(out.values())

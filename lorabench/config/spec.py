@@ -56,6 +56,7 @@ class SweepSpec:
     startup_budget: float | None = None  # --strategy auto: seconds of startup the set may take
     auto_sets: dict | None = None  # --strategy auto, chosen when planned: "kernels/max_loras" -> counts and predictions
     tuned: str | None = None  # `lorabench tune`'s output folder: adds a "+tuned" run of each tunable backend
+    ci_target: float | None = None  # stop timing a point once its median's 95 % interval is within ± this % (at most iters steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +71,7 @@ LIST_STR = {"strategy", "kernels", "workload"}
 INTS = {"layers", "rank", "context_len", "iters", "warmup", "seed"}
 STRS = {"model", "dtype", "device", "out", "auto_from", "tuned"}
 BOOLS = {"check"}
-FLOATS = {"graph_memory_budget", "startup_budget"}
+FLOATS = {"graph_memory_budget", "startup_budget", "ci_target"}
 FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS | FLOATS
 
 
@@ -230,7 +231,9 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         first = next(n for n in ("auto_from", "graph_memory_budget", "startup_budget") if getattr(spec, n))
         raise UserError((f"{names(first)}: " if first in names.keys else "")
                         + "--auto-from and the budgets apply to --strategy auto only")
-    check_memory(spec, machine, lambda label, max_loras: max(_graphs(spec, s, label, max_loras) for s in strategies))
+    # One worker holds every strategy of a (kernels, max_loras): it times them in alternating turns.
+    check_memory(spec, machine, lambda label, max_loras: sum(_graphs(spec, s, label, max_loras) for s in strategies
+                                                             if not (label.vllm and s.vllm is Vllm.NONE)))
     return spec, notice
 
 

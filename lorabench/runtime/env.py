@@ -42,6 +42,7 @@ def collect(device: str) -> dict:
     return {
         "device": device,
         "gpu_name": torch.cuda.get_device_name() if cuda else None,
+        "gpu_uuid": gpu_uuid() if cuda else None,
         "driver": driver_version() if cuda else None,
         "cuda": torch.version.cuda if cuda else None,
         "torch": torch.__version__,
@@ -53,15 +54,20 @@ def collect(device: str) -> dict:
     }
 
 
+def gpu_uuid() -> str | None:
+    """The UUID of the GPU this process's device 0 is (``GPU-...``, as NVML and nvidia-smi write it)."""
+    try:
+        return f"GPU-{torch.cuda.get_device_properties(0).uuid}"
+    except (RuntimeError, AssertionError, AttributeError):  # no driver; torch without CUDA
+        return None
+
+
 def free_gpu_bytes() -> int | None:
     """Free memory of the GPU the workers get (torch's device 0), read through NVML by its UUID:
     asking torch (``mem_get_info``) would create a CUDA context in the sweep's own process, 0.5 GiB
     held for the whole sweep. None when it cannot be read: the memory check is then skipped."""
-    try:
-        uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}"
-    except (RuntimeError, AssertionError, AttributeError):  # no driver; torch without CUDA
-        return None
-    gpu = telemetry.Gpu.by_uuid(uuid)
+    uuid = gpu_uuid()
+    gpu = telemetry.Gpu.by_uuid(uuid) if uuid else None
     return gpu.free_bytes() if gpu else None
 
 

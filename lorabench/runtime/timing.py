@@ -76,11 +76,12 @@ class StepSamples:
     launch_counts: np.ndarray
 
 
-def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int) -> StepSamples:
-    """Run ``warmup`` then ``iters`` steps, cycling through ``batches``."""
+def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0) -> StepSamples:
+    """Run ``warmup`` untimed steps, then ``iters`` timed ones over ``batches[first:]``, cycling
+    (``first``: where a strategy's previous turn at this point left off)."""
     cuda = d.use_graphs
     for i in range(warmup):
-        d.launch(d.prepare(batches[i % len(batches)]))
+        d.launch(d.prepare(batches[(first + i) % len(batches)]))
     if cuda:
         torch.cuda.synchronize()
         events = Events(iters)
@@ -88,7 +89,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int)
     n_active, launches = np.empty(iters, dtype=np.int64), np.empty(iters, dtype=np.int64)
     clock = time.perf_counter_ns
     for i in range(iters):
-        slots = batches[i % len(batches)]
+        slots = batches[(first + i) % len(batches)]
         t0 = clock()
         prep = d.prepare(slots)
         tc = clock()
@@ -106,14 +107,17 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int)
             step_ms[i] = (t2 - t1) / 1e6
         host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
         n_active[i], launches[i] = prep.n_active, d.grid_of(prep.route)
-    if cuda:
+    if cuda and iters:
         step_ms[:] = events.ms()
     return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches)
 
 
 def summarize(step_ms: np.ndarray) -> dict:
+    """The row's statistics of one point's step times; ``noisy_iqr`` says why the point is noisy
+    (an IQR at or above NOISY_IQR of the median), None when it is not."""
     p10, p25, p50, p75, p90, p99 = np.percentile(step_ms, [10, 25, 50, 75, 90, 99])
     iqr = p75 - p25
+    wide = iqr / p50 >= NOISY_IQR if p50 > 0 else True
     return {
         "step_ms_median": float(p50),
         "step_ms_p10": float(p10),
@@ -122,5 +126,5 @@ def summarize(step_ms: np.ndarray) -> dict:
         "step_ms_mean": float(step_ms.mean()),
         "step_ms_std": float(step_ms.std(ddof=1)) if len(step_ms) > 1 else 0.0,
         "step_ms_iqr": float(iqr),
-        "noisy": bool(iqr / p50 >= NOISY_IQR) if p50 > 0 else True,
+        "noisy_iqr": (f"IQR {100 * iqr / p50:.0f} % of the median" if p50 > 0 else "median 0") if wide else None,
     }

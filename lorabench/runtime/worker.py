@@ -1,9 +1,12 @@
-"""One worker process per (kernels, max_loras, strategy): builds the model, compiles, captures,
-times every point of its job, and writes one ``@@row {json}`` line per point on stdout as soon
-as the point finishes (the parent writes the Parquet). A point that fails becomes a ``failed``
-row and the worker goes on; if the build or the capture fails, every point becomes a failed row.
+"""One worker process per (kernels, max_loras): builds the model once, compiles and captures
+every strategy's graphs, times every point in alternating turns across the strategies, and
+writes one ``@@row {json}`` line per (strategy, point) on stdout as soon as the point finishes,
+its raw samples inside (the parent writes the Parquet files). A point that fails becomes
+``failed`` rows and the worker goes on; a strategy whose build or capture fails fails its points;
+if the model cannot be built, every point becomes a failed row.
 
-Run as ``python -m lorabench.runtime.worker < job.json`` (a ``lorabench.config.plan.Job``); the
+Run as ``python -m lorabench.runtime.worker < jobs.json`` (``{"jobs": [Job, ...], "spawned_at"}``,
+the jobs of one ``lorabench.config.plan.groups`` group); the
 sweep runs it through ``python -m lorabench.runtime.lifeline SWEEP_PID lorabench.runtime.worker``.
 """
 
@@ -13,6 +16,7 @@ import random
 import sys
 import time
 import traceback
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +28,14 @@ from lorabench.config.plan import FIXED, WORKLOAD, Job, Point
 from lorabench.config.strategies import strategy
 from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
-from lorabench.runtime import env
+from lorabench.runtime import env, telemetry
 from lorabench.runtime.check import check
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
-from lorabench.runtime.timing import summarize, time_steps
+from lorabench.runtime.timing import StepSamples, summarize, time_steps
 from lorabench.runtime.vllm_rules import VllmRules, vllm_counts
+from lorabench.stats import half_width_pct
 from lorabench.storage.tune_files import tuned_table
 
 FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
@@ -52,118 +57,212 @@ def _triton_cache_files() -> int:
     return sum(1 for _ in root.rglob("*")) if root.exists() else 0
 
 
-class Worker:
-    def __init__(self, job: Job, spawned_at: float):
-        self.job, self.spawned_at = job, spawned_at
-        self.cuda = job.device == "cuda"
-        self.cfg = cfg = preset(job.model, job.layers)
+def forget_compiled() -> None:
+    """Drop the Triton kernels this process has loaded (never the disk cache), so that the next
+    strategy's warm-up loads and launches its kernels as a fresh server process would: the
+    strategies of a group share one process, and otherwise every one after the first would show
+    a compile step that found everything in memory."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("lorabench.kernels", "vllm.lora")):
+            continue
+        for value in list(vars(module).values()):
+            fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)
+            caches = getattr(fn, "device_caches", None) if isinstance(fn, JITFunction) else None
+            if caches is not None:
+                caches.clear()
+
+
+class Arm:
+    """One job of the group (a strategy) in the worker: its dispatcher, its startup and verdict
+    columns, and the failure that ended it early, if any."""
+
+    def __init__(self, job: Job):
+        self.job = job
         self.label = job.label
-        self.backend = get_backend(self.label.backend)
-        if self.label.tuned and hasattr(self.backend, "load_tuned"):  # lorabench's kernels (vLLM reads its own folder)
-            self.backend.load_tuned(tuned_table(job.tuned))
         self.counts = list(job.counts)
         if self.label.vllm:  # vLLM's keys, from its runner's rules for the strategy
             self.counts = vllm_counts(strategy(job.strategy), job.max_loras)
         self.predicted = {(w, c): ms for w, c, ms in job.predicted_ms}
+        self.dispatcher: Dispatcher | None = None
+        self.startup: dict = {}
+        self.failure: BaseException | None = None
+
+
+class Worker:
+    """Runs a group of jobs (``lorabench.config.plan.groups``: the strategies of one (kernels,
+    max_loras)) in one process on one GPU: one model, one dispatcher per strategy, every graph
+    set resident, and every point timed in alternating turns across the strategies that have it
+    (A B C, B C A, ...), so that drift falls on all of them alike."""
+
+    def __init__(self, jobs: list[Job], spawned_at: float):
+        self.jobs, self.spawned_at = jobs, spawned_at
+        job = self.lead = jobs[0]
+        self.cuda = job.device == "cuda"
+        self.cfg = cfg = preset(job.model, job.layers)
+        self.backend = get_backend(job.label.backend)
+        if job.label.tuned and hasattr(self.backend, "load_tuned"):  # lorabench's kernels (vLLM reads its own folder)
+            self.backend.load_tuned(tuned_table(job.tuned))
+        self.arms = [Arm(j) for j in jobs]
         self.env = env.collect(job.device)
+        self.gpu = telemetry.Gpu.by_uuid(self.env["gpu_uuid"]) if self.env.get("gpu_uuid") else None
         self.common = {
             "run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, "seed": job.seed,
-            **{k: self.env[k] for k in ("git_sha", "device", "gpu_name", "driver", "torch", "triton", "cuda")},
+            **{k: self.env.get(k) for k in ("git_sha", "device", "gpu_name", "driver", "torch", "triton", "cuda",
+                                            "host", "gpu_uuid")},
             "model": cfg.name, "layers": cfg.layers, "hidden": cfg.hidden, "rank": job.rank, "dtype": job.dtype,
-            **job.config, "captured_counts": self.counts, "capture_sizes": list(job.capture_sizes),
-            "context_len": job.context_len, "iters": job.iters, "warmup": job.warmup,
-            "timing": "cuda_events" if self.cuda else "cpu_wall",
-            "vllm": self.backend.version() if self.label.vllm else None,
-            "tuned": job.tuned,
+            "capture_sizes": list(job.capture_sizes), "context_len": job.context_len, "iters": job.iters,
+            "warmup": job.warmup, "ci_target": job.ci_target, "timing": "cuda_events" if self.cuda else "cpu_wall",
+            "vllm": self.backend.version() if job.label.vllm else None, "tuned": job.tuned,
             "pdl": (self.backend.pdl_enabled(torch.device(job.device))  # lorabench's Triton kernels
                     if hasattr(self.backend, "pdl_enabled") else None),
+            "arms": ",".join(j.strategy for j in jobs),
         }
-        self.startup: dict = {}
+        self.shared: dict = {}  # startup columns every strategy shares: the process, the model, the probe
 
-    def point_row(self, point: Point) -> dict:
-        return {**self.common, **self.startup, "point": point.index, "mode": point.mode,
-                "concurrency": point.concurrency, "n_active": point.n_active, "workload": point.workload}
+    def point_row(self, arm: Arm, point: Point) -> dict:
+        return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
+                "point": point.index, "mode": point.mode, "concurrency": point.concurrency,
+                "n_active": point.n_active, "workload": point.workload}
 
-    def fail_all(self, e: BaseException) -> None:
-        for p in self.job.points:
-            emit("row", {**self.point_row(p), "status": "failed", "error": _error(e)})
+    def fail(self, arm: Arm, e: BaseException, points=None) -> None:
+        for p in arm.job.points if points is None else points:
+            emit("row", {**self.point_row(arm, p), "status": "failed", "error": _error(e)})
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def build(self) -> Dispatcher:
-        job = self.job
-        self.startup["process_s"] = time.time() - self.spawned_at
+    def build_model(self) -> LlamaLoRA:
+        job = self.lead
+        self.shared["process_s"] = time.time() - self.spawned_at
         t0 = time.perf_counter()
         model = LlamaLoRA(self.cfg, max_loras=job.max_loras, rank=job.rank, max_tokens=job.max_tokens,
                           context_len=job.context_len, dtype=getattr(torch, job.dtype), device=job.device, seed=job.seed)
-        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if self.label.vllm else None
+        self.sync()
+        self.shared["build_s"] = time.perf_counter() - t0
+        return model
+
+    def build(self, model: LlamaLoRA, arm: Arm, first: bool) -> None:
+        """The arm's dispatcher: compiled (warm-up) and captured; its startup columns."""
+        job = arm.job
+        t0 = time.perf_counter()
+        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
         d = Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=list(job.capture_sizes),
-                       counts=self.counts, use_graphs=self.cuda, seed=job.seed, rules=rules,
+                       counts=arm.counts, use_graphs=self.cuda, seed=job.seed, rules=rules,
                        bucket_grid=job.bucket_grid)
         self.sync()
-        build_s = time.perf_counter() - t0
+        build_s = self.shared["build_s"] + time.perf_counter() - t0  # the model's build is every strategy's
+        if not first:
+            forget_compiled()
         cache_before = _triton_cache_files()  # outside the timers: it walks the cache folder
         t1 = time.perf_counter()
         d.warm_up()
         compile_s = time.perf_counter() - t1
-        compiled = BACKENDS[self.label.backend].triton and not os.environ.get("TRITON_INTERPRET")
+        compiled = BACKENDS[arm.label.backend].triton and not os.environ.get("TRITON_INTERPRET")
         if self.cuda:
             torch.cuda.empty_cache()
             free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t2 = time.perf_counter()
         d.capture()
         capture_s = time.perf_counter() - t2
-        self.startup.update(
+        arm.startup.update(
             build_s=build_s, compile_s=compile_s, capture_s=capture_s, startup_s=build_s + compile_s + capture_s,
             num_graphs=d.num_graphs, lora_bytes_per_slot=model.lora_bytes_per_slot(),
             triton_cache=("cold" if _triton_cache_files() > cache_before else "warm") if compiled else None,
         )
         if self.cuda:
-            self.startup["graph_mem_bytes"] = free0 - torch.cuda.mem_get_info()[0]
-            self.startup["pool_bytes"] = torch.cuda.memory_reserved() - reserved0
+            arm.startup["graph_mem_bytes"] = free0 - torch.cuda.mem_get_info()[0]
+            arm.startup["pool_bytes"] = torch.cuda.memory_reserved() - reserved0
+        arm.dispatcher = d
+
+    def probe(self) -> None:
+        """The floor's bandwidth and per-kernel cost, this worker's (every strategy's rows)."""
+        if self.cuda:
             try:
-                self.startup.update(probe())  # the floor's bandwidth and per-kernel cost, this worker's
+                self.shared.update(probe())
             except Exception:  # noqa: BLE001 - no probe, no roofline; the points still count
                 traceback.print_exc()
-        return d
 
-    def check(self, d: Dispatcher) -> None:
+    def check(self, arm: Arm) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
+        d = arm.dispatcher
         try:
-            v = check(d, self.job.dtype, self.job.seed)
+            v = check(d, arm.job.dtype, arm.job.seed)
             verdict = {"correct": v.correct, "check_detail": v.detail, "check_max_err": v.max_err,
                        "check_batches": v.batches, "check_s": v.seconds}
-            emit("check", {**self.job.config, **v.to_dict(), "num_graphs": d.num_graphs, "captured_counts": self.counts})
+            emit("check", {**arm.job.config, **v.to_dict(), "num_graphs": d.num_graphs, "captured_counts": arm.counts})
         except Exception as e:  # noqa: BLE001 - a check that cannot run is no verdict, not a lost sweep
             traceback.print_exc()
             verdict = {"correct": None, "check_detail": f"check did not run: {_error(e)}"}
-            emit("check", {**self.job.config, "correct": None, "detail": verdict["check_detail"]})
-        self.startup.update(verdict)
+            emit("check", {**arm.job.config, "correct": None, "detail": verdict["check_detail"]})
+        arm.startup.update(verdict)
 
-    def measure(self, d: Dispatcher, point: Point) -> dict:
-        job, c = self.job, point.concurrency
+    def batches(self, point: Point) -> list[list[int]]:
+        """The point's batches, the same for every strategy (seeded by the point, not the strategy)."""
+        job, c = self.lead, point.concurrency
         rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}")
         if point.mode == FIXED:
             n = point.n_active
-            batches = [fixed_batch(c, n, job.max_loras, rng, base_tokens=c if n == 0 else 0)
-                       for _ in range(FIXED_BATCH_VARIANTS)]
-        else:
-            wl = parse_workload(point.workload)
-            batches = [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)]
-        s = time_steps(d, batches, job.iters, job.warmup)
+            return [fixed_batch(c, n, job.max_loras, rng, base_tokens=c if n == 0 else 0)
+                    for _ in range(FIXED_BATCH_VARIANTS)]
+        wl = parse_workload(point.workload)
+        return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)]
+
+    def measure(self, entries: list[tuple[Arm, Point]]) -> list[dict]:
+        """One point, timed for every strategy that has it, in alternating turns: ``TURN`` steps
+        each, the order rotated every round. A strategy stops when it has ``iters`` steps, or,
+        with a CI target, once its median's 95 % interval is that narrow (at least
+        ``MIN_STEPS``). Returns each strategy's row (its samples under ``samples``), or a failed
+        row for a strategy whose steps raised: the others go on."""
+        job = self.lead
+        batches = self.batches(entries[0][1])
+        timed = [Timed() for _ in entries]
+        failed: dict[int, BaseException] = {}
+        todo = list(range(len(entries)))
+        rnd = 0
+        while todo:
+            order = todo[rnd % len(todo):] + todo[:rnd % len(todo)]
+            for i in order:
+                arm, point = entries[i]
+                try:
+                    self.turn(arm, point, batches, timed[i], rnd, alone=len(entries) == 1)
+                except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
+                    traceback.print_exc()
+                    failed[i] = e
+            todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, job.ci_target)]
+            rnd += 1
+        return [{**self.point_row(arm, p), "status": "failed", "error": _error(failed[i])} if i in failed
+                else self.row(arm, p, timed[i]) for i, (arm, p) in enumerate(entries)]
+
+    def turn(self, arm: Arm, point: Point, batches: list[list[int]], timed: "Timed", rnd: int, alone: bool) -> None:
+        """One strategy's turn at a point: ``TURN`` more timed steps, after the spec's warm-up on
+        its first turn and ``SWITCH_WARMUP`` untimed steps on every later one (none when it is
+        timed alone)."""
+        steps = min(TURN, self.lead.iters - timed.steps)
+        warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
+        timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps), rnd)
+
+    def row(self, arm: Arm, point: Point, t: "Timed") -> dict:
+        d, c = arm.dispatcher, point.concurrency
+        s = t.samples()
         stats = summarize(s.step_ms)
-        row = {**self.point_row(point), **stats, "status": "ok",
+        row = {**self.point_row(arm, point), **stats, "status": "ok", "timed_steps": len(s.step_ms),
                "graph_tokens": d.route(c, 0).tokens,
                "host_us_median": float(np.median(s.host_us)),
                "host_us_p90": float(np.percentile(s.host_us, 90)),
                "copy_us_median": float(np.median(s.copy_us)),
                "launch_us_median": float(np.median(s.launch_us)),
                "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
-               "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}
-        if self.predicted and point.mode == WORKLOAD:
-            row["predicted_ms"] = self.predicted.get((point.workload, c))
+               "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean()),
+               "samples": {"turn": t.turns(), "step_ms": s.step_ms.tolist(), "host_us": s.host_us.tolist(),
+                           "copy_us": s.copy_us.tolist(), "launch_us": s.launch_us.tolist(),
+                           "n_active": s.n_active.tolist(), "launches": s.launch_counts.tolist()}}
+        if arm.predicted and point.mode == WORKLOAD:
+            row["predicted_ms"] = arm.predicted.get((point.workload, c))
         if point.mode == FIXED:
             row["base_tokens"] = c if point.n_active == 0 else 0
             row["graph_loras"] = int(s.launch_counts[0])
@@ -172,19 +271,95 @@ class Worker:
     def run(self) -> None:
         emit("env", self.env)
         try:
-            d = self.build()
-        except Exception as e:  # noqa: BLE001 - any build/compile/capture failure fails its points
+            model = self.build_model()
+        except Exception as e:  # noqa: BLE001 - no model, no points: every one a failed row
             traceback.print_exc()
-            self.fail_all(e)
+            for arm in self.arms:
+                self.fail(arm, e)
             return
-        if self.job.check:
-            self.check(d)
-        for p in self.job.points:
+        for i, arm in enumerate(self.arms):
             try:
-                emit("row", self.measure(d, p))
-            except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
+                self.build(model, arm, first=i == 0)
+            except Exception as e:  # noqa: BLE001 - a build/compile/capture failure fails this strategy's points
                 traceback.print_exc()
-                emit("row", {**self.point_row(p), "status": "failed", "error": _error(e)})
+                arm.failure = e
+                self.fail(arm, e)
+        live = [a for a in self.arms if a.dispatcher is not None]
+        if not live:
+            return
+        self.probe()
+        if self.lead.check:
+            for arm in live:
+                self.check(arm)
+        for key, entries in self.schedule(live):
+            self.run_point(entries)
+
+    def schedule(self, arms: list[Arm]) -> list[tuple[tuple, list[tuple[Arm, Point]]]]:
+        """The points in plan order, each with every strategy that has it (matched by mode,
+        concurrency, active count and workload)."""
+        by_key: dict[tuple, list[tuple[Arm, Point]]] = {}
+        for arm in arms:
+            for p in arm.job.points:
+                by_key.setdefault((p.mode, p.concurrency, p.n_active, p.workload), []).append((arm, p))
+        return sorted(by_key.items(), key=lambda kv: min(p.index for _, p in kv[1]))
+
+    def run_point(self, entries: list[tuple[Arm, Point]]) -> None:
+        """Time one point for its strategies and emit their rows; any failure fails them all
+        (they were timed together), and the worker goes on with the next point."""
+        gpu = self.gpu
+        try:
+            self.sync()
+            start = gpu.snapshot() if gpu else None
+            rows = self.measure(entries)
+            end = gpu.snapshot() if gpu else None
+        except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
+            traceback.print_exc()
+            for arm, p in entries:
+                self.fail(arm, e, [p])
+            return
+        readings = telemetry.point_columns(gpu, start, end)
+        why = telemetry.suspect(readings)
+        for row in rows:
+            if row["status"] != "ok":
+                emit("row", row)
+                continue
+            reasons = [r for r in (row.pop("noisy_iqr"), why) if r]
+            emit("row", {**row, **readings, "noisy": bool(reasons), "noisy_why": "; ".join(reasons) or None})
+
+
+TURN = 10  # steps a strategy is timed for before the next one's turn
+SWITCH_WARMUP = 1  # untimed steps when a strategy's turn comes round again
+MIN_STEPS = 20  # --ci-target: no point stops with fewer samples
+
+
+class Timed:
+    """A strategy's samples at one point, gathered over its turns."""
+
+    def __init__(self):
+        self.parts: list[StepSamples] = []
+        self.rounds: list[int] = []
+
+    @property
+    def steps(self) -> int:
+        return sum(len(p.step_ms) for p in self.parts)
+
+    def add(self, samples: StepSamples, rnd: int) -> None:
+        self.parts.append(samples)
+        self.rounds.append(rnd)
+
+    def done(self, iters: int, ci_target: float | None) -> bool:
+        if self.steps >= iters:
+            return True
+        if ci_target is None or self.steps < MIN_STEPS:
+            return False
+        width = half_width_pct(np.concatenate([p.step_ms for p in self.parts]))
+        return width is not None and width <= ci_target
+
+    def samples(self) -> StepSamples:
+        return StepSamples(*(np.concatenate([getattr(p, f.name) for p in self.parts]) for f in fields(StepSamples)))
+
+    def turns(self) -> list[int]:
+        return [r for p, r in zip(self.parts, self.rounds) for _ in range(len(p.step_ms))]
 
 
 def main() -> None:
@@ -192,7 +367,7 @@ def main() -> None:
     it under ``lorabench.runtime.lifeline``, which ends it when the sweep is gone."""
     sys.stdout = sys.stderr  # stdout carries rows only
     message = json.loads(sys.stdin.read())
-    Worker(Job.from_json(message["job"]), message["spawned_at"]).run()
+    Worker([Job.from_json(j) for j in message["jobs"]], message["spawned_at"]).run()
 
 
 if __name__ == "__main__":

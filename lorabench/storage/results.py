@@ -57,6 +57,21 @@ SCHEMA = pa.schema(
         ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
         ("tuned", STR),  # "+tuned" kernels: the `lorabench tune` folder whose configs they ran with
         ("pdl", BOOL),  # lorabench's Triton kernels launched with programmatic dependent launch (sm90+; LORABENCH_PDL=0 turns it off)
+        ("timed_steps", I64),  # steps timed (the point's samples): iters, or fewer when --ci-target stopped it early
+        ("step_ms_ci_low", F64),  # 95 % bootstrap interval of the median step (lorabench.stats), from the samples
+        ("step_ms_ci_high", F64),
+        ("ci_target", F64),  # --ci-target: the half-width (% of the median) at which the point stopped timing
+        ("arms", STR),  # the strategies timed in alternating turns with this one, on this GPU ("max,pow2,dense")
+        ("noisy_why", STR),  # why ``noisy`` is set: a wide IQR, throttling, a clock drop
+        ("host", STR),
+        ("gpu_uuid", STR),  # the GPU the point ran on: comparisons are made only within one GPU
+        ("sm_mhz_start", I64), ("sm_mhz_end", I64),  # NVML readings after the warm-up and after the last step
+        ("mem_mhz_start", I64), ("mem_mhz_end", I64),
+        ("temp_c_start", I64), ("temp_c_end", I64),
+        ("power_w_start", F64), ("power_w_end", F64),
+        ("throttle_reasons", STR),  # NVML's clock-event reasons at start or end, comma-joined ("" when none)
+        ("throttled", BOOL),  # a power or thermal slowdown reason was set
+        ("clock_drop", BOOL),  # the SM clock fell by more than 5 % over the point
     ]
 )
 COLUMNS = SCHEMA.names

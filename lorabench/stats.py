@@ -6,7 +6,7 @@ Step times are skewed and carry outliers (a preemption, a clock change), so ever
 summarised by its median and every interval is a percentile bootstrap of medians: it assumes no
 distribution, and a statistic composed from several points' medians (a ratio, a workload's
 weighted sum, a geometric mean) gets its interval the same way, by resampling every point
-independently. Numpy, scipy and nothing above ``lorabench.analysis``.
+independently. Numpy and scipy only: the sweep's workers (its stop rule), the sweep and the analysis all use it.
 """
 
 import math

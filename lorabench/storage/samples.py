@@ -1,0 +1,63 @@
+"""Every timed step of every point, kept: ``<run>/samples/point-<index>.parquet``, one file per
+point, written when the point's row is (before it), so that any statistic (an interval, a rank
+test, another percentile) can be computed again later. Read back as one table with
+``read_samples`` (pyarrow reads the folder as a dataset).
+
+A file per point rather than one growing file: a point's samples are written once, atomically (a
+temporary file renamed), a resumed sweep that re-measures a point replaces its file, and nothing
+already written is rewritten as a run grows.
+
+Columns: ``point`` (the row's ``point``), ``step`` (0, 1, ... in the order timed), ``turn`` (the
+round of the interleaving the step was timed in: configurations compared with each other are
+timed in alternating turns), ``step_ms`` (GPU time of the step from CUDA events, or the CPU's wall
+time), ``host_us``, ``copy_us``, ``launch_us`` (the host's parts of the step), ``n_active`` (the
+step's active adapters) and ``launches`` (the launch count its LoRA kernels ran with).
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+FOLDER = "samples"
+I64, F64 = pa.int64(), pa.float64()
+SCHEMA = pa.schema([("point", I64), ("step", I64), ("turn", I64), ("step_ms", F64), ("host_us", F64),
+                    ("copy_us", F64), ("launch_us", F64), ("n_active", I64), ("launches", I64)])
+PER_STEP = [n for n in SCHEMA.names if n not in ("point", "step")]  # what a worker sends per step
+
+
+def path(run_dir: Path, point: int) -> Path:
+    return Path(run_dir) / FOLDER / f"point-{point:06d}.parquet"
+
+
+def write_samples(run_dir: Path, point: int, per_step: dict[str, list]) -> None:
+    """One point's steps (``per_step``: every PER_STEP column, equally long) into its file."""
+    n = len(per_step["step_ms"])
+    columns = {"point": np.full(n, point, dtype=np.int64), "step": np.arange(n, dtype=np.int64)}
+    columns.update({name: per_step[name] for name in PER_STEP})
+    target = path(run_dir, point)
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_suffix(".parquet.tmp")
+    pq.write_table(pa.table(columns, schema=SCHEMA), tmp)
+    os.replace(tmp, target)
+
+
+def read_samples(run_dir: Path, points=None) -> pd.DataFrame:
+    """A run's samples (of ``points`` only, when given), one row per timed step; empty (with the
+    columns) for a run that kept none."""
+    folder = Path(run_dir) / FOLDER
+    files = sorted(folder.glob("point-*.parquet")) if folder.is_dir() else []
+    if points is not None:
+        wanted = {int(p) for p in points}
+        files = [f for f in files if int(f.stem.split("-")[1]) in wanted]
+    if not files:
+        return SCHEMA.empty_table().to_pandas()
+    return pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files]).to_pandas()
+
+
+def step_times(samples: pd.DataFrame) -> dict[int, np.ndarray]:
+    """point -> its step times (ms), in the order timed."""
+    return {int(p): g.sort_values("step").step_ms.to_numpy() for p, g in samples.groupby("point")}
