@@ -1,7 +1,8 @@
 """The ``lorabench`` command line: ``sweep`` measures, ``check`` verifies every captured graph
 against the reference, ``report`` turns a run into plots, tables and a recommendation,
 ``recommend`` chooses a capture set (strategy auto) for a workload within budgets, ``tune`` searches
-kernel configs. Bad input ends in one line on stderr and exit status 2.
+kernel configs, ``compare`` A/Bs two runs (a regression gate). Bad input ends in one line on stderr
+and exit status 2.
 
 Each command's module is imported when the command runs, not before: ``report`` and ``recommend``
 then never load torch or Triton, and ``--help`` stays fast."""
@@ -134,6 +135,24 @@ def report(
     for run_dir in runs or [find_newest_run(results)]:
         paths = write_report(run_dir, console)
         console.print(f"{run_dir}: " + ", ".join(p.name for p in paths))
+
+
+@app.command()
+def compare(
+    run_a: Path = typer.Argument(..., help="The baseline run folder (A)."),
+    run_b: Path = typer.Argument(..., help="The run compared with it (B); the JSON and plot go into it."),
+    fail_if_slower: str = typer.Option(None, "--fail-if-slower", help="Exit 1 when B is slower than A by more than this percent with confidence (the low end of the overall 95 % interval above it) [default: never]."),
+    margin: str = typer.Option(None, "--margin", help="Differences whose whole 95 % interval lies within +- this percent read as no difference detected. A rerun on the same GPU a minute later differs by up to 0.3 %, two GPUs of one host by up to 1.7 % [default: 1]."),
+    plot: Path = typer.Option(None, "--plot", help="Where to write the plot [default: RUN_B/compare-<RUN_A's name>.png]."),
+):
+    """A/B of two runs for a regression gate: B's median step against A's per point both measured
+    on the same GPU (95 % bootstrap interval, rank-test p, verdict with --margin, 1 % by default
+    because reruns on one GPU differ by up to 0.3 % and two GPUs of one host by up to 1.7 %), and
+    the geometric mean over the points. Writes RUN_B/compare-<A>.json and a plot. Exit 0; 1 with
+    --fail-if-slower when B is slower beyond it; 2 for bad input."""
+    from lorabench.commands.compare import compare as run
+
+    return run(run_a, run_b, fail_if_slower, margin, plot, console)
 
 
 @app.command()

@@ -23,9 +23,10 @@ from lorabench.storage.runs import FINISHED, INTERRUPTED, KILLED, coverage
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds worker processes through /proc")
 
-# 3 points per job (c = 1: n = 0, 1 and the workload run); each point takes SLOW s more, so
+# One worker per max_loras (a worker times every strategy of one (kernels, max_loras)), each with
+# strategy max: 3 points (c = 1: n = 0, 1 and the workload run); each point takes SLOW s more, so
 # that a stage lasts long enough to be hit.
-SMALL = ["--max-loras", "2", "--concurrency", "1", "--layers", "1", "--iters", "2", "--warmup", "1", "--device", "cpu"]
+SMALL = ["--concurrency", "1", "--layers", "1", "--iters", "2", "--warmup", "1", "--device", "cpu"]
 SLOW = 0.4
 STUB, REAL = "stub_worker", "faulty_worker"  # REAL: the real worker, slowed (tests/faulty_worker.py)
 LAUNCH = ("import sys; from lorabench.commands import sweep; sweep.WORKER = sys.argv.pop(1); "
@@ -57,12 +58,13 @@ def stub_workers():
         yield
 
 
-def start(out: Path, strategies: str, worker: str = STUB) -> subprocess.Popen:
+def start(out: Path, max_loras: str, worker: str = STUB) -> subprocess.Popen:
     """A sweep in its own process (and session: a signal sent to it reaches it alone), whose
     workers take SLOW s more per point."""
     env = {**os.environ, "FAULT": f"slow:{SLOW}", "STUB_SLOW": str(SLOW),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-c", LAUNCH, worker, "sweep", *SMALL, "--strategy", strategies, "--out", str(out)]
+    argv = [sys.executable, "-c", LAUNCH, worker, "sweep", *SMALL, "--max-loras", max_loras, "--strategy", "max",
+            "--out", str(out)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,  # SIGINT handled as under a terminal, even when pytest
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # runs with it ignored
@@ -121,14 +123,14 @@ def resume(run: Path) -> int:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, stub_workers) -> dict[str, set]:
-    """The rows a run with nothing killed has, per strategy list (stand-in workers)."""
+    """The rows a run with nothing killed has, per max_loras list (stand-in workers)."""
     out = {}
-    for strategies in ("max,pow2", "max,pow2,dense"):
+    for max_loras in ("1,2", "1,2,3"):
         root = tmp_path_factory.mktemp("whole")
-        assert main(["sweep", *SMALL, "--strategy", strategies, "--out", str(root)]) == 0
+        assert main(["sweep", *SMALL, "--max-loras", max_loras, "--strategy", "max", "--out", str(root)]) == 0
         df = read_points(run_dir(root))
         assert (df.status == "ok").all()
-        out[strategies] = identity(df)
+        out[max_loras] = identity(df)
     return out
 
 
@@ -141,7 +143,7 @@ EXIT = {signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGKILL
 def test_parent_killed_then_resumed(tmp_path, uninterrupted, sig, stage):
     """The sweep's own process is hit: the worker goes with it, every finished row stays readable,
     the run says interrupted (SIGINT, SIGTERM) or killed (SIGKILL), and --resume finishes it."""
-    proc = start(tmp_path, "max,pow2")
+    proc = start(tmp_path, "1,2")
     rows = STAGES[stage]
     worker = worker_of(proc, 0 if rows < 3 else 1, tmp_path)
     wait_for(lambda: rows_written(tmp_path) >= rows, proc, f"{rows} rows")
@@ -161,7 +163,7 @@ def test_parent_killed_then_resumed(tmp_path, uninterrupted, sig, stage):
         assert len(kept) == cov.finished and (kept.status == "ok").all()
     assert resume(run) == 0
     df = read_points(run)
-    assert (df.status == "ok").all() and identity(df) == uninterrupted["max,pow2"]
+    assert (df.status == "ok").all() and identity(df) == uninterrupted["1,2"]
     assert coverage(run).complete
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == FINISHED and info["resumes"][-1]["previous_status"] == cov.status
@@ -172,7 +174,7 @@ def test_workers_killed_early_middle_late_then_resumed(tmp_path, uninterrupted, 
     """Three workers, three hits: the first while it starts (no row yet), the second after its
     first point, the third before its last. The sweep goes on, each lost point becomes a failed
     row, and --resume measures exactly those again."""
-    proc = start(tmp_path, "max,pow2,dense")
+    proc = start(tmp_path, "1,2,3")
     for index, rows in ((0, 0), (1, 4), (2, 8)):
         worker = worker_of(proc, index, tmp_path)
         wait_for(lambda rows=rows: rows_written(tmp_path) >= rows, proc, f"{rows} rows")  # noqa: B023
@@ -182,13 +184,13 @@ def test_workers_killed_early_middle_late_then_resumed(tmp_path, uninterrupted, 
     run = run_dir(tmp_path)
     df = read_points(run)
     failed = df[df.status == "failed"]
-    assert len(df) == 9 and set(failed.strategy) == {"max", "pow2", "dense"}
+    assert len(df) == 9 and set(failed.max_loras) == {1, 2, 3}
     assert failed.error.str.contains("worker exited with status").all()
     cov = coverage(run)
     assert cov.status == FINISHED and cov.finished == 9 and cov.failed == len(failed)
     assert resume(run) == 0
     again = read_points(run)
-    assert (again.status == "ok").all() and identity(again) == uninterrupted["max,pow2,dense"]
+    assert (again.status == "ok").all() and identity(again) == uninterrupted["1,2,3"]
     kept = df[df.status == "ok"].set_index("point").step_ms_median
     assert again.set_index("point").step_ms_median.reindex(kept.index).equals(kept)  # finished rows untouched
 
@@ -196,7 +198,7 @@ def test_workers_killed_early_middle_late_then_resumed(tmp_path, uninterrupted, 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, stub_workers) -> Path:
     root = tmp_path_factory.mktemp("done")
-    assert main(["sweep", *SMALL, "--strategy", "max", "--out", str(root)]) == 0
+    assert main(["sweep", *SMALL, "--max-loras", "2", "--strategy", "max", "--out", str(root)]) == 0
     return run_dir(root)
 
 
@@ -205,7 +207,7 @@ def test_real_worker_dies_with_its_sweep_and_the_run_resumes(tmp_path, monkeypat
     starts (imports torch); the worker is gone within a second or two, the run says killed, and
     --resume measures every point."""
     monkeypatch.setattr("lorabench.commands.sweep.WORKER", "lorabench.runtime.worker")
-    proc = start(tmp_path, "max,pow2", worker=REAL)
+    proc = start(tmp_path, "2", worker=REAL)
     worker = worker_of(proc, 0, tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

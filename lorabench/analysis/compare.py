@@ -16,17 +16,121 @@ same (c, n) fixed points, since P(n | c) is the workload's:
 - ``not comparable``: it shares no concurrency with max, or max covers none.
 
 Concurrencies a strategy covers and max does not are listed (``extra``), never compared.
+
+Same GPU: per (kernels, max_loras) only rows measured on max's GPU are compared
+(``lorabench.analysis.points.same_gpu``); a strategy's rows on another GPU count as missing, so it
+is partial or not comparable, and says so.
+
+Intervals: with the run's samples, every gain over max has a 95 % percentile-bootstrap interval
+(``lorabench.stats.Resampler``: each fixed point's median resampled independently, the same
+composition of medians as the gain). Within one (kernels, max_loras) the sweep times the
+strategies in alternating turns on one GPU, so drift cancels and the verdict's margin is 0. A run
+that kept no samples (runs from before) has no interval, and says so.
 """
 
+import math
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis.points import expected_steps
+from lorabench.analysis.points import expected_steps, same_gpu, short_uuid
 from lorabench.config.strategies import BASELINE, report_order
+from lorabench.stats import MIN_SAMPLES, Interval, Resampler, describe, samples_needed
 
 COMPLETE, PARTIAL, NOT_COMPARABLE = "complete", "partial", "not comparable"
+MARGIN_PCT = 0.0  # strategies of one (kernels, max_loras) are timed in alternating turns: drift cancels
+NO_SAMPLES = "the run kept no samples"
+TOO_FEW = f"fewer than {MIN_SAMPLES} timed steps at a point"
+
+
+def resampler(samples: "Mapping[int, np.ndarray] | Resampler | None") -> Resampler | None:
+    """One Resampler for a run's samples (point -> step times), shared so that every point is
+    bootstrapped once; None for a run that kept none."""
+    if samples is None or isinstance(samples, Resampler):
+        return samples
+    return Resampler(samples) if len(samples) else None
+
+
+class _Recorder(Mapping):
+    """What a statistic reads, with the rows' medians as values: to learn which points it needs."""
+
+    def __init__(self, medians: Mapping[Hashable, float]):
+        self._m, self.read = medians, []
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return self._m[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._m)
+
+    def __len__(self) -> int:
+        return len(self._m)
+
+
+def interval_of(rs: Resampler | None, statistic: Callable, points) -> tuple[Interval | None, str | None]:
+    """``rs.interval(statistic)`` when every point in ``points`` (those the statistic reads) has
+    samples, with why not otherwise: NO_SAMPLES (points with none) or TOO_FEW."""
+    points = list(points)
+    if rs is None or not points:
+        return None, NO_SAMPLES
+    have = [p for p in points if _has(rs, p)]
+    if len(have) < len(points):
+        return None, NO_SAMPLES if not have else f"{len(points) - len(have)} of {len(points)} points kept no samples"
+    if any(rs.n(p) < MIN_SAMPLES for p in points):
+        return None, TOO_FEW
+    return rs.interval(statistic), None
+
+
+def _has(rs: Resampler, point) -> bool:
+    try:
+        rs.n(point)
+    except KeyError:
+        return False
+    return True
+
+
+def points_read(statistic: Callable, medians: Mapping[Hashable, float]) -> list:
+    """The keys ``statistic`` reads, running it once on ``medians`` (KeyError: a point without one)."""
+    rec = _Recorder(medians)
+    statistic(rec)
+    return list(dict.fromkeys(rec.read))
+
+
+def as_slower(gain: Interval) -> Interval:
+    """A gain (positive = faster) as ``lorabench.stats``' relative difference (positive = slower)."""
+    return Interval(-gain.estimate, -gain.high, -gain.low, gain.level)
+
+
+def describe_gain(gain: Interval | None, why: str | None = None) -> str:
+    """"faster by 3.1 % (95 % CI 2.5…3.8)", "no difference detected (...)", or "no interval: why"."""
+    return describe(as_slower(gain), MARGIN_PCT) if gain is not None else f"no interval: {why or NO_SAMPLES}"
+
+
+def _nice(n: int) -> int:
+    """Up to two significant digits, rounded up: 437 -> 440, 1234 -> 1300."""
+    if n < 100:
+        return int(n)
+    step = 10 ** (len(str(int(n))) - 2)
+    return int(math.ceil(n / step) * step)
+
+
+def steps_hint(gain: Interval, n: int, pays_pct: float) -> str | None:
+    """What more measuring would settle whether ``gain`` (%, positive = faster) clears
+    ``pays_pct``: the steps per point at which its interval would lie on one side of it (the
+    half-width shrinks as 1/sqrt(steps)); None when it already does."""
+    if gain.low >= pays_pct or gain.high < pays_pct:
+        return None
+    if gain.estimate >= pays_pct:  # the estimate clears it, the low end does not
+        half, target = gain.estimate - gain.low, gain.estimate - pays_pct
+    else:  # the estimate does not, the high end does
+        half, target = gain.high - gain.estimate, pays_pct - gain.estimate
+    if target <= 0:
+        return f"the estimate sits on the {pays_pct:g} % line: no number of steps per point would settle it"
+    need = _nice(samples_needed(n, half, target))
+    return f"about {need} steps per point would settle it: --iters {need}"
 
 
 def c_list(cs) -> str:
@@ -43,6 +147,8 @@ class Cover:
     by_c: dict[int, float]  # its expected step (ms) at every concurrency it covers
     grid: tuple[int, ...]  # the concurrencies max covers
     planned: tuple[int, ...]  # the concurrencies the run planned for these (kernels, max_loras)
+    terms: dict[int, tuple | None] = field(default_factory=dict)  # c -> ((point, P(n | c)), ...) its E[t | c] reads
+    elsewhere: tuple = ()  # the other GPUs (uuids, None for unknown) its rows left out were measured on
 
     @property
     def compared_over(self) -> tuple[int, ...]:
@@ -79,7 +185,14 @@ class Cover:
         out = f"{self.strategy}: {have} of {len(self.planned)} concurrencies"
         if self.comparable:
             out += f"; compared over {c_list(self.compared_over)}"
+        if self.elsewhere:
+            out += f"; {self.elsewhere_text()}"
         return out
+
+    def elsewhere_text(self) -> str:
+        """``measured on another GPU (GPU-3f2a9c1e…): not compared``."""
+        return (f"measured on another GPU ({', '.join(short_uuid(u) for u in self.elsewhere)}): "
+                f"{'not compared' if not self.by_c else 'those points not compared'}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +204,9 @@ class Comparison:
     workload: str
     planned: tuple[int, ...]  # the concurrencies planned (from the run's plan) or, without one, seen in its rows
     covers: dict[str, Cover] = field(default_factory=dict)  # every strategy of the run here, max included, report order
+    gpu_uuid: str | None = None  # the GPU every point compared here was measured on (max's); None: unknown or CPU
+    samples: Resampler | None = field(default=None, repr=False, compare=False)  # the run's, None when it kept none
+    _intervals: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # cache
 
     @property
     def has_max(self) -> bool:
@@ -117,6 +233,61 @@ class Comparison:
             return None
         return 1 - cv.mean_ms() / self.max_ms(cv.compared_over)
 
+    def _gain_statistic(self, strategy: str) -> tuple[Callable, list] | None:
+        """The gain (%) as a function of the points' medians, and the points it reads; None when
+        not comparable or a point has no index."""
+        cv = self.covers.get(strategy)
+        if cv is None or not cv.comparable or not self.has_max:
+            return None
+        over = cv.compared_over
+        mine, base = [cv.terms.get(c) for c in over], [self.covers[BASELINE].terms.get(c) for c in over]
+        if any(t is None for t in mine + base):
+            return None
+
+        def mean(m, terms):
+            return sum(sum(p * m[pt] for pt, p in t) for t in terms) / len(terms)
+
+        def statistic(m):
+            return 100 * (1 - mean(m, mine) / mean(m, base))
+
+        return statistic, list(dict.fromkeys(pt for t in mine + base for pt, _ in t))
+
+    def gain_interval(self, strategy: str) -> Interval | None:
+        """The 95 % interval of ``gain`` in percent (positive = faster than max), from the
+        samples; None when not comparable or without samples (``interval_why`` says why)."""
+        return self._interval(strategy)[0]
+
+    def interval_why(self, strategy: str) -> str | None:
+        """Why a comparable strategy's gain has no interval (NO_SAMPLES, TOO_FEW), or None."""
+        return self._interval(strategy)[1]
+
+    def _interval(self, strategy: str) -> tuple[Interval | None, str | None]:
+        if strategy not in self._intervals:
+            stat = self._gain_statistic(strategy)
+            if stat is None:
+                cv = self.covers.get(strategy)
+                self._intervals[strategy] = (None, NO_SAMPLES if cv is not None and cv.comparable else NOT_COMPARABLE)
+            else:
+                self._intervals[strategy] = interval_of(self.samples, *stat)
+        return self._intervals[strategy]
+
+    def steps(self, strategy: str) -> int:
+        """Timed steps per point of the points a gain reads (the most of them): what more
+        measuring is counted from."""
+        stat = self._gain_statistic(strategy)
+        return max(self.samples.n(pt) for pt in stat[1]) if stat and self.samples else 0
+
+    def versus_max(self, strategy: str) -> str:
+        """The gain in words: "faster by 3.1 % (95 % CI 2.5…3.8)", "no difference detected
+        (...)", or, without samples, the medians' gain and "no interval: the run kept no samples"."""
+        g = self.gain(strategy)
+        if g is None:
+            return NOT_COMPARABLE
+        iv, why = self._interval(strategy)
+        if iv is not None:
+            return describe_gain(iv)
+        return f"{100 * g:+.1f} % by the medians (no interval: {why})"
+
     def status(self, strategy: str) -> str:
         cv = self.covers.get(strategy)
         return NOT_COMPARABLE if cv is None else cv.status
@@ -135,12 +306,16 @@ class Comparison:
     def to_dict(self) -> dict:
         """JSON: the grid and, per strategy, its coverage, what it is compared over and its gain."""
         out = {"complete": self.complete, "planned_concurrency": list(self.planned), "compared_over": list(self.grid),
-               "strategies": {}}
+               "gpu_uuid": self.gpu_uuid, "strategies": {}}
         for s, cv in self.covers.items():
             g = self.gain(s)
+            iv = self.gain_interval(s) if s != BASELINE else None
             out["strategies"][s] = {
                 "status": cv.status, "coverage": cv.text(), "compared_over": list(cv.compared_over),
-                "lacks": list(cv.lacks), "extra": list(cv.extra), "gain_over_max_pct": None if g is None else round(100 * g, 2)}
+                "lacks": list(cv.lacks), "extra": list(cv.extra), "gain_over_max_pct": None if g is None else round(100 * g, 2),
+                "gain_over_max_ci_pct": None if iv is None else iv.to_dict(),
+                "versus_max": None if s == BASELINE or g is None else self.versus_max(s),
+                "measured_elsewhere": list(cv.elsewhere)}
         return out
 
     def means(self) -> dict[str, float]:
@@ -155,13 +330,18 @@ class Comparison:
 
 def compare(df: pd.DataFrame, workloads: list[str] | None = None,
             planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None,
-            exp: pd.DataFrame | None = None) -> list[Comparison]:
+            exp: pd.DataFrame | None = None,
+            samples: "Mapping[int, np.ndarray] | Resampler | None" = None) -> list[Comparison]:
     """One Comparison per (kernels, max_loras, workload) of the run. ``workloads`` as in
     ``expected_steps``; ``planned``: (kernels, max_loras, strategy) -> the concurrencies the run
     planned for it (``lorabench.storage.runs.Coverage.planned``), so that a configuration or a
     concurrency with no row at all (a sweep stopped before it) still counts; without it, what the
-    rows (ok or failed) show. ``exp``: ``expected_steps(df, workloads)`` when the caller has it."""
-    exp = expected_steps(df, workloads) if exp is None else exp
+    rows (ok or failed) show. ``exp``: ``expected_steps(same_gpu(df)[0], workloads)`` when the
+    caller has it. ``samples``: the run's (``lorabench.analysis.points.run_samples``), or a
+    Resampler over them, for the gains' intervals."""
+    kept, gpus = same_gpu(df)
+    exp = expected_steps(kept, workloads) if exp is None else exp
+    rs = resampler(samples)
     names = list(workloads) if workloads else sorted(exp.workload.unique()) if len(exp) else []
     if not names:
         return []
@@ -180,7 +360,11 @@ def compare(df: pd.DataFrame, workloads: list[str] | None = None,
         for w in names:
             sub = exp[(exp.kernels == k) & (exp.max_loras == m) & (exp.workload == w)]
             by_s = {s: {int(c): float(v) for c, v in zip(g.concurrency, g.expected_ms)} for s, g in sub.groupby("strategy")}
+            terms = ({s: dict(zip(g.concurrency.astype(int), g.terms)) for s, g in sub.groupby("strategy")}
+                     if "terms" in sub else {})
             grid = tuple(sorted(by_s.get(BASELINE, {})))
-            covers = {s: Cover(s, by_s.get(s, {}), grid, plan) for s in sorted(strats[(k, m)], key=report_order)}
-            out.append(Comparison(k, m, w, plan, covers))
+            gpu = gpus.get((k, m), {"gpu_uuid": None, "elsewhere": {}})
+            covers = {s: Cover(s, by_s.get(s, {}), grid, plan, terms.get(s, {}), tuple(gpu["elsewhere"].get(s, ())))
+                      for s in sorted(strats[(k, m)], key=report_order)}
+            out.append(Comparison(k, m, w, plan, covers, gpu["gpu_uuid"], rs))
     return out

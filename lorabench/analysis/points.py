@@ -1,6 +1,13 @@
 """From measured points to what a user asks: the expected step time under a workload,
 E[t | c] = sum_n P(n | c) · t(c, n) over the fixed-mode medians, next to what the workload run
-measured, and each strategy's speed-up over ``max``. Shared by the report and the notebook."""
+measured, and each strategy's speed-up over ``max``. Shared by the report and the notebook.
+
+Also what every comparison rests on: a run's samples (every timed step of every point, for the
+intervals of ``lorabench.stats``) and the same-GPU rule (``same_gpu``): points are compared only
+with points measured on the same GPU."""
+
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -8,6 +15,7 @@ import pandas as pd
 from lorabench.config.strategies import BASELINE
 from lorabench.config.workload import parse_workload
 from lorabench.storage.results import COLUMNS
+from lorabench.storage.samples import read_samples, step_times
 
 CONFIG = ["kernels", "max_loras", "strategy"]
 VERDICT = ["correct", "check_detail"]
@@ -34,6 +42,51 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
     return first
 
 
+def run_samples(run_dir: Path) -> dict[int, np.ndarray]:
+    """point -> its timed steps (ms); empty for a run that kept no samples (runs made before
+    lorabench kept them)."""
+    return step_times(read_samples(run_dir))
+
+
+def _uuid(v) -> str | None:
+    """A row's GPU: its uuid, or None (CPU rows and runs from before the column), one GPU."""
+    return v if isinstance(v, str) and v else None
+
+
+def short_uuid(u: str | None) -> str:
+    """``GPU-3f2a9c1e…`` for text (the full uuid is in the JSON); ``unknown`` for None."""
+    return "unknown" if u is None else (u if len(u) <= 12 else u[:12] + "…")
+
+
+def majority_gpu(rows: pd.DataFrame) -> str | None:
+    """The uuid most of ``rows`` have (None counts as one GPU); ties go to the earliest point's."""
+    if rows.empty or "gpu_uuid" not in rows:
+        return None
+    order = rows.sort_values("point", kind="stable") if "point" in rows else rows
+    return Counter(_uuid(v) for v in order.gpu_uuid).most_common(1)[0][0]
+
+
+def same_gpu(df: pd.DataFrame) -> tuple[pd.DataFrame, dict[tuple[str, int], dict]]:
+    """The same-GPU rule. Per (kernels, max_loras) the GPU is max's (the uuid most of max's ok rows
+    have; without max, most of the ok rows'); ok rows measured on another GPU are left out (so the
+    comparisons treat them as missing). Returns the rows kept (failed rows all kept) and, per
+    (kernels, max_loras), ``{"gpu_uuid": its GPU, "elsewhere": {strategy: [other uuids]}}``."""
+    df = with_columns(df)
+    ok = ok_points(df)
+    gpus: dict[tuple[str, int], dict] = {}
+    drop = pd.Series(False, index=df.index)
+    for (k, m), g in ok.groupby(["kernels", "max_loras"]):
+        base = g[g.strategy == BASELINE]
+        gpu = majority_gpu(base if len(base) else g)
+        other = g[[_uuid(v) != gpu for v in g.gpu_uuid]]  # not Series != None: pandas says True for None
+        elsewhere: dict[str, list] = {}
+        for s, gs in other.groupby("strategy", sort=False):
+            elsewhere[s] = sorted({_uuid(v) for v in gs.gpu_uuid}, key=lambda u: (u is None, u or ""))
+        gpus[(k, int(m))] = {"gpu_uuid": gpu, "elsewhere": elsewhere}
+        drop[other.index] = True
+    return (df[~drop] if drop.any() else df), gpus
+
+
 def configs(df: pd.DataFrame) -> pd.DataFrame:
     """One row per measured (kernels, max_loras, strategy): capture set, startup/memory costs and
     the check's verdict (``verdicts``)."""
@@ -46,7 +99,9 @@ def configs(df: pd.DataFrame) -> pd.DataFrame:
 
 def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.DataFrame:
     """Per (kernels, max_loras, strategy, concurrency, workload): expected step ms from the fixed
-    points, the workload run's measured mean and median when there is one."""
+    points, the workload run's measured mean and median when there is one. ``terms``: the fixed
+    points the expectation reads and their weights, ((point, P(n | c)), ...), so that its
+    interval can be drawn from their samples (None where a point has no index)."""
     ok = ok_points(df)
     fixed = ok[ok["mode"] == "fixed"]
     runs = ok[ok["mode"] == "workload"]
@@ -54,6 +109,7 @@ def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.D
     rows = []
     for (k, m, s, c), g in fixed.groupby(CONFIG + ["concurrency"]):
         t = dict(zip(g.n_active.astype(int), g.step_ms_median))
+        pt = dict(zip(g.n_active.astype(int), g["point"] if "point" in g else [None] * len(g)))
         for w in workloads:
             try:
                 pmf = parse_workload(w).active_count_pmf(int(c), int(m))
@@ -61,6 +117,8 @@ def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.D
                 pmf = None
             needed = [] if pmf is None else [n for n, p in enumerate(pmf) if p > 0]
             expected = sum(pmf[n] * t[n] for n in needed) if pmf is not None and all(n in t for n in needed) else np.nan
+            terms = (tuple((int(pt[n]), float(pmf[n])) for n in needed)
+                     if not pd.isna(expected) and all(pd.notna(pt[n]) for n in needed) else None)
             meas = runs[(runs.kernels == k) & (runs.max_loras == m) & (runs.strategy == s)
                         & (runs.concurrency == c) & (runs.workload == w)]
             rows.append({
@@ -69,6 +127,8 @@ def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.D
                 "measured_mean_ms": meas.step_ms_mean.iloc[0] if len(meas) else np.nan,
                 "measured_median_ms": meas.step_ms_median.iloc[0] if len(meas) else np.nan,
                 "base_ms": t.get(0, np.nan),
+                "terms": terms,
+                "measured_point": int(meas.point.iloc[0]) if len(meas) and "point" in meas and pd.notna(meas.point.iloc[0]) else None,
             })
     out = pd.DataFrame(rows)
     if out.empty:

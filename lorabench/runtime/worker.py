@@ -146,18 +146,40 @@ class Worker:
         self.shared["build_s"] = time.perf_counter() - t0
         return model
 
-    def build(self, model: LlamaLoRA, arm: Arm, first: bool) -> None:
-        """The arm's dispatcher: compiled (warm-up) and captured; its startup columns."""
+    def dispatcher(self, model: LlamaLoRA, arm: Arm, capture_sizes: list[int]) -> Dispatcher:
+        job = arm.job
+        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
+        return Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=capture_sizes, counts=arm.counts,
+                          use_graphs=self.cuda, seed=job.seed, rules=rules, bucket_grid=job.bucket_grid)
+
+    def first_capture(self, model: LlamaLoRA) -> None:
+        """Before any strategy: a warm-up and capture of the first strategy's graphs at the
+        smallest batch, thrown away. It pays what a process pays once, whatever its capture set
+        (CUDA and cuBLAS initialisation, Triton's first launches, the capture workspace), which
+        would otherwise land on whichever strategy came first; recorded as ``first_capture_s``
+        and ``first_capture_bytes`` on every row."""
+        free0 = torch.cuda.mem_get_info()[0] if self.cuda else None
+        t0 = time.perf_counter()
+        d = self.dispatcher(model, self.arms[0], [min(self.lead.capture_sizes)])
+        d.warm_up()
+        d.capture()
+        self.sync()
+        self.shared["first_capture_s"] = time.perf_counter() - t0
+        del d
+        if self.cuda:
+            torch.cuda.empty_cache()
+            self.shared["first_capture_bytes"] = free0 - torch.cuda.mem_get_info()[0]
+
+    def build(self, model: LlamaLoRA, arm: Arm) -> None:
+        """The arm's dispatcher: compiled (warm-up) and captured; its startup columns, each its
+        own: the model's build is every strategy's, and the Triton kernels loaded before are
+        forgotten first (``forget_compiled``)."""
         job = arm.job
         t0 = time.perf_counter()
-        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
-        d = Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=list(job.capture_sizes),
-                       counts=arm.counts, use_graphs=self.cuda, seed=job.seed, rules=rules,
-                       bucket_grid=job.bucket_grid)
+        d = self.dispatcher(model, arm, list(job.capture_sizes))
         self.sync()
-        build_s = self.shared["build_s"] + time.perf_counter() - t0  # the model's build is every strategy's
-        if not first:
-            forget_compiled()
+        build_s = self.shared["build_s"] + time.perf_counter() - t0
+        forget_compiled()
         cache_before = _triton_cache_files()  # outside the timers: it walks the cache folder
         t1 = time.perf_counter()
         d.warm_up()
@@ -277,9 +299,13 @@ class Worker:
             for arm in self.arms:
                 self.fail(arm, e)
             return
-        for i, arm in enumerate(self.arms):
+        try:
+            self.first_capture(model)
+        except Exception:  # noqa: BLE001 - the strategies' own builds say what fails
+            traceback.print_exc()
+        for arm in self.arms:
             try:
-                self.build(model, arm, first=i == 0)
+                self.build(model, arm)
             except Exception as e:  # noqa: BLE001 - a build/compile/capture failure fails this strategy's points
                 traceback.print_exc()
                 arm.failure = e

@@ -72,6 +72,8 @@ SCHEMA = pa.schema(
         ("throttle_reasons", STR),  # NVML's clock-event reasons at start or end, comma-joined ("" when none)
         ("throttled", BOOL),  # a power or thermal slowdown reason was set
         ("clock_drop", BOOL),  # the SM clock fell by more than 5 % over the point
+        ("first_capture_s", F64),  # a process's one-time cost of its first warm-up and capture, paid before any strategy
+        ("first_capture_bytes", I64),  # (CUDA/cuBLAS initialisation, the capture workspace): not in any strategy's own columns
     ]
 )
 COLUMNS = SCHEMA.names
