@@ -29,11 +29,22 @@ def test_import_contracts_are_kept(tmp_path):
     assert p.returncode == 0 and "0 broken" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]
 
 
-@pytest.mark.parametrize("command", [["report"], ["recommend", "--workload", "uniform"]])
+@pytest.mark.parametrize("command", [["report"], ["recommend", "--workload", "uniform"], ["compare"]])
 def test_report_and_recommend_load_neither_torch_nor_triton(tmp_path, command):
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(H200_CARD / "points.parquet", run / "points.parquet")
+    if command == ["compare"]:  # the run against itself: it needs a GPU's uuid and samples
+        import pandas as pd
+
+        from lorabench.storage.samples import PER_STEP, write_samples
+
+        df = pd.read_parquet(run / "points.parquet").assign(gpu_uuid="GPU-card")
+        df.to_parquet(run / "points.parquet")
+        for point, ms in zip(df.point, df.step_ms_median):
+            write_samples(run, int(point), {**{c: [1] * 12 for c in PER_STEP},
+                                            "step_ms": [ms * (1 + i / 1000) for i in range(12)]})
+        command = ["compare", str(run)]
     code = ("import sys; from lorabench.cli import main\n"
             f"rc = main({command[:1] + [str(run)] + command[1:]!r})\n"
             "print(rc, sorted(m for m in ('torch', 'triton') if m in sys.modules))")
