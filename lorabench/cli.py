@@ -58,7 +58,7 @@ def sweep(
     workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by +; or trace:PATH (CSV/JSONL) [default: uniform]."),
     iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
     warmup: str = typer.Option(None, "--warmup", help="Untimed steps before each point [default: 10]."),
-    ci_target: str = typer.Option(None, "--ci-target", help="Stop timing a point once the 95 % interval of its median is within +- this percent (at least 20 steps, at most --iters) [default: always --iters]."),
+    ci_target: str = typer.Option(None, "--ci-target", help="Stop timing a point once the 95 % interval of its median is within +- this percent (at least 10 steps, at most --iters) [default: always --iters]."),
     seed: Seed = None,
     out: str = typer.Option(None, "--out", help="Output root; the run goes to OUT/<run_id> [default: results]."),
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),

@@ -122,6 +122,7 @@ class Worker:
             "arms": ",".join(j.strategy for j in jobs),
         }
         self.shared: dict = {}  # startup columns every strategy shares: the process, the model, the probe
+        self.refs: dict = {}  # the check's reference answers, computed once for every strategy (same model, same cases)
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -158,6 +159,8 @@ class Worker:
         (CUDA and cuBLAS initialisation, Triton's first launches, the capture workspace), which
         would otherwise land on whichever strategy came first; recorded as ``first_capture_s``
         and ``first_capture_bytes`` on every row."""
+        if self.cuda:
+            torch.cuda.empty_cache()  # the model build's freed temporaries are not this capture's
         free0 = torch.cuda.mem_get_info()[0] if self.cuda else None
         t0 = time.perf_counter()
         d = self.dispatcher(model, self.arms[0], [min(self.lead.capture_sizes)])
@@ -213,7 +216,7 @@ class Worker:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
         d = arm.dispatcher
         try:
-            v = check(d, arm.job.dtype, arm.job.seed)
+            v = check(d, arm.job.dtype, arm.job.seed, self.refs)
             verdict = {"correct": v.correct, "check_detail": v.detail, "check_max_err": v.max_err,
                        "check_batches": v.batches, "check_s": v.seconds}
             emit("check", {**arm.job.config, **v.to_dict(), "num_graphs": d.num_graphs, "captured_counts": arm.counts})
@@ -317,6 +320,7 @@ class Worker:
         if self.lead.check:
             for arm in live:
                 self.check(arm)
+            self.refs.clear()
         for key, entries in self.schedule(live):
             self.run_point(entries)
 
@@ -355,7 +359,7 @@ class Worker:
 
 TURN = 10  # steps a strategy is timed for before the next one's turn
 SWITCH_WARMUP = 1  # untimed steps when a strategy's turn comes round again
-MIN_STEPS = 20  # --ci-target: no point stops with fewer samples
+MIN_STEPS = 10  # --ci-target: no point stops with fewer samples (the order-statistic interval needs >= 10)
 
 
 class Timed:
