@@ -34,6 +34,7 @@
 #            with --resume, timed; the rows compared with the plan
 #   confidence - sweeps/card.toml twice (the A/A), once with --ci-target 0.3 (each timed from process start to
 #            table), with both backends (triton vs vllm), and max vs pow2 at 128 slots: results/confidence/
+#   ci-target - the card sweep without and with --ci-target 0.3, timed, into results/confidence/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 set -uo pipefail
@@ -109,6 +110,10 @@ planned = {p['index'] for j in info['jobs'] for p in j['points']}
 print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in info[\"resumes\"]]}, rows {len(df)} ok {int((df.status == \"ok\").sum())} of {len(planned)} planned, same points: {set(df.point) == planned}')
 " "$run" | tee -a "$OUT/stages.log"
       done ;;
+    ci-target)  # the card sweep with and without --ci-target 0.3, each timed from process start to table
+      /usr/bin/time -f "card wall %e s" lorabench sweep --spec sweeps/card.toml --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      /usr/bin/time -f "card --ci-target 0.3 wall %e s" lorabench sweep --spec sweeps/card.toml --ci-target 0.3 --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      tar czf "$OUT/confidence.tgz" results/confidence ;;
     confidence)  # the A/A, the A/Bs and --ci-target, into results/confidence/<run_id>
       for run in aa-1 aa-2; do
         /usr/bin/time -f "card ($run) wall %e s" lorabench sweep --spec sweeps/card.toml --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"

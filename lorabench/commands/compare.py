@@ -155,8 +155,9 @@ def compare(run_a: Path, run_b: Path, fail_if_slower: str | None, margin: str | 
                           highlight=False)
     n = c.counts()
     tail = f", {n['not enough samples']} with too few samples" if n["not enough samples"] else ""
-    console.print(f"overall (geometric mean over {len(c.points) - n['not enough samples']} points): B "
-                  f"{describe(c.overall, margin_pct)}; {n['slower']} slower, {n['faster']} faster, "
+    words = describe(c.overall, margin_pct)
+    console.print(f"overall (geometric mean over {len(c.points) - n['not enough samples']} points): "
+                  f"{words if words.startswith(('no ', 'not ')) else 'B ' + words}; {n['slower']} slower, {n['faster']} faster, "
                   f"{n['no difference detected']} same{tail}", highlight=False)
 
     name = c.a.name
