@@ -19,17 +19,36 @@ the optimum. Every set the budgets allow, max, pow2 and dense included, is in th
 ``auto`` is never predicted slower than the best of them that fits by more than ``NOISE``.
 ``auto_recommendations`` then holds that set to the report's rules (at least ``PAYS`` faster than
 max; what the run measured beats what the model predicts), so that ``lorabench report`` and
-``lorabench recommend`` never contradict each other on a run.
+``lorabench recommend`` never contradict each other on a run. With the run's samples, "at least
+PAYS faster" is the report's rule too: the lower end of the 95 % interval of the predicted gain
+clears PAYS (``PricedGain``: the same pricing as the cost model, as a function of the fixed
+points' medians, each resampled independently); a run that kept no samples is decided on the
+medians alone. Only points measured on max's GPU price anything (``same_gpu``).
 """
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lorabench.analysis.compare import COMPLETE
+from lorabench.analysis.compare import (
+    COMPLETE,
+    describe_gain,
+    interval_of,
+    points_read,
+    resampler,
+    steps_hint,
+)
 from lorabench.analysis.costmodel import CostModel, lora_graphs
-from lorabench.analysis.points import configs, ok_points, verdicts, with_columns
+from lorabench.analysis.points import (
+    configs,
+    ok_points,
+    same_gpu,
+    verdicts,
+    with_columns,
+)
 from lorabench.analysis.recommend import (
+    MEDIANS_ONLY,
     PAYS,
     SPECIALISED,
     UNVERIFIED_POW2,
@@ -205,9 +224,104 @@ def fits(plan: Plan, memory_bytes: float | None, startup_s: float | None) -> boo
 
 
 
+class PricedGain:
+    """The gain (%) of a capture set over max as the cost model prices it (``Optimiser.evaluate``,
+    ``CostModel.step``), written as a function of the fixed points' medians, so that
+    ``lorabench.stats.Resampler`` can give it an interval: the same median over strategies
+    sharing a (c, n, g), the same flattening (a larger grid is never faster), interpolation,
+    extrapolation with the fitted slope and the base step as a floor, on floats or on arrays of
+    bootstrap medians alike."""
+
+    def __init__(self, df, opt: Optimiser, samples=None):
+        ok = ok_points(df)
+        if "correct" in ok:
+            ok = ok[~ok.correct.eq(False)]
+        rows = ok[(ok.kernels == opt.m.kernels) & (ok.max_loras == opt.L) & (ok["mode"] == "fixed")]
+        self.opt, self.samples = opt, resampler(samples)
+        self.cells: dict[tuple[int, int], dict[int, list]] = {}
+        self.medians: dict = {}
+        for i, r in zip(rows.index, rows.itertuples()):
+            key = int(r.point) if "point" in rows and not np.isnan(r.point) else ("row", i)
+            self.medians[key] = float(r.step_ms_median)
+            self.cells.setdefault((int(r.concurrency), int(r.n_active)), {}).setdefault(int(r.graph_loras), []).append(key)
+        for c_n in self.cells:
+            self.cells[c_n] = dict(sorted(self.cells[c_n].items()))
+
+    def _t(self, m, memo: dict, c: int, n: int) -> dict:
+        if (c, n) not in memo:
+            by_g, top = {}, -np.inf
+            for g, keys in self.cells.get((c, n), {}).items():
+                v = m[keys[0]] if len(keys) == 1 else np.median(np.stack([np.asarray(m[x], float) for x in keys]), axis=0)
+                top = by_g[g] = np.maximum(v, top)
+            memo[(c, n)] = by_g
+        return memo[(c, n)]
+
+    def _slope(self, m, memo: dict, c: int):
+        xs, ys = [], []
+        for cc, n in self.cells:
+            if cc == c and n > 0 and len(self.cells[(cc, n)]) >= 2:
+                by_g = self._t(m, memo, cc, n)
+                g = np.array(list(by_g), float)
+                v = list(by_g.values())
+                mean = sum(v) / len(v)
+                xs += list(g - g.mean())
+                ys += [x - mean for x in v]
+        if not xs:
+            return None
+        return np.maximum(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0)
+
+    def _step(self, m, memo: dict, c: int, n: int, g: int):
+        by_g = self._t(m, memo, c, n)
+        if n == 0:
+            return by_g.get(0, next(iter(by_g.values())))
+        if g in by_g:
+            return by_g[g]
+        gs = list(by_g)
+        i = bisect.bisect_left(gs, g)
+        if 0 < i < len(gs):
+            lo, hi = gs[i - 1], gs[i]
+            return by_g[lo] + (by_g[hi] - by_g[lo]) * (g - lo) / (hi - lo)
+        slope = self._slope(m, memo, c)
+        ref = gs[0] if i == 0 else gs[-1]
+        base = self._t(m, memo, c, 0).get(0, 0.0)
+        return np.maximum(by_g[ref] + slope * (g - ref), base)
+
+    def expected(self, m, memo: dict, counts: list[int]):
+        """``Optimiser.evaluate(counts).expected_ms`` from the medians ``m``."""
+        o, total = self.opt, 0.0
+        for c in o.conc:
+            p = o.pmf[c]
+            e = p[0] * self._step(m, memo, c, 0, 0) if p[0] > 0 else 0.0
+            prev = 0
+            for k in sorted(set(counts)):
+                for n in range(prev + 1, min(k, len(p) - 1) + 1):
+                    if p[n] > 0:
+                        e = e + p[n] * self._step(m, memo, c, n, o._launch(c, n, k))
+                prev = k
+            total = total + e
+        return total / len(o.conc)
+
+    def statistic(self, counts: list[int]):
+        def gain(m):
+            memo: dict = {}
+            return 100 * (1 - self.expected(m, memo, counts) / self.expected(m, memo, [self.opt.L]))
+        return gain
+
+    def interval(self, counts: list[int]):
+        """(the interval of the set's predicted gain over max in %, None or why there is none)."""
+        stat = self.statistic(counts)
+        return interval_of(self.samples, stat, points_read(stat, self.medians))
+
+    def steps(self, counts: list[int]) -> int:
+        if self.samples is None:
+            return 0
+        return max(self.samples.n(p) for p in points_read(self.statistic(counts), self.medians))
+
+
 def auto_recommendations(df, workload: str, memory_bytes: float | None = None, startup_s: float | None = None,
                          kernels: list[str] | None = None, max_loras: list[int] | None = None,
-                         planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None) -> list[dict]:
+                         planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None,
+                         samples=None) -> list[dict]:
     """Per (kernels, max_loras) of a run: the ``auto`` set under the workload and budgets, next
     to ``max``, ``pow2`` and ``dense`` as the same cost model prices them, and next to what the
     report says of the measured strategies (``measured``: ``lorabench.analysis.recommend.measured_choice``
@@ -217,16 +331,21 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
     - sets are priced over the concurrencies where max has every needed point (the comparison's
       grid), the concurrencies the report compares over; with none, nothing is comparable;
     - a set other than max is proposed only when it is at least ``PAYS`` faster than max (the
-      report's rule); within that, the fewest graphs within ``NOISE`` of the optimum;
+      report's rule: the lower end of the predicted gain's interval, with samples); within that,
+      the fewest graphs within ``NOISE`` of the optimum;
+    - only points measured on max's GPU are used (``lorabench.analysis.points.same_gpu``);
     - measured beats modelled: the model's best set is taken only if the run did not measure it
       or the report proposes it; where the model keeps max but the report proposes a measured set
       (one that fits the budgets), auto takes that set;
     - the vLLM flags are the report's (they follow what was measured).
-    ``planned``: the run's plan, as ``lorabench.analysis.compare.compare`` takes it."""
+    ``planned``: the run's plan, as ``lorabench.analysis.compare.compare`` takes it; ``samples``:
+    the run's samples (``lorabench.analysis.points.run_samples``) or a Resampler over them."""
     wl = parse_workload(workload)
     df = with_columns(df)
+    rs = resampler(samples)
+    measured = {(r["kernels"], r["max_loras"]): r for r in recommend(df, [wl.name], planned, rs)["recommendations"]}
+    df, _ = same_gpu(df)  # the model prices from max's GPU's points only, as the report compares
     ok = ok_points(df)
-    measured = {(r["kernels"], r["max_loras"]): r for r in recommend(df, [wl.name], planned)["recommendations"]}
     sets = _measured_sets(df)
     out = []
     for (k, m), _ in ok.groupby(["kernels", "max_loras"]):
@@ -253,9 +372,12 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
             out.append({**entry, "auto": None, "reason": "no capture set fits the budgets (not even max" + (
                 "" if need is None else f": {_cost(need)}") + ")"})
             continue
-        best, reason = _settle(opt, best, base[BASELINE], meas, sets.get((k, int(m)), {}), memory_bytes, startup_s)
+        priced = PricedGain(df, opt, rs)
+        best, reason, decision = _settle(opt, best, base[BASELINE], meas, sets.get((k, int(m)), {}), memory_bytes,
+                                         startup_s, priced)
         entry["auto"] = _plan_dict(best)
         entry["reason"] = reason
+        entry.update(decision)
         entry["baselines"] = {}
         cmp = meas["comparison"]["strategies"]
         for name, plan in base.items():
@@ -294,18 +416,39 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
 
 
 def _settle(opt: Optimiser, best: Plan, max_plan: Plan, meas: dict, sets: dict[str, tuple[int, ...]],
-            memory_bytes: float | None, startup_s: float | None) -> tuple[Plan, str]:
-    """The model's best set, held to the report's rules: at least PAYS faster than max, and never
-    against what the run measured (see ``auto_recommendations``). ``sets``: each measured
-    strategy's capture set. Returns the set and why."""
+            memory_bytes: float | None, startup_s: float | None,
+            priced: PricedGain | None = None) -> tuple[Plan, str, dict]:
+    """The model's best set, held to the report's rules: at least PAYS faster than max (the lower
+    end of the predicted gain's interval, when ``priced`` has samples for it; else the medians),
+    and never against what the run measured (see ``auto_recommendations``). ``sets``: each
+    measured strategy's capture set. Returns the set, why, and the decision's fields
+    (``gain_interval_pct``, ``inconclusive``, ``more_measuring``, ``decided_on``)."""
     L = opt.L
     chosen = meas["strategy"]
     gain = 1 - best.expected_ms / max_plan.expected_ms
     reason = PLAIN
-    if best.counts != [L] and gain < PAYS:
-        reason = (f"the cost model's best set {best.counts} is only {100 * gain:.2f} % faster than max "
-                  f"(< 2 %: extra graphs do not pay), so max")
-        best = max_plan
+    decision = {"gain_interval_pct": None, "inconclusive": False, "more_measuring": None, "decided_on": None}
+    if best.counts != [L]:
+        iv, why = priced.interval(best.counts) if priced is not None else (None, None)
+        if iv is not None:
+            decision.update(gain_interval_pct=iv.to_dict(), decided_on="the 95 % interval of the predicted gain")
+            if iv.low < 100 * PAYS:
+                more = steps_hint(iv, priced.steps(best.counts), 100 * PAYS)
+                open_ = iv.high >= 100 * PAYS
+                reason = (f"the cost model's best set {best.counts} vs max: {describe_gain(iv)}; "
+                          + (f"inconclusive: the interval's low end does not clear {100 * PAYS:g} %" if open_ else
+                             f"the whole interval is below the {100 * PAYS:g} % that pays for extra graphs")
+                          + ", so max, the fewest graphs" + (f"; {more}" if more else ""))
+                decision.update(inconclusive=open_, more_measuring=more if open_ else None)
+                best = max_plan
+        else:
+            decision["decided_on"] = MEDIANS_ONLY.format(why=why or "no samples given")
+            if gain < PAYS:
+                reason = (f"the cost model's best set {best.counts} is only {100 * gain:.2f} % faster than max "
+                          f"(< 2 %: extra graphs do not pay), so max")
+                best = max_plan
+            if why:
+                reason += f"; {decision['decided_on']}"
     same = [s for s, counts in sets.items() if list(counts) == best.counts and s != BASELINE]
     if same and chosen not in same:
         why = "; ".join(meas["comparison"]["strategies"].get(s, {}).get("coverage", s) for s in same)
@@ -318,6 +461,9 @@ def _settle(opt: Optimiser, best: Plan, max_plan: Plan, meas: dict, sets: dict[s
                 best, reason = plan, reason + f", so {chosen}'s set, which the report proposes"
         if best is max_plan:
             reason += ", so max"
+            if meas.get("inconclusive"):
+                reason += f" (the report: inconclusive; {meas['more_measuring'] or 'more steps per point would settle it'})"
+                decision.update(inconclusive=True, more_measuring=meas["more_measuring"])
     elif best.counts == [L] and chosen not in (None, BASELINE):
         plan = opt.evaluate(list(sets[chosen])) if chosen in sets else None
         g = meas["gain_over_max_pct"]
@@ -329,7 +475,9 @@ def _settle(opt: Optimiser, best: Plan, max_plan: Plan, meas: dict, sets: dict[s
             reason += f"; the report proposes {chosen} (measured {g:.1f} % faster than max), which does not fit the budgets"
         else:
             reason += f"; the report proposes {chosen} (measured {g:.1f} % faster than max), a set auto does not price"
-    return best, reason
+    if best.counts != [L] and decision["decided_on"] is None:
+        decision["decided_on"] = "the report's (a measured set)"
+    return best, reason, decision
 
 
 def _measured_sets(df) -> dict[tuple[str, int], dict[str, tuple[int, ...]]]:

@@ -10,7 +10,11 @@ shown with their coverage and their gain where they have points, or as not compa
 
 A strategy is only recommended over ``max`` when it is at least ``PAYS`` faster: below that the
 difference is within run-to-run noise, and specialisation would spend memory and startup for
-nothing. vLLM can realise ``max`` (its default) and ``pow2`` (``--specialize-active-lora``);
+nothing. With the run's samples, "at least" means the lower end of the 95 % interval of its gain
+(``Comparison.gain_interval``) clears ``PAYS``; when it does not, the answer is the fewest graphs
+(max), marked ``inconclusive`` when the interval still reaches past ``PAYS``, with the steps per
+point that would settle it. A run that kept no samples is decided on the medians alone, as before,
+and says so. vLLM can realise ``max`` (its default) and ``pow2`` (``--specialize-active-lora``);
 ``dense`` and explicit lists are lorabench's own, so the vLLM flags follow the better of those two
 (for ``--kernels vllm``, the chosen strategy itself).
 
@@ -28,6 +32,8 @@ from lorabench.analysis.compare import (
     Comparison,
     c_list,
     compare,
+    resampler,
+    steps_hint,
 )
 from lorabench.analysis.points import configs, ok_points, verdicts, with_columns
 from lorabench.config.backends import backend_of
@@ -63,25 +69,56 @@ def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
 
 
 def recommend(df: pd.DataFrame, workloads: list[str] | None = None,
-              planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None) -> dict:
+              planned: dict[tuple[str, int, str], tuple[int, ...]] | None = None, samples=None) -> dict:
     """The report's recommendation: one entry per (kernels, max_loras, workload), each from that
     triple's ``Comparison`` (``lorabench.analysis.compare``: which strategies are compared with max
-    over which concurrencies). ``planned``: the run's plan, as ``lorabench.analysis.compare.compare`` takes it."""
+    over which concurrencies). ``planned``: the run's plan, as ``lorabench.analysis.compare.compare`` takes it;
+    ``samples``: the run's samples (``lorabench.analysis.points.run_samples``) or a Resampler over them."""
     df = with_columns(df)
     first = ok_points(df).iloc[0]  # failed rows may lack the model's columns
     rank = int(first["rank"])
-    recs = [measured_choice(df, cmp) for cmp in compare(df, workloads, planned)]
+    recs = [measured_choice(df, cmp) for cmp in compare(df, workloads, planned, samples=resampler(samples))]
     return _clean({
         "run_id": first.run_id, "device": first.device, "gpu_name": first.gpu_name, "model": first.model,
         "layers": _int(first.layers), "rank": rank, "dtype": first["dtype"],
+        "gpu_uuids": sorted({r["gpu_uuid"] for r in recs if r["gpu_uuid"]}),
         "pays_threshold_pct": 100 * PAYS,
+        "pays_rule": PAYS_RULE,
         "basis": BASIS,
         "recommendations": recs,
     })
 
 
 BASIS = ("expected step time = sum_n P(n|c) * median step(c, n), averaged over the swept concurrencies; "
-         "a strategy is compared with max only over the concurrencies both have every needed point of")
+         "a strategy is compared with max only over the concurrencies both have every needed point of, "
+         "measured on the same GPU (max's)")
+PAYS_RULE = (f"a strategy other than max is recommended only when the lower end of the 95 % interval of its gain "
+             f"over max clears {100 * PAYS:g} % (each point's median resampled independently, percentile bootstrap); "
+             f"otherwise max, the fewest graphs (inconclusive when the interval reaches past {100 * PAYS:g} %); "
+             f"a run that kept no samples is decided on the medians alone")
+MEDIANS_ONLY = "decided on medians alone ({why})"
+
+
+def _decide(cmp: Comparison, passing: dict[str, float], gain: dict[str, float]) -> dict:
+    """Which of the passing complete strategies pays for its graphs, by the interval of its gain
+    when the samples give one to every one of them, else by the medians. Returns ``pays`` (the
+    strategies that do), ``on`` ("interval" or "medians"), ``why`` (no interval: why),
+    ``inconclusive`` and ``more`` (what more measuring would take)."""
+    others = [s for s in passing if s != BASELINE]
+    ivs = {s: cmp.gain_interval(s) for s in others}
+    missing = [s for s in others if ivs[s] is None]
+    if missing or not others:
+        why = cmp.interval_why(missing[0]) if missing else None
+        return {"pays": [s for s in others if gain[s] >= PAYS], "on": "medians", "why": why,
+                "inconclusive": False, "more": None, "intervals": ivs}
+    pays = [s for s in others if ivs[s].low >= 100 * PAYS]
+    open_ = [s for s in others if s not in pays and ivs[s].high >= 100 * PAYS]
+    more = None
+    if not pays and open_:
+        top = max(open_, key=lambda s: ivs[s].estimate)
+        more = steps_hint(ivs[top], cmp.steps(top), 100 * PAYS)
+    return {"pays": pays, "on": "interval", "why": None, "inconclusive": bool(not pays and open_), "more": more,
+            "intervals": ivs}
 
 
 def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
@@ -107,11 +144,13 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
     key = (k, m, BASELINE)
     c_max = cfg.loc[key] if key in cfg.index else None
     rec = {
-        "kernels": k, "max_loras": int(m), "workload": w, "strategy": None,
+        "kernels": k, "max_loras": int(m), "workload": w, "gpu_uuid": cmp.gpu_uuid, "strategy": None,
         "fastest_measured": min(score, key=score.get) if score else None,
         "captured_counts": None, "capture_sizes": [int(x) for x in first.capture_sizes],
         "expected_step_ms": None, "expected_step_ms_max": by_c.get(BASELINE), "gain_over_max_pct": None,
         "gain_by_strategy_pct": {s: round(100 * float(v), 2) for s, v in gain.items()},
+        "gain_interval_pct": None, "versus_max": {s: cmp.versus_max(s) for s in comparable if s != BASELINE},
+        "inconclusive": False, "more_measuring": None, "decided_on": None,
         "graph_mem_bytes": None, "graph_mem_bytes_max": None if c_max is None else _int(c_max.graph_mem_bytes),
         "startup_s": None, "startup_s_max": None if c_max is None else round(float(c_max.startup_s), 3),
         "num_graphs": None, "num_graphs_max": None if c_max is None else _int(c_max.num_graphs),
@@ -130,26 +169,58 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
                 "vllm": {"flags": None, "realises": None, "note": "nothing to realise: every measured strategy is wrong"}}
     best = rec["fastest_measured"]
     fastest_ok = min(passing, key=passing.get)
-    pays = bool(gain[fastest_ok] >= PAYS)
-    chosen = fastest_ok if pays or BASELINE not in passing else BASELINE
+    d = _decide(cmp, passing, gain)
+    ivs = d["intervals"]
     over = "on average over concurrency" if cmp.grid == cmp.planned else f"on average over {c_list(cmp.grid)}"
-    reason = (f"{fastest_ok} is {100 * gain[fastest_ok]:.1f} % faster than max {over} "
-              + ("(>= the 2 % that pays for extra graphs)" if pays else "(< 2 %: within noise, extra graphs do not pay)"))
+    if d["on"] == "medians":
+        pays = fastest_ok in d["pays"]
+        chosen = fastest_ok if pays or BASELINE not in passing else BASELINE
+        reason = (f"{fastest_ok} is {100 * gain[fastest_ok]:.1f} % faster than max {over} "
+                  + ("(>= the 2 % that pays for extra graphs)" if pays else "(< 2 %: within noise, extra graphs do not pay)"))
+    else:
+        cleared = {s: passing[s] for s in d["pays"]}
+        pays = bool(cleared)
+        chosen = min(cleared, key=cleared.get) if pays else fastest_ok if BASELINE not in passing else BASELINE
+        shown = chosen if chosen != BASELINE else fastest_ok
+        reason = f"{shown} vs max {over}: {cmp.versus_max(shown)}" if shown != BASELINE else ""
+        so_max = ", so max, the fewest graphs" if chosen == BASELINE else ""
+        if shown in cleared:
+            reason += f"; the interval's low end clears the {100 * PAYS:g} % that pays for extra graphs"
+        elif shown != BASELINE and ivs[shown].high >= 100 * PAYS:
+            reason += (f"; inconclusive: the interval's low end does not clear the {100 * PAYS:g} % that pays for "
+                       f"extra graphs{so_max}")
+        elif shown != BASELINE:
+            reason += f"; the whole interval is below the {100 * PAYS:g} % that pays for extra graphs{so_max}"
+        if pays and fastest_ok != chosen and fastest_ok != BASELINE:
+            reason += (f"; {fastest_ok} measured faster ({cmp.versus_max(fastest_ok)}) but its interval's low end "
+                       f"does not clear {100 * PAYS:g} %")
     if fastest_ok == BASELINE:
         reason = "max is the fastest" + (" strategy that passed its correctness check" if rejected else "")
         if len(cands) == 1 and len(cmp.covers) > 1:
             reason = "max is kept: no other strategy is measured at every concurrency max covers"
+        elif d["on"] == "interval" and d["inconclusive"]:
+            top = max((s for s in ivs if ivs[s].high >= 100 * PAYS), key=lambda s: ivs[s].estimate)
+            reason += (f"; inconclusive: {top} vs max {over}: {cmp.versus_max(top)}, "
+                       f"whose interval reaches past {100 * PAYS:g} %")
     if best != fastest_ok:
         reason = f"{best} measured fastest but failed its correctness check, so it is not proposed; " + reason
     if chosen != BASELINE and not pays:
         reason += "; max failed its correctness check"
+    if d["more"]:
+        reason += f"; {d['more']}"
+    if d["on"] == "medians" and len(passing) > 1:
+        reason += "; " + MEDIANS_ONLY.format(why=d["why"])
     reason += _qualify(cmp)
+    inconclusive = d["inconclusive"] and chosen == BASELINE
+    rec.update(inconclusive=inconclusive, more_measuring=d["more"] if inconclusive else None,
+               decided_on=("the 95 % interval of the gain" if d["on"] == "interval" else
+                           MEDIANS_ONLY.format(why=d["why"]) if d["why"] else "nothing to decide: no other strategy"))
     c_row = cfg.loc[(k, m, chosen)]
     if backend_of(k) == "vllm" and chosen in VLLM_STRATEGIES:
         realises = chosen
     else:
         vllm_best = max((s for s in VLLM_STRATEGIES if s in passing), key=lambda s: gain[s], default=VLLM_DEFAULT)
-        realises = SPECIALISED if vllm_best == SPECIALISED and gain[SPECIALISED] >= PAYS else VLLM_DEFAULT
+        realises = SPECIALISED if vllm_best == SPECIALISED and SPECIALISED in d["pays"] else VLLM_DEFAULT
     note = VLLM_NOTE
     if len(broken_pow2):
         same = broken_pow2[broken_pow2.max_loras == m]
@@ -159,9 +230,11 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
         realises = VLLM_DEFAULT if realises == SPECIALISED else realises
     elif realises == SPECIALISED and not verified_pow2(checked):
         note = UNVERIFIED_POW2
+    iv = cmp.gain_interval(chosen) if chosen != BASELINE else None
     return {
         **rec, "strategy": chosen, "captured_counts": c_row.captured_counts,
         "expected_step_ms": by_c[chosen], "gain_over_max_pct": round(100 * float(gain[chosen]), 2),
+        "gain_interval_pct": None if iv is None else iv.to_dict(),
         "graph_mem_bytes": _int(c_row.graph_mem_bytes), "startup_s": round(float(c_row.startup_s), 3),
         "num_graphs": _int(c_row.num_graphs), "reason": reason,
         "vllm": {"flags": vllm_flags(int(m), rank, realises == SPECIALISED), "realises": realises, "note": note},

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lorabench.analysis.optimise import PLAIN, auto_recommendations
+from lorabench.analysis.points import run_samples
 from lorabench.config.spec import coerce
 from lorabench.config.strategies import STRATEGIES
 from lorabench.errors import UserError
@@ -69,7 +70,8 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
         recs = auto_recommendations(df, workload, memory, startup,
                                     kernels=coerce("kernels", kernels) if kernels else None,
                                     max_loras=coerce("max_loras", max_loras) if max_loras else None,
-                                    planned=cov.planned_concurrency if cov else None)
+                                    planned=cov.planned_concurrency if cov else None,
+                                    samples=run_samples(run_dir))
     except ValueError as e:
         raise UserError(str(e)) from None
     if not recs:
@@ -88,6 +90,8 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
             continue
         if r["reason"] != PLAIN:
             console.print(f"{where}: auto is {r['auto']['counts']}: {r['reason']}")
+        if r.get("inconclusive"):
+            console.print(f"{where}: inconclusive: {r.get('more_measuring') or 'more steps per point would settle it'}")
         m = r["measured"]
         chosen = "nothing proposed" if m["strategy"] is None else f"{m['strategy']} {m['captured_counts']}"
         console.print(f"{where}: measured, as lorabench report says: {chosen}: {m['reason']}")

@@ -5,8 +5,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from lorabench.analysis.compare import compare
-from lorabench.analysis.points import configs, expected_steps, lora_overhead, ok_points
+from lorabench.analysis.compare import compare, resampler
+from lorabench.analysis.points import (
+    configs,
+    expected_steps,
+    lora_overhead,
+    ok_points,
+    run_samples,
+    same_gpu,
+)
 from lorabench.analysis.recommend import recommend
 from lorabench.analysis.roofline import floors
 from lorabench.commands.report import plots as p
@@ -28,31 +35,36 @@ def incomplete_line(run_info: dict, cov: Coverage | None) -> str | None:
 
 def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     """Every figure the run's rows allow, report.md and recommendation.json; returns their paths.
-    With a console, an incomplete run is said there too, in one line."""
+    With a console, an incomplete run is said there too, in one line. Comparisons are made only
+    between points measured on one GPU (max's, per kernels and max_loras: ``same_gpu``), with
+    intervals from the run's samples when it kept them."""
     run_dir = Path(run_dir)
     df = load_run(run_dir)
+    rs = resampler(run_samples(run_dir))
+    same, gpus = same_gpu(df)
     run_info = read_info(run_dir)
     cov = coverage(run_dir, df)
     planned = cov.planned_concurrency if cov else None
     incomplete = incomplete_line(run_info, cov)
     if console is not None and incomplete:
         console.print(f"{run_dir}: incomplete run, {incomplete}")
-    cfg, exp, over = configs(df), expected_steps(df), lora_overhead(df)
+    cfg, exp, over = configs(df), expected_steps(same), lora_overhead(same)
     plots = {
         "latency_vs_active": p.latency_vs_active(df, run_dir / "latency_vs_active.png"),
         "memory_startup": p.memory_startup(df, cfg, run_dir / "memory_startup.png"),
     }
     if not exp.empty:
-        plots["latency_vs_concurrency"] = p.latency_vs_concurrency(df, exp, run_dir / "latency_vs_concurrency.png")
-        plots["speedup"] = p.speedup(df, exp, run_dir / "speedup_vs_max.png")
+        plots["latency_vs_concurrency"] = p.latency_vs_concurrency(same, exp, run_dir / "latency_vs_concurrency.png")
+        plots["speedup"] = p.speedup(same, exp, run_dir / "speedup_vs_max.png")
         first = min(exp.workload.unique())
-        plots["latency_vs_memory"] = p.latency_vs_memory(df, compare(df, [first], planned), cfg, run_dir / "latency_vs_memory.png")
+        plots["latency_vs_memory"] = p.latency_vs_memory(same, compare(df, [first], planned, exp[exp.workload == first]),
+                                                         cfg, run_dir / "latency_vs_memory.png")
     if ok_points(df).kernels.nunique() > 1:
-        plots["backends"] = p.backends(df, over, run_dir / "backends.png")
-    fl = floors(df)
+        plots["backends"] = p.backends(same, over, run_dir / "backends.png")
+    fl = floors(same)
     if not fl.empty:
         plots["roofline"] = p.roofline(df, fl, run_dir / "roofline.png")
-    rec = recommend(df, planned=planned)
+    rec = recommend(df, planned=planned, samples=rs)
     rec = {**{k: v for k, v in rec.items() if k != "recommendations"}, "coverage": cov.to_dict() if cov else None,
            "recommendations": rec["recommendations"]}
     rec_path = run_dir / "recommendation.json"
@@ -65,7 +77,7 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
             rec["auto"] = auto
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
-    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete)
+    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete, samples=rs, gpus=gpus)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")
         md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"

@@ -6,12 +6,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis.points import ok_points, verdicts
-from lorabench.analysis.recommend import VLLM_NOTE, vllm_specialised
+from lorabench.analysis.compare import MARGIN_PCT, NO_SAMPLES, c_list, interval_of
+from lorabench.analysis.points import majority_gpu, ok_points, short_uuid, verdicts
+from lorabench.analysis.recommend import PAYS, VLLM_NOTE, vllm_specialised
 from lorabench.commands.report.labels import backends, in_order, strategies, unit
 from lorabench.commands.tables import markdown_table
 from lorabench.config.backends import label_order
 from lorabench.config.strategies import AUTO, BASELINE, STRATEGIES, report_order
+from lorabench.stats import describe
 from lorabench.storage.runs import run_status
 
 BUCKET_GRID = [name for name, s in STRATEGIES.items() if s.bucket_grid]  # agnostic
@@ -63,22 +65,85 @@ def correctness_md(df: pd.DataFrame) -> list[str]:
     return out
 
 
-def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path) -> list[str]:
+def _point(v):
+    return None if pd.isna(v) else int(v)
+
+
+def _uuid(v):
+    return v if isinstance(v, str) and v else None
+
+
+def ratio_interval(samples, a, b):
+    """``100 * (median(b) / median(a) - 1)`` (positive: b slower) with its interval, from the two
+    points' samples, or (None, why)."""
+    return interval_of(samples, lambda m: 100 * (m[b] / m[a] - 1), [a, b])
+
+
+def geomean_interval(samples, pairs):
+    """The geometric mean over ``pairs`` of (point a, point b) of median(b) / median(a), as
+    ``100 * (ratio - 1)``, with its interval (every point resampled independently), or (None, why)."""
+    def statistic(m):
+        return 100 * (np.exp(sum(np.log(m[b]) - np.log(m[a]) for a, b in pairs) / len(pairs)) - 1)
+
+    return interval_of(samples, statistic, [x for pair in pairs for x in pair])
+
+
+def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, samples=None) -> list[str]:
     """Per (max_loras, strategy) measured with several backends: step times, ratios to the first
-    backend and each backend's LoRA overhead; then what each backend's graphs cost."""
-    out = ["## Backends side by side", "", f"![backends]({plot.name})", ""]
+    backend with their intervals (from the samples; only between points measured on one GPU: the
+    first backend's) and each backend's LoRA overhead; then what each backend's graphs cost."""
+    out = ["## Backends side by side", "", f"![backends]({plot.name})", "",
+           "Backends run in separate workers, one after the other, so drift between them is not cancelled as it is "
+           "between a backend's strategies; points are compared only when measured on the same GPU.", ""]
     groups = sorted(over.groupby(["max_loras", "strategy"]), key=lambda kv: (kv[0][0], report_order(kv[0][1])))
+    no_interval = set()
     for (m, s), g in groups:
         ks = backends(g)
         if len(ks) < 2:
             continue
-        t = g.pivot(index=["concurrency", "n_active"], columns="kernels", values=["step_ms_median", "overhead_pct"])
-        rows = [[int(c), int(n)] + [r.step_ms_median[k] for k in ks]
-                + [_fmt(r.step_ms_median[k] / r.step_ms_median[ks[0]], "{:.2f}x") for k in ks[1:]]
-                + [_fmt(r.overhead_pct[k], "{:+.1f} %") for k in ks] for (c, n), r in t.iterrows()]
-        out += [f"**max_loras = {m}, {s}**: median step ({u}), ratio to {ks[0]}, LoRA overhead over n = 0\n",
-                markdown_table(["c", "n"] + [f"{k} ms" for k in ks] + [f"{k}/{ks[0]}" for k in ks[1:]] + [f"{k} overhead" for k in ks], rows),
-                ""]
+        gpu = majority_gpu(g[g.kernels == ks[0]])
+        away = g[[_uuid(v) != gpu for v in g.gpu_uuid]] if "gpu_uuid" in g else g.iloc[:0]
+        notes = [f"{k} measured on another GPU ({', '.join(sorted({short_uuid(_uuid(v)) for v in a.gpu_uuid}))} "
+                 f"vs {ks[0]}'s {short_uuid(gpu)}): not compared" for k, a in away.groupby("kernels")]
+        g = g.drop(away.index)
+        ks = backends(g)
+        if len(ks) < 2:
+            out += [f"**max_loras = {m}, {s}**: " + "; ".join(notes), ""]
+            continue
+        t = g.pivot(index=["concurrency", "n_active"], columns="kernels", values=["step_ms_median", "overhead_pct", "point"])
+        rows, pairs = [], {k: [] for k in ks[1:]}
+        for (c, n), r in t.iterrows():
+            cells = []
+            for k in ks[1:]:
+                a, b = _point(r.point[ks[0]]), _point(r.point[k])
+                if a is None or b is None:
+                    cells.append("-")
+                    continue
+                pairs[k].append((a, b))
+                iv, why = ratio_interval(samples, a, b)
+                if iv is None:
+                    no_interval.add(why)
+                    cells.append("-")
+                else:
+                    cells.append(describe(iv, MARGIN_PCT))
+            rows.append([int(c), int(n)] + [r.step_ms_median[k] for k in ks]
+                        + [_fmt(r.step_ms_median[k] / r.step_ms_median[ks[0]], "{:.2f}x") for k in ks[1:]]
+                        + (cells if samples is not None else [])
+                        + [_fmt(r.overhead_pct[k], "{:+.1f} %") for k in ks])
+        head = (["c", "n"] + [f"{k} ms" for k in ks] + [f"{k}/{ks[0]}" for k in ks[1:]]
+                + ([f"{k} vs {ks[0]}" for k in ks[1:]] if samples is not None else []) + [f"{k} overhead" for k in ks])
+        out += [f"**max_loras = {m}, {s}**: median step ({u}), ratio to {ks[0]}"
+                + (" and its 95 % interval" if samples is not None else "") + ", LoRA overhead over n = 0"
+                + (f"; on GPU {short_uuid(gpu)}" if gpu else "") + "\n",
+                markdown_table(head, rows), ""]
+        for k in ks[1:]:
+            if pairs[k]:
+                iv, why = geomean_interval(samples, pairs[k])
+                text = describe(iv, MARGIN_PCT) if iv is not None else f"no interval: {why}"
+                out.append(f"- {k} vs {ks[0]} over the {len(pairs[k])} points both have (geometric mean of the ratios): {text}")
+        out += [f"- {x}" for x in notes] + [""]
+    if samples is None or no_interval:
+        out += [f"no interval: {', '.join(sorted(no_interval)) or NO_SAMPLES}", ""]
     cost = in_order(cfg, by=("max_loras", "strategy", "kernels"))
     out += [markdown_table(["max_loras", "strategy", "kernels", "graph MiB", "graphs", "startup s"],
                      [[int(c.max_loras), c.strategy, c.kernels, _mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
@@ -159,9 +224,10 @@ def roofline_md(fl: pd.DataFrame, plot: Path | None) -> list[str]:
     return out
 
 
-def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str) -> list[str]:
+def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str, samples=None) -> list[str]:
     """Strategy auto: what the cost model (from the --auto-from run) predicted for the chosen
-    set, next to what this run measured for it."""
+    set, next to what this run measured for it; the measured median against the prediction with
+    an interval drawn from the measured samples only (the prediction is taken as exact)."""
     runs = ok_points(df)
     pred = runs[(runs.strategy == AUTO) & (runs["mode"] == "workload")] if "predicted_ms" in runs else runs.iloc[:0]
     pred = pred[pred.predicted_ms.notna()] if len(pred) else pred
@@ -173,14 +239,20 @@ def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str) -> list
     for r in pred.sort_values(["kernels", "max_loras", "concurrency"]).itertuples():
         key = (r.kernels, r.max_loras, r.workload, r.concurrency)
         expected = e.expected_ms.get(key, np.nan)
+        pt, pred_ms = _point(r.point), float(r.predicted_ms)
+        iv, why = interval_of(samples, lambda m, pt=pt: 100 * (m[pt] / pred_ms - 1), [pt])
         rows.append([r.kernels, int(r.max_loras), "[" + ",".join(str(int(x)) for x in r.captured_counts) + "]", r.workload,
-                     int(r.concurrency), r.predicted_ms, expected, r.step_ms_mean,
-                     _fmt(100 * (expected / r.predicted_ms - 1), "{:+.2f} %"), _fmt(100 * (r.step_ms_mean / r.predicted_ms - 1), "{:+.2f} %")])
+                     int(r.concurrency), r.predicted_ms, expected, r.step_ms_mean, r.step_ms_median,
+                     _fmt(100 * (expected / r.predicted_ms - 1), "{:+.2f} %"), _fmt(100 * (r.step_ms_mean / r.predicted_ms - 1), "{:+.2f} %"),
+                     describe(iv, MARGIN_PCT) if iv is not None else
+                     f"{100 * (r.step_ms_median / r.predicted_ms - 1):+.2f} % (no interval: {why})"])
     return [f"## Strategy auto: predicted vs measured ({u})", "",
             f"predicted = the cost model built from `{source}` for the chosen set; expected = sum over n of "
-            "P(n | c) x this run's median(c, n) for that set; measured = its workload run's mean.", "",
-            markdown_table(["kernels", "max_loras", "set", "workload", "c", "predicted", "expected", "measured",
-                      "expected vs predicted", "measured vs predicted"], rows), ""]
+            "P(n | c) x this run's median(c, n) for that set; measured = its workload run's mean; median = its "
+            "workload run's median, against the prediction with a 95 % interval drawn from the measured samples only "
+            "(the prediction is taken as exact; faster = the run measured less than predicted).", "",
+            markdown_table(["kernels", "max_loras", "set", "workload", "c", "predicted", "expected", "measured", "median",
+                      "expected vs predicted", "measured vs predicted", "median vs predicted"], rows), ""]
 
 
 def recommendation_md(rec: dict, incomplete: str | None = None) -> list[str]:
@@ -188,17 +260,41 @@ def recommendation_md(rec: dict, incomplete: str | None = None) -> list[str]:
     if incomplete:
         out += ["This run is incomplete (see the top): each strategy is compared with max only over the concurrencies "
                 "where both have every point the workload needs.", ""]
+    out += [f"A strategy other than max is proposed only when the lower end of the 95 % interval of its gain over "
+            f"max clears {100 * PAYS:g} % (each point's median resampled independently); otherwise max, the fewest "
+            f"graphs, **inconclusive** when the interval reaches past {100 * PAYS:g} %. A run that kept no samples is "
+            "decided on the medians alone. Strategies of one kernels and max_loras are timed in alternating turns on "
+            "one GPU, so the verdicts' margin is 0; points measured on another GPU are not compared.", ""]
     for x in rec["recommendations"]:
         head = f"- **{x['kernels']}, max_loras {x['max_loras']}, workload {x['workload']}**: "
         if x["strategy"] is None:
             out.append(head + f"nothing proposed: {x['reason']}.")
         else:
-            out.append(head + f"`{x['strategy']}` {x['captured_counts']}, {x['gain_over_max_pct']:+.1f} % vs max, "
+            mark = " (**inconclusive**)" if x.get("inconclusive") else ""
+            out.append(head + f"`{x['strategy']}` {x['captured_counts']}{mark}, {x['gain_over_max_pct']:+.1f} % vs max, "
                        f"{x['num_graphs']} graphs ({x['num_graphs_max']} for max). {x['reason']}. vLLM: `{x['vllm']['flags']}`")
         out += [f"  - rejected `{r['strategy']}`: {r['reason']}" for r in x.get("rejected", [])]
+        out += versus_md(x)
         out += coverage_md(x.get("comparison"))
     notes = dict.fromkeys(x["vllm"]["note"] for x in rec["recommendations"] if x["strategy"] is not None)
     out += [f"\nvLLM: {n}" for n in notes if n != VLLM_NOTE]
+    return out
+
+
+def versus_md(x: dict) -> list[str]:
+    """Sub-bullets: each strategy against max in words (with its interval, or why none), the GPU
+    the comparison was made on, and what more measuring would take when inconclusive."""
+    cmp = x.get("comparison") or {}
+    out = []
+    for name, s in cmp.get("strategies", {}).items():
+        if s.get("versus_max") and s["status"] != "not comparable":
+            out.append(f"  - `{name}` vs max over {c_list(s['compared_over'])}: {s['versus_max']}")
+    if x.get("decided_on") and x["decided_on"].startswith("decided on medians alone"):
+        out.append(f"  - {x['decided_on']}")
+    if x.get("inconclusive"):
+        out.append(f"  - inconclusive: {x.get('more_measuring') or 'more steps per point would narrow the interval'}")
+    if cmp.get("gpu_uuid"):
+        out.append(f"  - compared on one GPU: {cmp['gpu_uuid']}")
     return out
 
 
@@ -218,7 +314,25 @@ def coverage_md(cmp: dict | None) -> list[str]:
     return out
 
 
-def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: str | None = None) -> str:
+INTERVALS = "95 % percentile bootstrap from every timed step kept (samples/), each point's median resampled independently"
+
+
+def gpu_md(gpus: dict) -> list[str]:
+    """Header lines: the GPU each (kernels, max_loras) was compared on, and the rows left out
+    because they were measured on another GPU."""
+    out = []
+    used = sorted({g["gpu_uuid"] for g in gpus.values() if g["gpu_uuid"]})
+    if used:
+        out.append(f"- GPU{'s' if len(used) > 1 else ''} compared on: {', '.join(used)}")
+    for (k, m), g in sorted(gpus.items(), key=lambda kv: (label_order(kv[0][0]), kv[0][1])):
+        for s_, uuids in g["elsewhere"].items():
+            out.append(f"- {k}/{m}/{s_}: measured on another GPU ({', '.join(short_uuid(x) for x in uuids)}) than "
+                       f"max's ({short_uuid(g['gpu_uuid'])}): not compared")
+    return out
+
+
+def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: str | None = None,
+                    samples=None, gpus: dict | None = None) -> str:
     """The whole report: configurations, expected steps, LoRA overhead, roofline floors (``fl``),
     the recommendation and the figures already written (``plots``: name -> path); ``incomplete``:
     the line saying how the run is incomplete (``lorabench.commands.report.incomplete_line``), if it is."""
@@ -241,6 +355,8 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
         f"- sweep wall time: {wall}; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
         f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %)",
         f"- timing: {u}; median of {int(r.iters)} steps per point after {int(r.warmup)} warm-up steps",
+        f"- intervals: {INTERVALS if samples is not None else 'none: ' + NO_SAMPLES + ' (decisions on medians alone)'}",
+        *gpu_md(gpus or {}),
         "",
         *correctness_md(df),
         "## Capture sets and their cost",
@@ -271,7 +387,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
             rows.append(cells)
         out += [markdown_table(["c", "n"] + strats, rows), ""]
     if "backends" in plots:
-        out += backends_md(over, cfg, u, plots["backends"])
+        out += backends_md(over, cfg, u, plots["backends"], samples)
     out += agnostic_md(over, cfg, u)
     out += roofline_md(fl, plots.get("roofline"))
     if not exp.empty:
@@ -283,7 +399,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
                  (e.measured_mean_ms / e.expected_ms - 1) * 100 if e.expected_ms else np.nan, e.speedup_vs_max]
                 for e in exp.sort_values(["kernels", "max_loras", "workload", "concurrency"]).itertuples()]
         out += [markdown_table(["kernels", "max_loras", "workload", "c", "strategy", "expected", "measured", "meas/exp - 1 (%)", "speed-up vs max"], rows), ""]
-        out += auto_md(df, exp, run_info, u)
+        out += auto_md(df, exp, run_info, u, samples)
     ok = ok_points(df)
     host = ok.groupby(["kernels", "concurrency"]).agg(
         host=("host_us_median", "median"), copy=("copy_us_median", "median"), launch=("launch_us_median", "median"))
