@@ -253,9 +253,11 @@ def _qualify(cmp: Comparison) -> str:
             g = cmp.gain(s)
             out.append(f"{s} is not proposed: measured at {len(cv.compared_over)} of max's {len(cmp.grid)} concurrencies; "
                        f"over {c_list(cv.compared_over)} it is {100 * abs(g):.1f} % {'faster' if g > 0 else 'slower'} "
-                       f"than max, and it is not comparable at {c_list(cv.lacks)}")
+                       f"than max, and it is not comparable at {c_list(cv.lacks)}"
+                       + (f" ({cv.elsewhere_text()})" if cv.elsewhere else ""))
         elif cv.status == NOT_COMPARABLE and s != BASELINE:
-            out.append(f"{s} is not comparable: it is measured at no concurrency max covers")
+            out.append(f"{s} is not comparable: " + (cv.elsewhere_text() if cv.elsewhere and not cv.by_c
+                                                     else "it is measured at no concurrency max covers"))
     return "".join(f"; {x}" for x in out)
 
 
