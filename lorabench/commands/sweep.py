@@ -32,6 +32,7 @@ from rich.progress import (
 )
 
 from lorabench.analysis.optimise import auto_recommendations
+from lorabench.analysis.points import run_samples
 from lorabench.commands.summary import points_table
 from lorabench.config.plan import Job, auto_key, groups, plan
 from lorabench.config.spec import SweepSpec, build_spec
@@ -61,12 +62,14 @@ def resolve_auto(spec: SweepSpec) -> str | None:
     points, for the sweep's first workload, within the budgets; keep the model's predictions.
     Returns a one-line notice or None."""
     df = load_run(Path(spec.auto_from))
+    samples = run_samples(Path(spec.auto_from))  # the same interval rule as `lorabench recommend`
     memory = spec.graph_memory_budget * 2**20 if spec.graph_memory_budget else None
     spec.auto_sets = {}
     for k in spec.kernels:
         for m in spec.max_loras:
             try:
-                recs = auto_recommendations(df, spec.workload[0], memory, spec.startup_budget, kernels=[k], max_loras=[m])
+                recs = auto_recommendations(df, spec.workload[0], memory, spec.startup_budget, kernels=[k], max_loras=[m],
+                                            samples=samples)
             except ValueError as e:
                 raise UserError(f"--strategy auto: {e}") from None
             if not recs:

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis.compare import MARGIN_PCT, NO_SAMPLES, c_list, interval_of
+from lorabench.analysis.compare import APART_MARGIN_PCT, MARGIN_PCT, NO_SAMPLES, c_list, interval_of
 from lorabench.analysis.points import majority_gpu, ok_points, short_uuid, verdicts
 from lorabench.analysis.recommend import PAYS, VLLM_NOTE, vllm_specialised
 from lorabench.commands.report.labels import backends, in_order, strategies, unit
@@ -94,7 +94,9 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, sampl
     first backend's) and each backend's LoRA overhead; then what each backend's graphs cost."""
     out = ["## Backends side by side", "", f"![backends]({plot.name})", "",
            "Backends run in separate workers, one after the other, so drift between them is not cancelled as it is "
-           "between a backend's strategies; points are compared only when measured on the same GPU.", ""]
+           "between a backend's strategies: a difference is reported only when its whole 95 % interval lies beyond "
+           f"±{APART_MARGIN_PCT:g} % (at n = 0, where both run the base model alone, they differ by drift alone). "
+           "Points are compared only when measured on the same GPU.", ""]
     groups = sorted(over.groupby(["max_loras", "strategy"]), key=lambda kv: (kv[0][0], report_order(kv[0][1])))
     no_interval = set()
     for (m, s), g in groups:
@@ -125,7 +127,7 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, sampl
                     no_interval.add(why)
                     cells.append("-")
                 else:
-                    cells.append(describe(iv, MARGIN_PCT))
+                    cells.append(describe(iv, APART_MARGIN_PCT))
             rows.append([int(c), int(n)] + [r.step_ms_median[k] for k in ks]
                         + [_fmt(r.step_ms_median[k] / r.step_ms_median[ks[0]], "{:.2f}x") for k in ks[1:]]
                         + (cells if samples is not None else [])
@@ -139,7 +141,7 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, sampl
         for k in ks[1:]:
             if pairs[k]:
                 iv, why = geomean_interval(samples, pairs[k])
-                text = describe(iv, MARGIN_PCT) if iv is not None else f"no interval: {why}"
+                text = describe(iv, APART_MARGIN_PCT) if iv is not None else f"no interval: {why}"
                 out.append(f"- {k} vs {ks[0]} over the {len(pairs[k])} points both have (geometric mean of the ratios): {text}")
         out += [f"- {x}" for x in notes] + [""]
     if samples is None or no_interval:
@@ -244,7 +246,7 @@ def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str, samples
         rows.append([r.kernels, int(r.max_loras), "[" + ",".join(str(int(x)) for x in r.captured_counts) + "]", r.workload,
                      int(r.concurrency), r.predicted_ms, expected, r.step_ms_mean, r.step_ms_median,
                      _fmt(100 * (expected / r.predicted_ms - 1), "{:+.2f} %"), _fmt(100 * (r.step_ms_mean / r.predicted_ms - 1), "{:+.2f} %"),
-                     describe(iv, MARGIN_PCT) if iv is not None else
+                     describe(iv, APART_MARGIN_PCT) if iv is not None else
                      f"{100 * (r.step_ms_median / r.predicted_ms - 1):+.2f} % (no interval: {why})"])
     return [f"## Strategy auto: predicted vs measured ({u})", "",
             f"predicted = the cost model built from `{source}` for the chosen set; expected = sum over n of "
