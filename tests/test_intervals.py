@@ -211,18 +211,19 @@ def test_backends_are_compared_on_one_gpu_with_intervals(tmp_path):
 
 
 def test_auto_prediction_against_its_measured_samples(tmp_path):
-    """Strategy auto's workload runs, 1 % faster than predicted, tight: the interval comes from
-    the measured samples only."""
+    """Strategy auto's workload runs, 3 % faster than predicted, tight: the interval comes from
+    the measured samples only (a prediction from another run is held to the ±1 % margin of
+    comparisons across workers)."""
     auto = CARD[CARD.strategy == "pow2"].assign(strategy="auto")
-    auto["predicted_ms"] = np.where(auto["mode"] == "workload", 1 / 0.99, np.nan)
+    auto["predicted_ms"] = np.where(auto["mode"] == "workload", 1 / 0.97, np.nan)
     run = write_run(tmp_path, rows=pd.concat([CARD[CARD.strategy == "max"], auto]))
     _, md = report(run)
     sec = section(md, "Strategy auto: predicted vs measured (GPU ms)")
     assert "drawn from the measured samples only" in sec
-    assert sec.count("faster by 1.0") == 4 and "(95 % CI" in sec
+    assert sec.count("faster by 3.0") == 4 and "(95 % CI" in sec
     old = write_run(tmp_path, rows=pd.concat([CARD[CARD.strategy == "max"], auto]), samples=False, name="old")
     _, md = report(old)
-    assert "-1.00 % (no interval: the run kept no samples)" in section(md, "Strategy auto: predicted vs measured (GPU ms)")
+    assert "-3.00 % (no interval: the run kept no samples)" in section(md, "Strategy auto: predicted vs measured (GPU ms)")
 
 
 @pytest.mark.parametrize("noise, proposed", [(TIGHT, True), (0.2, False)])
