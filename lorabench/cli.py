@@ -58,7 +58,7 @@ def sweep(
     workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by +; or trace:PATH (CSV/JSONL) [default: uniform]."),
     iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
     warmup: str = typer.Option(None, "--warmup", help="Untimed steps before each point [default: 10]."),
-    ci_target: str = typer.Option(None, "--ci-target", help="Stop timing a point once the 95 % interval of its median is within +- this percent (at least 10 steps, at most --iters) [default: always --iters]."),
+    ci_target: str = typer.Option(None, "--ci-target", help="Stop timing a point once the 95 % interval of its median is within +- this percent (at least 20 steps, and two turns per strategy where several share a point; at most --iters) [default: always --iters]."),
     seed: Seed = None,
     out: str = typer.Option(None, "--out", help="Output root; the run goes to OUT/<run_id> [default: results]."),
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),
@@ -141,13 +141,13 @@ def report(
 def compare(
     run_a: Path = typer.Argument(..., help="The baseline run folder (A)."),
     run_b: Path = typer.Argument(..., help="The run compared with it (B); the JSON and plot go into it."),
-    fail_if_slower: str = typer.Option(None, "--fail-if-slower", help="Exit 1 when B is slower than A by more than this percent with confidence (the low end of the overall 95 % interval above it) [default: never]."),
-    margin: str = typer.Option(None, "--margin", help="Differences whose whole 95 % interval lies within +- this percent read as no difference detected. A rerun on the same GPU a minute later differs by up to 0.3 %, two GPUs of one host by up to 1.7 % [default: 1]."),
+    fail_if_slower: str = typer.Option(None, "--fail-if-slower", help="Exit 1 when B is slower than A by more than this percent with confidence (the low end of the overall 95 % interval above it and above --margin) [default: never]."),
+    margin: str = typer.Option(None, "--margin", help="Differences whose whole 95 % interval lies within +- this percent read as no difference detected. A rerun on the same GPU a minute later differs by up to 0.5 % at a point, two GPUs of one host by up to 1.7 % [default: 1]."),
     plot: Path = typer.Option(None, "--plot", help="Where to write the plot [default: RUN_B/compare-<RUN_A's name>.png]."),
 ):
     """A/B of two runs for a regression gate: B's median step against A's per point both measured
     on the same GPU (95 % bootstrap interval, rank-test p, verdict with --margin, 1 % by default
-    because reruns on one GPU differ by up to 0.3 % and two GPUs of one host by up to 1.7 %), and
+    because reruns on one GPU differ by up to 0.5 % at a point and two GPUs of one host by up to 1.7 %), and
     the geometric mean over the points. Writes RUN_B/compare-<A>.json and a plot. Exit 0; 1 with
     --fail-if-slower when B is slower beyond it; 2 for bad input."""
     from lorabench.commands.compare import compare as run

@@ -40,7 +40,7 @@ from lorabench.storage.samples import FOLDER, read_samples, step_times
 KEY = ("model", "rank", "dtype", "kernels", "max_loras", "strategy", "mode", "concurrency", "n_active", "workload")
 INT_KEYS = frozenset({"rank", "max_loras", "concurrency", "n_active"})
 
-# A rerun on the same GPU a minute later differs by up to 0.3 %, two GPUs of one host by up to
+# A rerun on the same GPU a minute later differs by up to 0.5 % at a point, two GPUs of one host by up to
 # 1.7 %: 1 % keeps reruns on one GPU "the same" and still catches changes a user would care about.
 DEFAULT_MARGIN = 1.0
 
@@ -152,8 +152,9 @@ class Comparison:
 
     def slower_beyond(self, pct: float) -> bool:
         """B is slower than A by more than ``pct`` percent with confidence: the overall interval's
-        low end lies above it."""
-        return self.overall is not None and self.overall.low > pct
+        low end lies above it, and above the margin (the interval knows only each run's own
+        sampling, not the drift between runs, which the margin stands for)."""
+        return self.overall is not None and self.overall.low > max(pct, self.margin_pct)
 
     def to_dict(self) -> dict:
         vary = self.vary()

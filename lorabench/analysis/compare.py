@@ -108,9 +108,9 @@ def as_slower(gain: Interval) -> Interval:
     return Interval(-gain.estimate, -gain.high, -gain.low, gain.level)
 
 
-def describe_gain(gain: Interval | None, why: str | None = None) -> str:
+def describe_gain(gain: Interval | None, why: str | None = None, margin_pct: float = MARGIN_PCT) -> str:
     """"faster by 3.1 % (95 % CI 2.5…3.8)", "no difference detected (...)", or "no interval: why"."""
-    return describe(as_slower(gain), MARGIN_PCT) if gain is not None else f"no interval: {why or NO_SAMPLES}"
+    return describe(as_slower(gain), margin_pct) if gain is not None else f"no interval: {why or NO_SAMPLES}"
 
 
 def _nice(n: int) -> int:
@@ -210,6 +210,7 @@ class Comparison:
     covers: dict[str, Cover] = field(default_factory=dict)  # every strategy of the run here, max included, report order
     gpu_uuid: str | None = None  # the GPU every point compared here was measured on (max's); None: unknown or CPU
     samples: Resampler | None = field(default=None, repr=False, compare=False)  # the run's, None when it kept none
+    interleaved: bool = True  # every point timed with all the strategies in alternating turns (not: resumed points)
     _intervals: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # cache
 
     @property
@@ -289,8 +290,14 @@ class Comparison:
             return NOT_COMPARABLE
         iv, why = self._interval(strategy)
         if iv is not None:
-            return describe_gain(iv)
+            return describe_gain(iv, margin_pct=self.margin_pct)
         return f"{100 * g:+.1f} % by the medians (no interval: {why})"
+
+    @property
+    def margin_pct(self) -> float:
+        """0 when the strategies were timed in alternating turns at every point; otherwise (a
+        resumed point timed alone) the margin of comparisons across workers."""
+        return MARGIN_PCT if self.interleaved else APART_MARGIN_PCT
 
     def status(self, strategy: str) -> str:
         cv = self.covers.get(strategy)
@@ -370,5 +377,16 @@ def compare(df: pd.DataFrame, workloads: list[str] | None = None,
             gpu = gpus.get((k, m), {"gpu_uuid": None, "elsewhere": {}})
             covers = {s: Cover(s, by_s.get(s, {}), grid, plan, terms.get(s, {}), tuple(gpu["elsewhere"].get(s, ())))
                       for s in sorted(strats[(k, m)], key=report_order)}
-            out.append(Comparison(k, m, w, plan, covers, gpu["gpu_uuid"], rs))
+            out.append(Comparison(k, m, w, plan, covers, gpu["gpu_uuid"], rs, interleaved(kept, k, m)))
     return out
+
+
+def interleaved(df: pd.DataFrame, kernels: str, max_loras: int) -> bool:
+    """Every ok row of (kernels, max_loras) was timed together with every strategy that has ok
+    rows there (its ``arms``). Rows without ``arms`` (runs from before interleaving) kept no
+    samples, so no interval is drawn from them."""
+    rows = df[(df.status == "ok") & (df.kernels == kernels) & (df.max_loras == max_loras)]
+    if "arms" not in rows or rows.arms.isna().all():
+        return True
+    everyone = set(rows.strategy)
+    return all(isinstance(a, str) and everyone <= set(a.split(",")) for a in rows.arms)

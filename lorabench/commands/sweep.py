@@ -281,9 +281,8 @@ class Sweep:
     def worker_log(self, group: list[tuple[int, Job]]) -> Path:
         """worker-<g>.log: g is the group's place among the run's whole plan's groups, so a
         resumed worker appends to the log of the one before it."""
-        first = {members[0][0]: g for g, members in enumerate(groups(list(enumerate(self.jobs))))}
-        g = next((first[i] for i, _ in group if i in first), group[0][0])
-        return self.run_dir / f"worker-{g}.log"
+        number = {i: g for g, members in enumerate(groups(list(enumerate(self.jobs)))) for i, _ in members}
+        return self.run_dir / f"worker-{number[group[0][0]]}.log"
 
     def add_row(self, row: dict) -> None:
         """A worker's row: its samples into their file first, their median's interval into the row."""

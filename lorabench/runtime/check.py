@@ -111,26 +111,47 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
 
 
-def sensitivity(d: Dispatcher, rng: random.Random, refs: dict | None = None) -> float:
+def sensitivity(d: Dispatcher, rng: random.Random, refs: "References | None" = None) -> float:
     """The smallest relative change the LoRA update makes to an adapter token's logits."""
     t = d.capture_sizes[-1]
     slots = fixed_batch(t, min(t, d.max_loras), d.max_loras, rng)
     ids = torch.randint(0, d.model.cfg.vocab, (t,), device=d.input_ids.device)
-    if refs is not None and "sensitivity" in refs:
-        return refs["sensitivity"]
+    if refs is not None and refs.sensitivity is not None:
+        return refs.sensitivity
     with_lora = d.reference(slots, ids)
     base = d.reference([-1] * t, ids)
     value = float(row_errors(base, with_lora).min())
     if refs is not None:
-        refs["sensitivity"] = value
+        refs.sensitivity = value
     return value
 
 
-def check(d: Dispatcher, dtype: str, seed: int = 0, refs: dict | None = None) -> Verdict:
+class References:
+    """The reference's answers kept across the checks of dispatchers that share one model,
+    max_loras and capture sizes (a worker's strategies): their cases are the same batches, so the
+    reference, the check's slow half, runs once for all of them. Kept in host memory, up to
+    ``budget`` bytes (past it an answer is computed again), so the cache never competes with the
+    graphs for device memory."""
+
+    def __init__(self, budget: int = 2**30):
+        self.answers: dict = {}
+        self.budget, self.used = budget, 0
+        self.sensitivity: float | None = None
+
+    def get(self, key, device) -> torch.Tensor | None:
+        ref = self.answers.get(key)
+        return None if ref is None else ref.to(device)
+
+    def put(self, key, ref: torch.Tensor) -> None:
+        size = ref.numel() * ref.element_size()
+        if self.used + size <= self.budget:
+            self.answers[key] = ref.to("cpu", copy=True)
+            self.used += size
+
+
+def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = None) -> Verdict:
     """Replay every servable graph of a captured dispatcher on every case; see the module doc.
-    ``refs``: the reference's answers kept across the checks of dispatchers that share one model,
-    max_loras and capture sizes (a worker's strategies): their cases are the same batches, so
-    the reference, the check's slow half, runs once for all of them."""
+    ``refs``: answers shared with the checks of the worker's other strategies (``References``)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     tol = TOLERANCE[dtype].logits
@@ -149,11 +170,11 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: dict | None = None) ->
             route: Route = prep.route
             grid = d.grid_of(route)
             key = (i, tuple(case.slots))
-            ref = refs.get(key) if refs is not None else None
+            ref = refs.get(key, out.device) if refs is not None else None
             if ref is None:
                 ref = d.reference(case.slots, ids)
                 if refs is not None:
-                    refs[key] = ref.clone()
+                    refs.put(key, ref)
             err = row_errors(out, ref)
             worst = float(err.max())
             batches += 1

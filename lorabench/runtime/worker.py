@@ -29,7 +29,7 @@ from lorabench.config.strategies import strategy
 from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env, telemetry
-from lorabench.runtime.check import check
+from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
@@ -119,10 +119,9 @@ class Worker:
             "vllm": self.backend.version() if job.label.vllm else None, "tuned": job.tuned,
             "pdl": (self.backend.pdl_enabled(torch.device(job.device))  # lorabench's Triton kernels
                     if hasattr(self.backend, "pdl_enabled") else None),
-            "arms": ",".join(j.strategy for j in jobs),
         }
         self.shared: dict = {}  # startup columns every strategy shares: the process, the model, the probe
-        self.refs: dict = {}  # the check's reference answers, computed once for every strategy (same model, same cases)
+        self.refs = References() if len(jobs) > 1 else None  # the check's reference answers, once for every strategy
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -248,9 +247,10 @@ class Worker:
         timed = [Timed() for _ in entries]
         failed: dict[int, BaseException] = {}
         todo = list(range(len(entries)))
-        rnd = 0
+        rnd, start = 0, entries[0][1].index  # the first strategy to go changes from point to point
         while todo:
-            order = todo[rnd % len(todo):] + todo[:rnd % len(todo)]
+            k = (start + rnd) % len(todo)
+            order = todo[k:] + todo[:k]
             for i in order:
                 arm, point = entries[i]
                 try:
@@ -258,10 +258,11 @@ class Worker:
                 except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
                     traceback.print_exc()
                     failed[i] = e
-            todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, job.ci_target)]
+            todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, job.ci_target, len(entries))]
             rnd += 1
+        arms = ",".join(arm.job.strategy for arm, _ in entries)  # timed together at this point
         return [{**self.point_row(arm, p), "status": "failed", "error": _error(failed[i])} if i in failed
-                else self.row(arm, p, timed[i]) for i, (arm, p) in enumerate(entries)]
+                else {**self.row(arm, p, timed[i]), "arms": arms} for i, (arm, p) in enumerate(entries)]
 
     def turn(self, arm: Arm, point: Point, batches: list[list[int]], timed: "Timed", rnd: int, alone: bool) -> None:
         """One strategy's turn at a point: ``TURN`` more timed steps, after the spec's warm-up on
@@ -320,7 +321,7 @@ class Worker:
         if self.lead.check:
             for arm in live:
                 self.check(arm)
-            self.refs.clear()
+            self.refs = None
         for key, entries in self.schedule(live):
             self.run_point(entries)
 
@@ -359,7 +360,8 @@ class Worker:
 
 TURN = 10  # steps a strategy is timed for before the next one's turn
 SWITCH_WARMUP = 1  # untimed steps when a strategy's turn comes round again
-MIN_STEPS = 10  # --ci-target: no point stops with fewer samples (the order-statistic interval needs >= 10)
+MIN_STEPS = 20  # --ci-target: no point stops with fewer samples (at 10 the bootstrap's 95 % interval covers ~92 %)
+MIN_TURNS = 2  # --ci-target: nor before each strategy sharing the point has had two turns
 
 
 class Timed:
@@ -377,10 +379,12 @@ class Timed:
         self.parts.append(samples)
         self.rounds.append(rnd)
 
-    def done(self, iters: int, ci_target: float | None) -> bool:
+    def done(self, iters: int, ci_target: float | None, arms: int) -> bool:
+        """``iters`` steps, or the CI target met after at least MIN_STEPS steps and, when
+        strategies share the point, MIN_TURNS turns (so that each was timed between the others)."""
         if self.steps >= iters:
             return True
-        if ci_target is None or self.steps < MIN_STEPS:
+        if ci_target is None or self.steps < MIN_STEPS or (arms > 1 and len(self.parts) < MIN_TURNS):
             return False
         width = half_width_pct(np.concatenate([p.step_ms for p in self.parts]))
         return width is not None and width <= ci_target

@@ -61,11 +61,11 @@ SCHEMA = pa.schema(
         ("step_ms_ci_low", F64),  # 95 % bootstrap interval of the median step (lorabench.stats), from the samples
         ("step_ms_ci_high", F64),
         ("ci_target", F64),  # --ci-target: the half-width (% of the median) at which the point stopped timing
-        ("arms", STR),  # the strategies timed in alternating turns with this one, on this GPU ("max,pow2,dense")
+        ("arms", STR),  # the strategies timed in alternating turns at this point, on this GPU ("max,pow2,dense")
         ("noisy_why", STR),  # why ``noisy`` is set: a wide IQR, throttling, a clock drop
         ("host", STR),
         ("gpu_uuid", STR),  # the GPU the point ran on: comparisons are made only within one GPU
-        ("sm_mhz_start", I64), ("sm_mhz_end", I64),  # NVML readings after the warm-up and after the last step
+        ("sm_mhz_start", I64), ("sm_mhz_end", I64),  # NVML readings before the point's first step and after its last
         ("mem_mhz_start", I64), ("mem_mhz_end", I64),
         ("temp_c_start", I64), ("temp_c_end", I64),
         ("power_w_start", F64), ("power_w_end", F64),

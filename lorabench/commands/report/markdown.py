@@ -6,7 +6,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lorabench.analysis.compare import APART_MARGIN_PCT, MARGIN_PCT, NO_SAMPLES, c_list, interval_of
+from lorabench.analysis.compare import (
+    APART_MARGIN_PCT,
+    NO_SAMPLES,
+    c_list,
+    interval_of,
+)
 from lorabench.analysis.points import majority_gpu, ok_points, short_uuid, verdicts
 from lorabench.analysis.recommend import PAYS, VLLM_NOTE, vllm_specialised
 from lorabench.commands.report.labels import backends, in_order, strategies, unit
@@ -25,6 +30,16 @@ HYPOTHESIS = ("Hypothesis: with `--specialize-active-lora` (kernels vllm, strate
 
 def _fmt(v, spec: str):
     return None if pd.isna(v) else spec.format(v)
+
+
+def _steps(df: pd.DataFrame, r) -> str:
+    """``100``, or ``10–40 (--ci-target 0.3)`` when the CI target stopped points early."""
+    steps = ok_points(df).get("timed_steps")
+    if steps is None or steps.isna().all():
+        return f"{int(r.iters)}"
+    lo, hi = int(steps.min()), int(steps.max())
+    target = r.get("ci_target")
+    return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" (--ci-target {target:g})" if pd.notna(target) else "")
 
 
 def _mib(v):
@@ -355,8 +370,8 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
         f"- torch {r.torch}, triton {r.triton}, git {r.git_sha}",
         f"- command: `{run_info.get('argv', r.argv)}`",
         f"- sweep wall time: {wall}; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
-        f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %)",
-        f"- timing: {u}; median of {int(r.iters)} steps per point after {int(r.warmup)} warm-up steps",
+        f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %, or a GPU slowdown or clock drop)",
+        f"- timing: {u}; median of {_steps(df, r)} steps per point after {int(r.warmup)} warm-up steps",
         f"- intervals: {INTERVALS if samples is not None else 'none: ' + NO_SAMPLES + ' (decisions on medians alone)'}",
         *gpu_md(gpus or {}),
         "",
@@ -416,7 +431,9 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
     bad = df[(df.status == "failed") | df.noisy.fillna(False).astype(bool)]
     if len(bad):
         out += ["", "## Failed and noisy points", "",
-                markdown_table(["point", "kernels", "max_loras", "strategy", "c", "n", "mode", "status", "error / IQR"],
+                markdown_table(["point", "kernels", "max_loras", "strategy", "c", "n", "mode", "status", "error / why noisy"],
                          [[int(b.point), b.kernels, b.max_loras, b.strategy, b.concurrency, b.n_active, b["mode"], b.status,
-                           (b.error or "")[:120] if b.status == "failed" else f"IQR {b.step_ms_iqr:.3f} ms"] for _, b in bad.iterrows()])]
+                           (b.error or "")[:120] if b.status == "failed" else
+                           (b.get("noisy_why") if isinstance(b.get("noisy_why"), str) else f"IQR {b.step_ms_iqr:.3f} ms")]
+                          for _, b in bad.iterrows()])]
     return "\n".join(out) + "\n"
