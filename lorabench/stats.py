@@ -224,12 +224,24 @@ def half_width_pct(x: np.ndarray, level: float = LEVEL) -> float | None:
     return float(100 * half / abs(median))
 
 
+def ratio_pct(a: Hashable, b: Hashable) -> Callable:
+    """The statistic ``100 * (median(b) / median(a) - 1)`` of two keys of a Resampler, in
+    percent: positive means b is slower (for step times)."""
+    return lambda m: 100 * (m[b] / m[a] - 1)
+
+
+def geomean_ratio_pct(pairs: Sequence[tuple[Hashable, Hashable]]) -> Callable:
+    """The statistic ``100 * (geomean over pairs of median(b) / median(a) - 1)`` over (a, b) keys
+    of a Resampler: the geometric mean weighs a 10 % gain on a fast point like one on a slow one."""
+    pairs = list(pairs)
+    return lambda m: 100 * (np.exp(sum(np.log(m[b]) - np.log(m[a]) for a, b in pairs) / len(pairs)) - 1)
+
+
 def relative_difference(a: np.ndarray, b: np.ndarray, level: float = LEVEL, n_boot: int = N_BOOT,
                         seed: int = 0) -> Interval | None:
-    """``100 * (median(b) / median(a) - 1)`` in percent, with its interval: positive means b is
-    slower (for step times). ``a`` and ``b`` are resampled independently (not paired)."""
-    r = Resampler({"a": a, "b": b}, n_boot, seed)
-    return r.interval(lambda m: 100 * (m["b"] / m["a"] - 1), level)
+    """``ratio_pct`` of two sample sets, with its interval; ``a`` and ``b`` are resampled
+    independently (not paired)."""
+    return Resampler({"a": a, "b": b}, n_boot, seed).interval(ratio_pct("a", "b"), level)
 
 
 def rank_test(a: np.ndarray, b: np.ndarray) -> float:
@@ -256,12 +268,7 @@ def geometric_mean_ratio(pairs: Sequence[tuple[np.ndarray, np.ndarray]], level: 
     for i, (a, b) in enumerate(pairs):
         samples[(i, "a")] = a
         samples[(i, "b")] = b
-    k = len(pairs)
-
-    def statistic(m):
-        log_ratio = sum(np.log(m[(i, "b")]) - np.log(m[(i, "a")]) for i in range(k))
-        return 100 * (np.exp(log_ratio / k) - 1)
-
+    statistic = geomean_ratio_pct([((i, "a"), (i, "b")) for i in range(len(pairs))])
     return Resampler(samples, n_boot, seed).interval(statistic, level)
 
 

@@ -97,7 +97,7 @@ def test_a_gpu_is_found_by_uuid_and_read(nvml):
     assert gpu.uuid == UUID and gpu.name == "NVIDIA H200"
     assert Gpu.by_uuid(UUID.removeprefix("GPU-")).uuid == UUID  # torch's bare form gets the prefix
     assert gpu.snapshot() == Snapshot(sm_mhz=1980, mem_mhz=2619, temp_c=41, power_w=123.456, throttle=0x1)
-    assert gpu.free_bytes() == 100 * 2**30 and gpu.driver() == "550.54.15"
+    assert gpu.free_bytes() == 100 * 2**30 and telemetry.driver_version() == "550.54.15"
     assert Gpu.by_uuid("GPU-00000000-0000-0000-0000-000000000000") is None and Gpu.by_uuid("") is None
     assert m.calls["init"] == 1  # once per process, however many queries
 
@@ -105,7 +105,7 @@ def test_a_gpu_is_found_by_uuid_and_read(nvml):
 def test_an_older_pynvml_answers_bytes_and_throttle_reasons(nvml):
     nvml(old=True)
     gpu = Gpu.by_uuid(UUID)
-    assert gpu.name == "NVIDIA H200" and gpu.driver() == "550.54.15"
+    assert gpu.name == "NVIDIA H200" and telemetry.driver_version() == "550.54.15"
     assert gpu.snapshot().throttle == 0x1
 
 
@@ -204,11 +204,11 @@ def test_env_without_nvml_is_none(no_nvml, monkeypatch):
 @requires_cuda
 def test_the_real_gpu():
     gpu = Gpu.by_uuid(f"GPU-{torch.cuda.get_device_properties(0).uuid}")
-    assert gpu is not None and gpu.name and gpu.driver()
+    assert gpu is not None and gpu.name and telemetry.driver_version()
     s = gpu.snapshot()
     assert s.sm_mhz > 0 and s.mem_mhz > 0 and s.temp_c > 0 and s.throttle is not None
     assert s.power_w is None or 10 < s.power_w < 2000
     assert 0 < gpu.free_bytes() <= torch.cuda.get_device_properties(0).total_memory
     cols = point_columns(gpu, s, gpu.snapshot())
     assert cols["gpu_uuid"] == gpu.uuid and isinstance(cols["throttled"], bool)
-    assert env.free_gpu_bytes() > 0 and env.driver_version() == gpu.driver()
+    assert env.free_gpu_bytes() > 0 and env.driver_version() == telemetry.driver_version()

@@ -31,7 +31,9 @@ from lorabench.stats import (
     Interval,
     Resampler,
     Verdict,
+    geomean_ratio_pct,
     rank_test,
+    ratio_pct,
     verdict,
 )
 from lorabench.storage.results import load_run
@@ -250,7 +252,7 @@ def compare_runs(run_a: Path, run_b: Path, margin_pct: float = DEFAULT_MARGIN, n
     points, usable = [], []
     for i, (key, pa, pb) in enumerate(pairs):
         a, b = samples[(i, "a")], samples[(i, "b")]
-        diff = boot.interval(lambda m, i=i: 100 * (m[(i, "b")] / m[(i, "a")] - 1))
+        diff = boot.interval(ratio_pct((i, "a"), (i, "b")))
         p = rank_test(a, b) if diff is not None else None
         points.append(PointDiff(key, pa, pb, len(a), len(b), boot.median((i, "a")), boot.median((i, "b")),
                                 diff, p, verdict(diff, margin_pct)))
@@ -259,8 +261,5 @@ def compare_runs(run_a: Path, run_b: Path, margin_pct: float = DEFAULT_MARGIN, n
     if not usable:
         raise UserError(f"{run_a} and {run_b}: no matched point has {MIN_SAMPLES} samples on both sides")
 
-    def geomean(m):  # stats.geometric_mean_ratio's statistic, over the usable points
-        return 100 * (np.exp(sum(np.log(m[(i, "b")]) - np.log(m[(i, "a")]) for i in usable) / len(usable)) - 1)
-
-    overall = boot.interval(geomean)
+    overall = boot.interval(geomean_ratio_pct([((i, "a"), (i, "b")) for i in usable]))
     return Comparison(info_a, info_b, margin_pct, points, overall, only_a, only_b, other)

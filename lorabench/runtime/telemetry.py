@@ -148,10 +148,6 @@ class Gpu:
         info = self._read("nvmlDeviceGetMemoryInfo")
         return None if info is None else int(info.free)
 
-    def driver(self) -> str | None:
-        """The driver's version (the same for every GPU of the host)."""
-        return driver_version()
-
 
 def reason_names(mask: int | None) -> list[str]:
     """Every bit set in ``mask`` as a name (benign ones too; an unnamed bit as its hex value),

@@ -18,7 +18,7 @@ from lorabench.commands.report.labels import backends, in_order, strategies, uni
 from lorabench.commands.tables import markdown_table
 from lorabench.config.backends import label_order
 from lorabench.config.strategies import AUTO, BASELINE, STRATEGIES, report_order
-from lorabench.stats import describe
+from lorabench.stats import describe, geomean_ratio_pct, ratio_pct
 from lorabench.storage.runs import run_status
 
 BUCKET_GRID = [name for name, s in STRATEGIES.items() if s.bucket_grid]  # agnostic
@@ -91,16 +91,13 @@ def _uuid(v):
 def ratio_interval(samples, a, b):
     """``100 * (median(b) / median(a) - 1)`` (positive: b slower) with its interval, from the two
     points' samples, or (None, why)."""
-    return interval_of(samples, lambda m: 100 * (m[b] / m[a] - 1), [a, b])
+    return interval_of(samples, ratio_pct(a, b), [a, b])
 
 
 def geomean_interval(samples, pairs):
     """The geometric mean over ``pairs`` of (point a, point b) of median(b) / median(a), as
     ``100 * (ratio - 1)``, with its interval (every point resampled independently), or (None, why)."""
-    def statistic(m):
-        return 100 * (np.exp(sum(np.log(m[b]) - np.log(m[a]) for a, b in pairs) / len(pairs)) - 1)
-
-    return interval_of(samples, statistic, [x for pair in pairs for x in pair])
+    return interval_of(samples, geomean_ratio_pct(pairs), [x for pair in pairs for x in pair])
 
 
 def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, samples=None) -> list[str]:
