@@ -77,8 +77,8 @@ def forget_compiled() -> None:
 
 
 class Arm:
-    """One job of the group (a strategy) in the worker: its dispatcher, its startup and verdict
-    columns, and the failure that ended it early, if any."""
+    """One job of the group (a strategy) in the worker: its dispatcher (None until built, and
+    when its build failed) and its startup and verdict columns."""
 
     def __init__(self, job: Job):
         self.job = job
@@ -89,7 +89,6 @@ class Arm:
         self.predicted = {(w, c): ms for w, c, ms in job.predicted_ms}
         self.dispatcher: Dispatcher | None = None
         self.startup: dict = {}
-        self.failure: BaseException | None = None
 
 
 class Worker:
@@ -312,7 +311,6 @@ class Worker:
                 self.build(model, arm)
             except Exception as e:  # noqa: BLE001 - a build/compile/capture failure fails this strategy's points
                 traceback.print_exc()
-                arm.failure = e
                 self.fail(arm, e)
         live = [a for a in self.arms if a.dispatcher is not None]
         if not live:
@@ -322,7 +320,7 @@ class Worker:
             for arm in live:
                 self.check(arm)
             self.refs = None
-        for key, entries in self.schedule(live):
+        for _, entries in self.schedule(live):
             self.run_point(entries)
 
     def schedule(self, arms: list[Arm]) -> list[tuple[tuple, list[tuple[Arm, Point]]]]:
@@ -335,8 +333,9 @@ class Worker:
         return sorted(by_key.items(), key=lambda kv: min(p.index for _, p in kv[1]))
 
     def run_point(self, entries: list[tuple[Arm, Point]]) -> None:
-        """Time one point for its strategies and emit their rows; any failure fails them all
-        (they were timed together), and the worker goes on with the next point."""
+        """Time one point for its strategies and emit their rows, with the GPU's readings before
+        and after. A strategy whose steps fail gets a failed row (``measure``); anything else
+        failing fails them all; the worker goes on with the next point."""
         gpu = self.gpu
         try:
             self.sync()
