@@ -19,7 +19,8 @@ Weight layout (one tensor each, per LoRA linear):
 import importlib
 from dataclasses import dataclass
 
-SUPPORTED_RANKS = (8, 16, 32, 64)
+RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM allows as --max-lora-rank; the kernels take any 1..512
+MAX_RANK = 512
 DTYPES = ("float16", "bfloat16", "float32")  # torch dtype names the kernels take
 MAX_SLICES = 3
 
@@ -36,13 +37,14 @@ class Backend:
     triton: bool  # Triton kernels: compiled on a GPU, run by Triton's interpreter on the CPU
     tunable: bool  # `lorabench tune` writes configs for it
     doc: str
+    unpadded: bool = False  # reads LoRAMeta.slot_rank: computes each adapter at its own rank, skipping the padding
 
 
 # What sweeps measure, in report order. ``vllm`` wraps vLLM's own ops and takes vLLM's metadata
 # (``lorabench.runtime.vllm_rules``) instead of ``LoRAMeta``.
 BACKENDS = {b.name: b for b in (
-    Backend("triton", "triton_lora", triton=True, tunable=True, doc="lorabench's shrink + expand"),
-    Backend("fused", "fused_lora", triton=True, tunable=True, doc="lorabench's one launch per LoRA linear"),
+    Backend("triton", "triton_lora", triton=True, tunable=True, doc="lorabench's shrink + expand", unpadded=True),
+    Backend("fused", "fused_lora", triton=True, tunable=True, doc="lorabench's one launch per LoRA linear", unpadded=True),
     Backend("torch", "torch_lora", triton=False, tunable=False, doc="the grid semantics in torch ops"),
     Backend("vllm", "vllm_lora", triton=True, tunable=True, doc="vLLM's own shrink + expand"),
 )}

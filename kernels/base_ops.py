@@ -128,6 +128,16 @@ def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads
     return q
 
 
+def qk_rmsnorm(qkv, q_weight, k_weight, heads, kv_heads, eps):
+    """Qwen3's per-head RMSNorm over q and k (v untouched), before RoPE: torch ops on the GPU
+    too (a few small kernels per layer; no fused kernel for it yet). Returns a new qkv."""
+    t, d = qkv.shape[0], q_weight.shape[0]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = torch.nn.functional.rms_norm(q.reshape(t, heads, d), (d,), q_weight, eps).reshape(t, heads * d)
+    k = torch.nn.functional.rms_norm(k.reshape(t, kv_heads, d), (d,), k_weight, eps).reshape(t, kv_heads * d)
+    return torch.cat([q, k, v], dim=-1)
+
+
 def _rotate(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]

@@ -93,6 +93,7 @@ def _fused_kernel(
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
     start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
+    rank_ptr,  # [max_loras] each slot's own rank (RANKED only)
     T,  # tokens in the batch
     K,  # input features
     R,  # rank
@@ -110,6 +111,7 @@ def _fused_kernel(
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the GEMM before writing anything
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
+    RANKED: tl.constexpr,  # read only each slot's own rank of A and B (the rest is padding)
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -126,7 +128,7 @@ def _fused_kernel(
         return
 
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
+    r_mask = offs_r < (tl.load(rank_ptr + slot) if RANKED else R)
     slot64 = slot.to(tl.int64)
     offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
@@ -203,13 +205,21 @@ def shape_key(tokens: int, k: int, widest: int, rank: int, slices: int, launch: 
     return (tokens, k, widest, rank, slices, launch)
 
 
+A_TILE = 16384  # elements of an A tile (BLOCK_K x BLOCK_R) and, twice that, of a B tile: 32 and 64 KiB in 16 bits
+
+
 def default_config(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:
     """Untuned: one token tile for decode batches; K in parts of about 1024 features (at most
-    16), so each program makes a few loads before its expand."""
+    16), so each program makes a few loads before its expand. Above rank 64 the K step and the
+    output tile shrink so that the A and B tiles stay within ``A_TILE`` and twice that, and 8
+    warps hold them: the whole rank-R intermediate lives in each program's registers."""
     block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-    block_k = 256 if block_m <= 32 else 64
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_k = min(256 if block_m <= 32 else 64, A_TILE // block_r)
+    block_n = min(128, 2 * A_TILE // block_r)
     split_k = 1 if tokens > 64 else max(1, min(16, triton.next_power_of_2(k // 1024)))
-    return FusedConfig(block_m=block_m, block_k=block_k, split_k=split_k)
+    return FusedConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+                       num_warps=4 if block_r <= 64 else 8)
 
 
 def config_for(tokens: int, k: int, widest: int, rank: int, slices: int, launch: int) -> FusedConfig:
@@ -269,6 +279,9 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     widest = max(b - a for a, b in zip(slice_starts, slice_starts[1:]))
     tokens, k = x.shape
     rank = lora_b.shape[2]
+    if lora_a.shape[1] != num_slices * rank:
+        raise ValueError("fully sharded LoRA needs an all-gather between the shrink and the expand; "
+                         "the fused kernel has none (use the triton kernels)")
     cfg = config or config_for(tokens, k, widest, rank, num_slices, launch_count)
     n_tiles = triton.cdiv(widest, cfg.block_n)
     split = cfg.split_k > 1
@@ -279,7 +292,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
         x, lora_a, lora_b, y, sums, counts, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        tokens, k, rank, *bounds,
+        meta.active_slots if meta.slot_rank is None else meta.slot_rank, tokens, k, rank, *bounds,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
@@ -289,5 +302,6 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         BLOCK_R=block_r, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=INTERPRET and y.dtype == torch.bfloat16,  # bf16 dots upcast in the interpreter (see triton_lora)
+        RANKED=meta.slot_rank is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

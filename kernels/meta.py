@@ -12,9 +12,13 @@ class LoRAMeta(NamedTuple):
     sorted_tokens:[T]           indices of adapter tokens grouped by active slot
     active_slots: [max_loras]   distinct slots of the batch's adapter tokens, padded with -1
     slot_start:   [max_loras+1] where each active slot's tokens begin in sorted_tokens
+    slot_rank:    [max_loras]   optional: each slot's adapter's own rank (<= the weights' rank R,
+                                which the adapter is zero-padded to). Given, lorabench's Triton
+                                kernels skip the padding; None, they compute all R, as vLLM does.
     """
 
     token_slot: torch.Tensor
     sorted_tokens: torch.Tensor
     active_slots: torch.Tensor
     slot_start: torch.Tensor
+    slot_rank: torch.Tensor | None = None

@@ -21,10 +21,12 @@ def lora_delta(
 ) -> torch.Tensor:
     """The LoRA update of every token, float32 [T, N]; zero rows for base-model tokens.
 
-    x: [T, K] inputs; lora_a: [L, S·R, K]; lora_b: [L, N, R]; slice_starts: (0, ..., N), S+1 ints;
-    token_slot: [T] slot per token (-1 = base model); scale: LoRA scaling (alpha / rank).
+    x: [T, K] inputs; lora_a: [L, S·R, K], or [L, S·R/TP, K] for one rank of fully sharded LoRA
+    (its share of each slice's rank; the other ranks' shares, all-gathered in a server, count as
+    zero here); lora_b: [L, N, R]; slice_starts: (0, ..., N), S+1 ints; token_slot: [T] slot per
+    token (-1 = base model); scale: LoRA scaling (alpha / rank).
     """
-    rank = lora_b.shape[-1]
+    rank = lora_a.shape[1] // (len(slice_starts) - 1)  # A's rows per slice: R, or R / TP
     slot = token_slot[: x.shape[0]].long()
     use = (slot >= 0).to(torch.float32)[:, None]
     a = lora_a[slot.clamp(min=0)].float()  # [T, S·R, K]
@@ -33,7 +35,7 @@ def lora_delta(
     delta = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32, device=x.device)
     for s in range(len(slice_starts) - 1):
         n0, n1 = slice_starts[s], slice_starts[s + 1]
-        delta[:, n0:n1] = torch.einsum("tnr,tr->tn", b[:, n0:n1], h[:, s * rank : (s + 1) * rank])
+        delta[:, n0:n1] = torch.einsum("tnr,tr->tn", b[:, n0:n1, :rank], h[:, s * rank : (s + 1) * rank])
     return delta
 
 

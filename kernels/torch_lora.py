@@ -18,7 +18,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     if launch_count <= 0:
         return
     tokens = x.shape[0]
-    rank = lora_b.shape[2]
+    rank = lora_a.shape[1] // (len(slice_starts) - 1)  # A's rows per slice: R, or R / TP (fully sharded)
     slot = meta.token_slot[:tokens].long()
     launched = meta.active_slots[:launch_count].long()
     served = (slot >= 0) & (slot[:, None] == launched[None, :]).any(dim=1)
@@ -28,4 +28,4 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     for s in range(len(slice_starts) - 1):
         n0, n1 = slice_starts[s], slice_starts[s + 1]
         part = h[:, s * rank : (s + 1) * rank].unsqueeze(2)
-        y[:, n0:n1] += torch.bmm(lora_b[idx, n0:n1], part).squeeze(2)
+        y[:, n0:n1] += torch.bmm(lora_b[idx, n0:n1, :rank], part).squeeze(2)

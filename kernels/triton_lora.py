@@ -111,9 +111,12 @@ def _shrink_kernel(
     sorted_ptr,  # [T] adapter-token indices grouped by active slot
     active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
     start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
+    rank_ptr,  # [max_loras] each slot's own rank (RANKED only)
     T,  # tokens in the batch
     K,  # input features
     N,  # slices · rank
+    RA,  # A's rows per slice: the rank R (every adapter padded to it), or R / TP under fully sharded LoRA
+    R,  # h's columns per slice: the rank R (A's row n goes to column (n // RA)·R + n % RA)
     stride_xm, stride_xk,
     stride_al, stride_an, stride_ak,
     stride_om, stride_on,
@@ -125,6 +128,7 @@ def _shrink_kernel(
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched: let the expand launch now, wait before writing
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
+    RANKED: tl.constexpr,  # skip each slot's padding: only its own rank's columns of every slice
 ):
     pid = tl.program_id(0)
     lora_idx = tl.program_id(2)
@@ -140,6 +144,11 @@ def _shrink_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if RANKED:  # a tile wholly in the padding is not computed; its h stays zero
+        n_mask = n_mask & (offs_n % RA < tl.load(rank_ptr + slot))
+        if tl.max(n_mask.to(tl.int32), axis=0) == 0:
+            pdl_wait(USE_PDL)
+            return
     a_base = a_ptr + slot.to(tl.int64) * stride_al
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -163,7 +172,8 @@ def _shrink_kernel(
     acc *= scale
 
     pdl_wait(USE_PDL)
-    out = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_n = (offs_n // RA) * R + offs_n % RA  # offs_n itself unless A is a fully sharded rank's R / TP
+    out = out_ptr + rows[:, None] * stride_om + out_n[None, :] * stride_on
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc, mask=mask)
@@ -184,7 +194,7 @@ def _expand_kernel(
     h_ptr,  # [T, S·R] float32 shrink output
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
-    token_slot_ptr, sorted_ptr, active_ptr, start_ptr, T,  # as in the shrink
+    token_slot_ptr, sorted_ptr, active_ptr, start_ptr, rank_ptr, T,  # as in the shrink
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
     stride_hm, stride_hn,
@@ -192,10 +202,12 @@ def _expand_kernel(
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # >= R, at least 16 (tl.dot's minimum)
+    BLOCK_R: tl.constexpr,  # rank step: >= R up to 64, at least 16 (tl.dot's minimum)
+    R_STEPS: tl.constexpr,  # ceil(R / BLOCK_R): 1 up to rank 64
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
+    RANKED: tl.constexpr,  # read only each slot's own rank of B and h (the rest is padding)
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -212,24 +224,21 @@ def _expand_kernel(
 
     offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-        mask=n_mask[None, :] & r_mask[:, None],
-        other=0.0,
-    )
-    pdl_wait(USE_PDL)
-    h = tl.load(
-        h_ptr + rows[:, None] * stride_hm + (s * R + offs_r)[None, :] * stride_hn,
-        mask=m_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        acc = tl.dot(h, b.to(tl.float32))
-    else:
-        acc = tl.dot(h.to(b.dtype), b)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
+    h_base = h_ptr + rows[:, None] * stride_hm
+    own = tl.load(rank_ptr + slot) if RANKED else R
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in tl.static_range(R_STEPS):  # one step up to rank 64; larger ranks in 64-wide steps
+        offs_r = i * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < own
+        b = tl.load(b_base + offs_r[:, None] * stride_br, mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+        if i == 0:
+            pdl_wait(USE_PDL)  # B's first tile is loaded while the shrink finishes; h only after it
+        h = tl.load(h_base + (s * R + offs_r)[None, :] * stride_hn, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        if UPCAST:
+            acc = tl.dot(h, b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(h.to(b.dtype), b, acc)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -328,24 +337,39 @@ def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
     return ExpandConfig(_block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice))))
 
 
-def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float, config=None):
+RANK_STEP = 64  # the expand's widest rank tile: larger ranks loop over it (a 512 x 128 B tile would not fit)
+
+
+def rank_block(rank: int) -> int:
+    """The expand's rank tile: the rank rounded up to a power of two, 16 at least, 64 at most."""
+    return min(RANK_STEP, max(16, triton.next_power_of_2(rank)))
+
+
+def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float, config=None, rank=None,
+                slices=1):
     """out[t] (+)= scale · x[t] @ lora_a[slot(t)]ᵀ for adapter tokens of the first
-    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split."""
+    ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split.
+    ``rank``: R, h's columns per slice (default: lora_a's rows per slice). lora_a holds
+    ``slices`` slices of R rows, or of R / TP (fully sharded LoRA: the rest of each slice of h
+    is other ranks', left as it is)."""
     tokens, k = x.shape
     n = lora_a.shape[1]
+    rows_per_slice = n // slices
+    rank = rank or rows_per_slice
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
     grid = (cfg.split_k * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1, launch_count)
     pdl = pdl_enabled(x.device)
+    ranked = meta.slot_rank is not None
     _shrink_kernel[grid](
         x, lora_a, out, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        tokens, k, n,
+        meta.slot_rank if ranked else meta.active_slots, tokens, k, n, rows_per_slice, rank,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=INTERPRET and x.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and x.dtype == torch.bfloat16, RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 
@@ -362,29 +386,34 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
     grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
     pdl = pdl_enabled(y.device)
+    ranked = meta.slot_rank is not None
     _expand_kernel[grid](
-        h, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start, tokens,
-        rank, *bounds,
+        h, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
+        meta.slot_rank if ranked else meta.active_slots, tokens, rank, *bounds,
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(rank), R_STEPS=triton.cdiv(rank, rank_block(rank)),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=INTERPRET and y.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and y.dtype == torch.bfloat16, RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 
 
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
     """Shrink then expand into ``y`` in place. ``scratch`` is a float32 [>=T, >=S·R] buffer;
-    when the shrink splits K it must be zero on entry (the model zeroes all its scratch once per
-    step). Without one, a zeroed buffer is allocated (not allowed inside graph capture)."""
+    it must be zero on entry (the shrink splits K with atomics, and a fully sharded rank's A,
+    R / TP rows per slice, leaves the rest of each slice to the all-gather; the model zeroes all
+    its scratch once per step). Without one, a zeroed buffer is allocated (not allowed inside
+    graph capture)."""
     if launch_count <= 0:
         return
     tokens = x.shape[0]
-    n = lora_a.shape[1]
     if scratch is None:
-        scratch = torch.zeros(tokens, n, dtype=torch.float32, device=x.device)
-    h = scratch[:tokens, :n]
-    lora_shrink(x, lora_a, h, meta, launch_count, scale)
+        scratch = torch.zeros(tokens, (len(slice_starts) - 1) * lora_b.shape[2], dtype=torch.float32, device=x.device)
+    rank, slices = lora_b.shape[2], len(slice_starts) - 1
+    if scratch.shape[0] < tokens or scratch.shape[1] < slices * rank:
+        raise ValueError(f"scratch {tuple(scratch.shape)} is smaller than [{tokens}, {slices * rank}] (tokens, slices x rank)")
+    h = scratch[:tokens, :slices * rank]
+    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
     lora_expand(h, lora_b, y, slice_starts, meta, launch_count)

@@ -148,6 +148,8 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: VllmMeta, launch_count,
     del scratch
     if launch_count <= 0:
         return
+    if lora_a.shape[1] != (len(slice_starts) - 1) * lora_b.shape[-1]:
+        raise ValueError("fully sharded LoRA is not built for vLLM's kernels here (use the triton kernels)")
     lora_shrink, lora_expand, _, _ = load_ops()
     a, b = vllm_weights(lora_a, lora_b, slice_starts)
     tokens, rank = x.shape[0], lora_b.shape[-1]

@@ -18,7 +18,7 @@ from rich.console import Console
 from lorabench.config.models import PRESETS
 from lorabench.config.strategies import STRATEGIES
 from lorabench.errors import UserError
-from lorabench.kernels import BACKENDS
+from lorabench.kernels import BACKENDS, RANKS
 
 app = typer.Typer(
     add_completion=False,
@@ -34,9 +34,12 @@ LIST = "comma-separated"
 # Options that sweep and check share, declared once.
 MaxLoras = Annotated[str, typer.Option("--max-loras", help=f"Resident adapter slots, {LIST} [default: 4].")]
 Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: {', '.join(STRATEGIES)}, a list like [1,2,4], or auto (with --auto-from), {LIST} [default: max,pow2,dense].")]
-Model = Annotated[str, typer.Option("--model", help=f"Preset: {', '.join(PRESETS)} [default: llama-2-7b on a GPU, tiny on the CPU].")]
-Layers = Annotated[str, typer.Option("--layers", help="Shorten the model to this many layers [default: the preset's].")]
-Rank = Annotated[str, typer.Option("--rank", help="LoRA rank: 8, 16, 32, 64 [default: 16].")]
+Model = Annotated[str, typer.Option("--model", help=f"A preset ({', '.join(PRESETS)}), a config.json or a folder holding one, or a Hugging Face model id (its config only; weights are random) [default: llama-2-7b on a GPU, tiny on the CPU].")]
+Layers = Annotated[str, typer.Option("--layers", help="Shorten the model to this many layers [default: the model's].")]
+Tp = Annotated[str, typer.Option("--tp", help="Tensor-parallel ranks: build and time one rank's shapes, LoRA sharded as vLLM shards it; the rank's all-reduces are left out [default: 1].")]
+Rank = Annotated[str, typer.Option("--rank", "--max-lora-rank", help=f"LoRA rank, vLLM's --max-lora-rank (every adapter is padded to it): {', '.join(map(str, RANKS))} [default: 16].")]
+FullySharded = Annotated[bool, typer.Option("--fully-sharded-loras", help="With --tp: cut LoRA as vLLM's --fully-sharded-loras does (A's rank on qkv and gate_up, B's outputs on o and down); its collectives are left out too.")]
+Ranks = Annotated[str, typer.Option("--ranks", help="The adapters' own ranks and their shares of the slots, e.g. 8:0.5,64:0.5, padded to --rank; lorabench's kernels also run as <backend>+unpadded, skipping the padding [default: all at --rank].")]
 Dtype = Annotated[str, typer.Option("--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU].")]
 Kernels = Annotated[str, typer.Option("--kernels", help=f"LoRA kernel backends, {LIST}: {'; '.join(f'{b.name} ({b.doc})' for b in BACKENDS.values())} [default: triton on a GPU, torch on the CPU].")]
 Device = Annotated[str, typer.Option("--device", help="auto, cuda, cpu [default: auto].")]
@@ -50,7 +53,10 @@ def sweep(
     strategy: Strategy = None,
     model: Model = None,
     layers: Layers = None,
+    tp: Tp = None,
+    fully_sharded_loras: FullySharded = False,
     rank: Rank = None,
+    ranks: Ranks = None,
     context_len: str = typer.Option(None, "--context-len", help="KV-cache positions each request attends over [default: 1024]."),
     dtype: Dtype = None,
     kernels: Kernels = None,
@@ -74,8 +80,8 @@ def sweep(
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
     from lorabench.commands.sweep import sweep as run
 
-    flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers,
-                 rank=rank, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
+    flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers, tp=tp,
+                 fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
                  check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
                  startup_budget=startup_budget, tuned=tuned, ci_target=ci_target)
@@ -90,7 +96,10 @@ def check(
     capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: 1,2,4,8]."),
     model: Model = None,
     layers: Layers = None,
+    tp: Tp = None,
+    fully_sharded_loras: FullySharded = False,
     rank: Rank = None,
+    ranks: Ranks = None,
     dtype: Dtype = None,
     device: Device = None,
     seed: Seed = None,
@@ -102,7 +111,7 @@ def check(
     from lorabench.commands.check import check as run
 
     flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
-                 layers=layers, rank=rank, dtype=dtype, device=device, seed=seed, out=out)
+                 layers=layers, tp=tp, fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, dtype=dtype, device=device, seed=seed, out=out)
     return run(flags, spec, console)
 
 

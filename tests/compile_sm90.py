@@ -91,6 +91,28 @@ def launch_everything(dtype, tokens):
     base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), pdl=True)
 
 
+def launch_ranks(dtype, tokens):
+    """The LoRA launchers at large ranks (the expand's rank loop, the fused kernel's smaller
+    tiles), with each slot's own rank (``+unpadded``), and one fully sharded rank's shrink."""
+    k, slices, loras = 4096, (4096, 1024, 1024), 4
+    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
+    buf = MetaBuffer(tokens, loras, "cpu")
+    ranked = buf.meta._replace(slot_rank=torch.empty(loras, dtype=torch.int32))
+    for rank in (128, 320, 512):
+        x, y = torch.empty(tokens, k, dtype=dtype), torch.empty(tokens, sum(slices), dtype=dtype)
+        a = torch.empty(loras, len(slices) * rank, k, dtype=dtype)
+        b = torch.empty(loras, sum(slices), rank, dtype=dtype)
+        scratch = torch.empty(tokens, 3 * rank, dtype=torch.float32)
+        for meta in (buf.meta, ranked):
+            triton_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0, scratch)
+            fused_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0)
+        half = torch.empty(loras, len(slices) * rank // 2, k, dtype=dtype)  # fully sharded at TP 2
+        triton_lora.lora_apply(y, x, half, b, starts, buf.meta, loras, 1.0, scratch)
+
+
+SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use (227 KiB)
+
+
 def main() -> int:
     if HOPPER is None:
         print("this Triton cannot compile ahead of time")
@@ -101,6 +123,8 @@ def main() -> int:
         for dtype in (torch.float16, torch.bfloat16):
             for tokens in (1, 8, 128):  # 128: more than one token tile, the slot-sorted tiles
                 launch_everything(dtype, tokens)
+        for tokens in (1, 128):
+            launch_ranks(torch.float16, tokens)
     compiled, seen = 0, set()
     for name, rec in recorders.items():
         if not rec.calls:
@@ -120,6 +144,10 @@ def main() -> int:
                 if (min(waits, want[0]) if lora else waits, triggers) != want:
                     print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "
                           f"{triggers} launch_dependents in its PTX (want {want})")
+                    return 1
+                if kernel.metadata.shared > SHARED_LIMIT:
+                    print(f"{name}: {kernel.metadata.shared} bytes of shared memory, more than an sm_90 block has "
+                          f"({SHARED_LIMIT}): {sorted(kwargs.items())}")
                     return 1
                 print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
                       f"{', PDL' if waits else ''}")

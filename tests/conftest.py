@@ -56,3 +56,17 @@ def fault_injected(fault: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def with_schema(df):
+    """Committed rows reindexed to today's columns, ready for ``to_parquet(schema=SCHEMA)``: the
+    list columns they predate hold None, not NaN (pyarrow takes no float as a list)."""
+    import pandas as pd
+
+    from lorabench.storage.results import SCHEMA
+
+    df = df.reindex(columns=SCHEMA.names).copy()
+    for field in SCHEMA:
+        if str(field.type).startswith("list") and df[field.name].isna().all():
+            df[field.name] = pd.Series([None] * len(df), index=df.index, dtype=object)
+    return df

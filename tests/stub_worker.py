@@ -27,7 +27,7 @@ def main() -> None:
         for p in job.points:
             time.sleep(float(os.environ.get("STUB_SLOW", "0")))
             emit("row", {"run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, **job.config,
-                         "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype,
+                         "device": job.device, "model": job.model.name, "rank": job.rank, "dtype": job.dtype,
                          "git_sha": os.environ.get("LORABENCH_GIT_SHA"), "point": p.index, "mode": p.mode,
                          "concurrency": p.concurrency, "n_active": p.n_active, "workload": p.workload,
                          "captured_counts": list(job.counts), "capture_sizes": list(job.capture_sizes),

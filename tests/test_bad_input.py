@@ -88,7 +88,15 @@ CASES = {
     "sweep max-loras 0": sweep("--max-loras", "0", "--max-loras"),
     "sweep unknown strategy": sweep("--strategy", "fastest", "unknown strategy"),
     "sweep list without max_loras": sweep("--strategy", "[1,2]", "--max-loras", "4", "must contain max_loras"),
-    "sweep unknown model": sweep("--model", "gpt-5", "unknown preset"),
+    "sweep unknown model": sweep("--model", "gpt-5", "--model: 'gpt-5' is not a preset"),
+    "sweep a MoE model": sweep("--model", "{tmp}/mixtral.json", "MixtralForCausalLM; lorabench builds Llama-style",
+                               files={"mixtral.json": (Path(__file__).parent / "data/configs/mixtral-8x7b.json").read_text()}),
+    "sweep tp that does not split the heads": sweep("--model", "qwen2.5-7b", "--tp", "8", "--tp 8: qwen2.5-7b's 28 attention heads"),
+    "sweep tp 0": sweep("--tp", "0", "--tp"),
+    "sweep ranks not summing to 1": sweep("--rank", "64", "--ranks", "8:0.5", "--ranks: the shares of '8:0.5' sum to 0.5"),
+    "sweep ranks above --rank": sweep("--rank", "16", "--ranks", "64:1", "--ranks: rank 64 is above --rank 16"),
+    "sweep unpadded without ranks": sweep("--kernels", "triton+unpadded", "triton+unpadded: needs --ranks"),
+    "sweep torch unpadded": sweep("--kernels", "torch+unpadded", "--ranks", "8:1", "--rank", "16", "unknown backend 'torch+unpadded'"),
     "sweep rank 12": sweep("--rank", "12", "--rank"),
     "sweep dtype float8": sweep("--dtype", "float8", "--dtype"),
     "sweep unknown kernels": sweep("--kernels", "cutlass", "--kernels"),
@@ -162,8 +170,9 @@ CASES = {
     "spec max-loras spelled with a dash": spec_file("max-loras = [0]", "bad.toml: key `max-loras`: 0 must be at least 1"),
     "spec key given twice": spec_file("max-loras = [4]\nmax_loras = [8]", "repeats key `max-loras`"),
     "spec layers past the preset": spec_file('layers = 9\ndevice = "cpu"', "bad.toml: key `layers`: 9 is more than tiny's 2 layers"),
-    "spec unknown model": spec_file('model = "gpt-5"', "bad.toml: key `model`: unknown preset"),
-    "spec rank": spec_file("rank = 12", "bad.toml: key `rank`: 12 is not supported"),
+    "spec unknown model": spec_file('model = "gpt-5"', "bad.toml: key `model`: 'gpt-5' is not a preset"),
+    "spec rank": spec_file("rank = 12", "bad.toml: key `rank`: 12 is not a rank vLLM allows"),
+    "spec ranks": spec_file('rank = 16\nranks = "8:0.5,9:0.5"', "bad.toml: key `ranks`: rank 9 is not one vLLM allows"),
     "spec workload base twice": spec_file('workload = ["base:0.5+base:0.3"]', "bad.toml: key `workload`: workload"),
     "spec out empty": spec_file('out = ""', "bad.toml: key `out`: empty path"),
     "spec device": spec_file('device = "tpu"', "bad.toml: key `device`: 'tpu' is not one of"),
@@ -393,3 +402,23 @@ def test_unknown_free_memory_is_not_checked():
     assert spec.max_loras == [100000]
     with pytest.raises(UserError, match="max_loras 100000 does not fit"):
         build_spec(flags, None, Machine(cuda=False, free_ram_bytes=GiB))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-8b", "llama-3.1-70b"])
+def test_memory_estimate_covers_real_configs_and_tp_ranks(name):
+    """Biases, q/k norms and one TP rank's shapes are in the estimate to the byte (models cut to
+    one layer and a small vocabulary, so the CPU can build them)."""
+    from dataclasses import replace
+
+    import torch
+
+    from lorabench.config.limits import Shape, model_bytes
+    from lorabench.config.models import preset, shard
+    from lorabench.runtime.model import LlamaLoRA
+
+    full = replace(preset(name, layers=1), vocab=1024, hidden=512, intermediate=1024)
+    for tp in (1, 4):
+        cfg = shard(full, tp)
+        model = LlamaLoRA(cfg, max_loras=2, rank=8, max_tokens=2, context_len=8, dtype=torch.float16, device="cpu")
+        real = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+        assert sum(model_bytes(Shape(cfg, 2, 8, "float16", 2, 8))) == real

@@ -10,14 +10,14 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import H200_CARD
+from conftest import H200_CARD, with_schema
 
 from lorabench.analysis.compare import compare
 from lorabench.analysis.optimise import Optimiser, PricedGain, auto_recommendations
 from lorabench.analysis.points import run_samples, same_gpu
 from lorabench.analysis.recommend import recommend
 from lorabench.cli import main
-from lorabench.storage.results import SCHEMA, PointsWriter
+from lorabench.storage.results import PointsWriter
 from lorabench.storage.samples import write_samples
 
 CARD = pd.read_parquet(H200_CARD / "points.parquet")  # triton, max_loras 4: max, pow2, dense at c = 1, 2, 4, 8
@@ -34,7 +34,7 @@ def write_run(tmp_path, faster=None, noise=TIGHT, steps=100, gpu=None, samples=T
     ``gpu`` ({strategy or kernels: uuid}, GPU_A otherwise), with samples/ unless ``samples`` is
     False. A ``predicted_ms`` in ``rows`` is a factor: the prediction is the point's median times it."""
     rng = np.random.default_rng(seed)
-    df = rows.reindex(columns=SCHEMA.names).reset_index(drop=True)
+    df = with_schema(rows).reset_index(drop=True)
     df["point"] = range(len(df))
     at = ["max_loras", "concurrency", "n_active", "mode", "workload"]  # every row starts from max's time: A/A
     key = lambda d: list(zip(*(d[c].astype(object).where(d[c].notna(), None) for c in at)))  # noqa: E731

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import SUPPORTED_RANKS, fused_lora, get_backend, triton_lora
+from lorabench.kernels import RANKS, fused_lora, get_backend, triton_lora
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.tolerance import TOLERANCE
@@ -66,7 +66,7 @@ def check(out, y, x, a, b, slots, starts, scale=0.5):
 
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rank", SUPPORTED_RANKS)
+@pytest.mark.parametrize("rank", RANKS + (5, 100))  # every rank vLLM allows, and two it does not (the kernels take any)
 def test_backend_matches_reference_all_ranks(backend, dtype, rank):
     # q/k/v-like slices of unequal width, none a multiple of the N tile
     x, a, b, y, slots, starts = make_case(9, 96, (40, 24, 24), rank, 4, dtype, 0.3, seed=rank)
@@ -230,3 +230,34 @@ def test_fused_split_leaves_its_workspace_zero():
         check(out, y, x, a, b, slots, starts)
         for dtype in (torch.float32, torch.int32):
             assert not fused_lora._workspace(out.device, dtype, 1).any()
+
+
+def zero_padding(a, b, slot_ranks, rank, slices):
+    """The weights with every slot's rows/columns past its own rank zeroed (vLLM's padding)."""
+    a, b = a.clone(), b.clone()
+    for slot, r in enumerate(slot_ranks):
+        for s in range(slices):
+            a[slot, s * rank + r:(s + 1) * rank] = 0
+        b[slot, :, r:] = 0
+    return a, b
+
+
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+@pytest.mark.parametrize("rank,slot_ranks", [(64, (8, 64, 16, 1)), (128, (8, 128, 64, 100)), (16, (16, 16, 8, 8))])
+@pytest.mark.parametrize("tokens", [6, 40])  # one token tile, and slot-sorted tiles
+def test_unpadded_kernels_read_only_each_slots_own_rank(backend, rank, slot_ranks, tokens):
+    """With ``meta.slot_rank`` the kernels compute each adapter at its own rank: garbage in the
+    padding changes nothing, and the result is the padded adapters' (whose padding is zero)."""
+    slices = (40, 24, 24)
+    x, a, b, y, slots, starts = make_case(tokens, 96, slices, rank, 4, torch.float16, 0.25, rank + tokens)
+    a0, b0 = zero_padding(a, b, slot_ranks, rank, len(slices))
+    buf = MetaBuffer(tokens, 4, DEVICE)
+    packed, _ = buf.pack(slots)
+    buf.load(packed)
+    ranked = buf.meta._replace(slot_rank=torch.tensor(slot_ranks, dtype=torch.int32, device=DEVICE))
+    out = y.clone()
+    scratch = torch.zeros(tokens, a.shape[1], dtype=torch.float32, device=DEVICE)
+    get_backend(backend).lora_apply(out, x, a, b, starts, ranked, 4, 0.5, scratch)  # a, b: garbage padding
+    check(out, y, x, a0, b0, slots, starts)
+    padded, _, _ = run_backend(backend, x, a0, b0, y, slots, starts, 4, launch_count=4)
+    assert rel_err(out, padded.float()) < TOL[torch.float16]

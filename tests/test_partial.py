@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import H200_CARD, H200_SLOTS
+from conftest import H200_CARD, H200_SLOTS, with_schema
 from rich.console import Console
 
 from lorabench.analysis.compare import NOT_COMPARABLE, PARTIAL, compare
@@ -53,7 +53,7 @@ def partial_run(tmp_path, name="run", rows=CARD, drop=None, fail=None, speed=Non
     holds are gone (Ctrl-C, a killed sweep), those where ``fail`` holds are failed rows (a killed
     worker, as the sweep writes them), and ``speed`` {(strategy, c): factor} scales step times.
     ``status``: finished, interrupted, or killed (running, its process gone)."""
-    df = rows.reindex(columns=SCHEMA.names).copy()
+    df = with_schema(rows)
     info = {"run_id": df.run_id.iloc[0], "argv": "lorabench sweep --spec sweeps/card.toml", "spec": {"concurrency": [1, 2, 4, 8]},
             "jobs": plan(df), "status": status, "wall_s": 60.0}
     if status == KILLED:

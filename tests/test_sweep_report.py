@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import H200_CARD, fault_injected
+from conftest import H200_CARD, fault_injected, with_schema
 
 from lorabench.cli import main
 from lorabench.commands.report import write_report
@@ -189,7 +189,7 @@ def synthetic_run(tmp_path: Path, backends=("triton",), wrong=(), speed=None, fa
     every point of the pairs in ``failed`` is a failed row (verdict kept, as the worker writes them)."""
     ref = pd.read_parquet(REFERENCE / "points.parquet")
     df = pd.concat([ref.assign(kernels=k, vllm="0.33.0" if k == "vllm" else None) for k in backends], ignore_index=True)
-    df = df[(df.kernels != "vllm") | df.strategy.isin(["max", "pow2"])].reset_index(drop=True).reindex(columns=SCHEMA.names)
+    df = with_schema(df[(df.kernels != "vllm") | df.strategy.isin(["max", "pow2"])].reset_index(drop=True))
     bad = pd.Series(list(zip(df.kernels, df.strategy))).isin(list(wrong)).to_numpy()
     df["correct"] = ~bad
     df["check_detail"] = [WRONG if b else OK for b in bad]

@@ -53,7 +53,9 @@ from lorabench.analysis.recommend import (
     SPECIALISED,
     UNVERIFIED_POW2,
     VLLM_NOTE,
+    fully_sharded_of,
     recommend,
+    tp_of,
     verified_pow2,
     vllm_flags,
 )
@@ -393,7 +395,7 @@ def auto_recommendations(df, workload: str, memory_bytes: float | None = None, s
         flags = meas["vllm"]["flags"]
         if flags is None:  # the report realises nothing here (every measured strategy wrong): the model's rule
             specialise = best.counts != strategy(BASELINE).counts(int(m)) and _pow2_pays(base)
-            flags = vllm_flags(int(m), int(ok["rank"].iloc[0]), specialise)
+            flags = vllm_flags(int(m), int(ok["rank"].iloc[0]), specialise, tp_of(ok.iloc[0]), fully_sharded_of(ok.iloc[0]))
             note += "; the flags give the better of vLLM's two as the model prices them"
             if specialise and not verified_pow2(verdicts(df)):
                 note += "; " + UNVERIFIED_POW2

@@ -63,9 +63,21 @@ def verified_pow2(checked: pd.DataFrame) -> bool:
     return bool((vllm_specialised(checked) & checked.correct.map(lambda v: v is True)).any())
 
 
-def vllm_flags(max_loras: int, rank: int, specialise: bool) -> str:
+def vllm_flags(max_loras: int, rank: int, specialise: bool, tp: int = 1, fully_sharded: bool = False) -> str:
     flags = f"--enable-lora --max-loras {max_loras} --max-lora-rank {rank}"
+    flags += f" --tensor-parallel-size {tp}" if tp > 1 else ""
+    flags += " --fully-sharded-loras" if fully_sharded else ""
     return flags + (" --specialize-active-lora" if specialise else "")
+
+
+def tp_of(row) -> int:
+    """The row's tensor-parallel size (1 for runs from before the column)."""
+    tp = row.get("tp")
+    return 1 if tp is None or pd.isna(tp) else int(tp)
+
+
+def fully_sharded_of(row) -> bool:
+    return row.get("fully_sharded_loras") is True or row.get("fully_sharded_loras") == 1
 
 
 def recommend(df: pd.DataFrame, workloads: list[str] | None = None,
@@ -80,7 +92,8 @@ def recommend(df: pd.DataFrame, workloads: list[str] | None = None,
     recs = [measured_choice(df, cmp) for cmp in compare(df, workloads, planned, samples=resampler(samples))]
     return _clean({
         "run_id": first.run_id, "device": first.device, "gpu_name": first.gpu_name, "model": first.model,
-        "layers": _int(first.layers), "rank": rank, "dtype": first["dtype"],
+        "layers": _int(first.layers), "rank": rank, "dtype": first["dtype"], "tp": tp_of(first),
+        "allreduce": "left out" if tp_of(first) > 1 else None,
         "gpu_uuids": sorted({r["gpu_uuid"] for r in recs if r["gpu_uuid"]}),
         "pays_threshold_pct": 100 * PAYS,
         "pays_rule": PAYS_RULE,
@@ -237,7 +250,7 @@ def measured_choice(df: pd.DataFrame, cmp: Comparison) -> dict:
         "gain_interval_pct": None if iv is None else iv.to_dict(),
         "graph_mem_bytes": _int(c_row.graph_mem_bytes), "startup_s": round(float(c_row.startup_s), 3),
         "num_graphs": _int(c_row.num_graphs), "reason": reason,
-        "vllm": {"flags": vllm_flags(int(m), rank, realises == SPECIALISED), "realises": realises, "note": note},
+        "vllm": {"flags": vllm_flags(int(m), rank, realises == SPECIALISED, tp_of(first), fully_sharded_of(first)), "realises": realises, "note": note},
     }
 
 

@@ -338,7 +338,7 @@ class Sweep:
             if missing:
                 error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
                 base = {"run_id": self.run_id, "started_at": self.started_at, "argv": job.argv, **job.config,
-                        "device": job.device, "model": job.model, "rank": job.rank, "dtype": job.dtype}
+                        "device": job.device, "model": job.model.name, "tp": job.tp, "rank": job.rank, "dtype": job.dtype}
                 for p in missing:
                     self.writer.append({**base, "point": p.index, "mode": p.mode, "concurrency": p.concurrency,
                                         "n_active": p.n_active, "workload": p.workload, "status": "failed",

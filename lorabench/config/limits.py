@@ -9,7 +9,7 @@ layer, as sweeps on an H200 measured) and the worker process's own runtime.
 
 from dataclasses import dataclass, replace
 
-from lorabench.config.models import ModelConfig, lora_linears
+from lorabench.config.models import ModelConfig, lora_linears, lora_shares
 from lorabench.kernels import MAX_SLICES
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -30,6 +30,7 @@ class Shape:
     max_tokens: int  # token slots the model is built with
     context_len: int
     vllm: bool = False  # vLLM's ops keep their own contiguous copy of every adapter slice
+    fully_sharded: bool = False  # --fully-sharded-loras: A or B further cut over the TP ranks
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,15 @@ def size(b: float) -> str:
     return f"{b / GiB:.1f} GiB" if b >= 0.1 * GiB else f"{b / MiB:.1f} MiB"
 
 
+def _adapter_elements(s: Shape) -> int:
+    """One slot's LoRA weights in one layer, as LlamaLoRA's LoRALinear holds them."""
+    total = 0
+    for name, (k, widths) in lora_linears(s.cfg).items():
+        a_div, b_div = lora_shares(name, s.cfg.tp, s.fully_sharded)
+        total += len(widths) * s.rank // a_div * k + sum(widths) // b_div * s.rank
+    return total
+
+
 def _linears(s: Shape) -> list[tuple[int, int, int]]:
     """(K, N, slices) of each LoRA linear of one layer."""
     return [(k, sum(widths), len(widths)) for k, widths in lora_linears(s.cfg).values()]
@@ -73,11 +83,14 @@ def model_bytes(s: Shape) -> tuple[int, int, int, int]:
     cache with the rotary tables, shrink scratch)."""
     cfg, b = s.cfg, DTYPE_BYTES[s.dtype]
     per_layer = 2 * cfg.hidden + sum(n * k for k, n, _ in _linears(s))  # two norms, the base linears
+    per_layer += cfg.qkv_bias * (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.o_bias * cfg.hidden  # biases
+    per_layer += cfg.qk_norm * 2 * cfg.head_dim  # Qwen3's q and k norms
     weights = b * (2 * cfg.vocab * cfg.hidden + cfg.hidden + cfg.layers * per_layer)  # embed, lm_head, final norm
-    adapters = b * cfg.layers * s.max_loras * sum(slices * s.rank * k + n * s.rank for k, n, slices in _linears(s))
+    adapters = b * cfg.layers * s.max_loras * _adapter_elements(s)
     kv_cache = b * cfg.layers * 2 * s.max_tokens * cfg.kv_heads * s.context_len * cfg.head_dim
     kv_cache += 4 * 2 * s.context_len * (cfg.head_dim // 2)  # rope_cos, rope_sin: float32, per position too
     scratch = 4 * cfg.layers * len(_linears(s)) * s.max_tokens * MAX_SLICES * s.rank
+    scratch += 4 * s.max_loras  # each slot's own rank (int32)
     return weights, adapters, kv_cache, scratch
 
 

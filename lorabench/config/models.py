@@ -1,15 +1,32 @@
-"""Model shapes: the presets a sweep can build, and the LoRA linears of one layer.
+"""Model shapes: presets, Hugging Face configs, one tensor-parallel rank, and the LoRA linears of a layer.
 
 Weights are random (the benchmark needs shapes and bytes, not a checkpoint), so a model is its
 shapes. LoRA sits on q, k, v, o, gate, up and down, fused the way servers fuse them: qkv (3
 slices), o (1), gate_up (2), down (1), each one shrink + expand (or one fused kernel) per step.
+
+``--model`` is a preset name, a ``config.json`` (or a folder holding one), or a Hugging Face
+model id, read with transformers' ``AutoConfig`` (from the local cache when offline; set
+``HF_HUB_OFFLINE=1``). The presets include real models' published configs, shipped in
+``model_configs/``, so they work on machines without a network. lorabench builds Llama-style
+dense decoders (``ARCHITECTURES``); anything else is refused in one line.
 """
 
-from dataclasses import dataclass, replace
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from lorabench.errors import UserError
+
+CONFIG_FOLDER = Path(__file__).with_name("model_configs")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder's shapes. ``head_dim`` 0 means hidden / heads (most models); Mistral-Nemo and
+    Qwen3 state theirs. ``tp`` > 1: the shapes are one tensor-parallel rank's (``shard``)."""
+
     name: str
     layers: int
     hidden: int
@@ -19,26 +36,184 @@ class ModelConfig:
     vocab: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    head_dim: int = 0
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v
+    o_bias: bool = False  # Llama's attention_bias also puts one on o
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
+    rope_scaling: str | None = None  # its type (llama3, yarn, ...): it changes the table's values, not the work
+    architecture: str = "LlamaForCausalLM"
+    source: str = "preset"  # a preset, a config.json path or a Hugging Face id
+    tp: int = 1
+    full_layers: int = field(default=0, compare=False)  # the model's own layer count (``layers`` may be fewer)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if not self.full_layers:
+            object.__setattr__(self, "full_layers", self.layers)
 
 
-PRESETS = {
+# Hugging Face architectures lorabench builds: Llama-style dense decoders (RMSNorm, RoPE, GQA
+# attention, SiLU-gated MLP), with the per-architecture details ``ModelConfig`` carries.
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+BUILT_IN = {
     "llama-2-7b": ModelConfig("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
     "llama-3-8b": ModelConfig("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, rope_theta=500000.0),
     "tiny": ModelConfig("tiny", 2, 128, 4, 2, 256, 512),
 }
+SHIPPED = tuple(sorted(p.stem for p in CONFIG_FOLDER.glob("*.json")))  # real models' config.json
+PRESETS = tuple(BUILT_IN) + SHIPPED
 
 LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # per layer, in the order a step runs them
 LORA_LINEARS_PER_LAYER = len(LORA_LINEARS)
 
 
+def resolve(model: str, layers: int | None = None, where: str = "--model") -> ModelConfig:
+    """``--model``'s value as shapes, optionally shortened to ``layers`` layers. Bad input ends in
+    one ``UserError`` line that starts with ``where``."""
+    model = model.strip()
+    if model in BUILT_IN:
+        cfg = BUILT_IN[model]
+    elif model in SHIPPED:
+        cfg = from_hf_file(CONFIG_FOLDER / f"{model}.json", model, where, source="preset")
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+            if not path.is_file():
+                raise UserError(f"{where}: {model} is a folder without a config.json")
+        if path.is_file():
+            cfg = from_hf_file(path, path.parent.name if path.name == "config.json" else path.stem, where)
+        elif model.count("/") == 1 and not model.startswith((".", "/", "~")) and not model.endswith(".json"):
+            cfg = from_hf_id(model, where)
+        else:
+            raise UserError(f"{where}: {model!r} is not a preset ({', '.join(PRESETS)}), "
+                            "a config.json or a folder holding one, or a Hugging Face model id (org/name)")
+    return shortened(cfg, layers)
+
+
+def shortened(cfg: ModelConfig, layers: int | None) -> ModelConfig:
+    """The model with only its first ``layers`` layers (None: all of them)."""
+    if layers is None:
+        return cfg
+    if layers > cfg.full_layers:
+        raise UserError(f"--layers: {layers} is more than {cfg.name}'s {cfg.full_layers} layers (--layers shortens a model)")
+    return replace(cfg, layers=layers)
+
+
+def from_hf_file(path: Path, name: str, where: str, source: str | None = None) -> ModelConfig:
+    """A config.json's shapes, read by transformers' AutoConfig (its defaults fill what the file omits)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{where}: {path} is not a readable JSON config ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: {path} is JSON but not a model config (an object of settings)")
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError) as e:
+        if raw.get("model_type") and ("model type" in str(e) or "model_type" in str(e)):  # a model type this transformers is too old to know:
+            hf = PretrainedConfig(**raw)  # the file's own values, without that type's defaults
+        else:
+            raise UserError(f"{where}: {path}: transformers cannot read it ({_first_line(e)})") from None
+    except OSError as e:
+        raise UserError(f"{where}: {path}: transformers cannot read it ({_first_line(e)})") from None
+    return from_hf(hf, name, where, source or str(path))
+
+
+def from_hf_id(model_id: str, where: str) -> ModelConfig:
+    """A Hugging Face model's config: from the local cache first, else from the Hub (only
+    config.json is fetched) unless ``HF_HUB_OFFLINE=1``."""
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(model_id, local_files_only=True)
+    except (OSError, ValueError, KeyError) as cached:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+            raise UserError(f"{where}: cannot read {model_id}'s config: not in the local Hugging Face cache and "
+                            f"HF_HUB_OFFLINE is set ({_first_line(cached)})") from None
+        try:
+            hf = AutoConfig.from_pretrained(model_id)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{where}: cannot read {model_id}'s config from the Hugging Face Hub or its local cache "
+                            f"({_first_line(e)})") from None
+    return from_hf(hf, model_id, where, model_id)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def from_hf(hf, name: str, where: str = "--model", source: str = "") -> ModelConfig:
+    """Shapes from a transformers ``PretrainedConfig`` of a Llama-style dense decoder."""
+    arch = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{where}: {name} is a {arch}; lorabench builds Llama-style dense decoders "
+                        f"({', '.join(ARCHITECTURES)})")
+    for attr, want in (("hidden_act", "silu"), ("mlp_bias", False)):
+        if getattr(hf, attr, want) != want:
+            raise UserError(f"{where}: {name} has {attr} = {getattr(hf, attr)!r}; lorabench builds {attr} = {want!r}")
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    theta = rope.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
+    scaling = rope.get("rope_type") or rope.get("type")
+    heads = hf.num_attention_heads
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        name=name, layers=hf.num_hidden_layers, hidden=hf.hidden_size, heads=heads,
+        kv_heads=getattr(hf, "num_key_value_heads", None) or heads, intermediate=hf.intermediate_size,
+        vocab=hf.vocab_size, rope_theta=float(theta), norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
+        qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=None if scaling in (None, "default") else scaling,
+        architecture=arch, source=source)
+
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it over ranks
+
+
+def shard(cfg: ModelConfig, tp: int, where: str = "--tp") -> ModelConfig:
+    """One tensor-parallel rank's shapes, as vLLM splits a Llama-style model (Megatron style):
+    qkv and gate_up column-parallel (each rank a share of the heads and of the intermediate
+    features), o and down row-parallel (a share of their inputs, the whole hidden output, summed
+    by an all-reduce), embedding and lm_head vocab-parallel. With fewer KV heads than ranks,
+    every rank holds one KV head (replicated). LoRA follows the base layer, vLLM's default
+    (not ``--fully-sharded-loras``): A whole and B split on column-parallel layers, A split and B
+    whole on row-parallel ones; ``lora_linears`` of the rank's shapes gives exactly those."""
+    if tp == 1:
+        return cfg
+    if cfg.heads % tp:
+        raise UserError(f"{where} {tp}: {cfg.name}'s {cfg.heads} attention heads do not split over {tp} ranks")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        raise UserError(f"{where} {tp}: {cfg.name}'s {cfg.kv_heads} KV heads neither split over {tp} ranks "
+                        "nor replicate evenly")
+    if cfg.intermediate % tp:
+        raise UserError(f"{where} {tp}: {cfg.name}'s intermediate size {cfg.intermediate} does not split over {tp} ranks")
+    padded = math.ceil(cfg.vocab / VOCAB_PADDING) * VOCAB_PADDING
+    return replace(cfg, heads=cfg.heads // tp, kv_heads=max(1, cfg.kv_heads // tp),
+                   intermediate=cfg.intermediate // tp, vocab=math.ceil(padded / tp), tp=tp)
+
+
+COLUMN_PARALLEL = ("qkv", "gate_up")  # outputs split over the ranks; o and down are row-parallel
+
+
+def lora_shares(name: str, tp: int, fully_sharded: bool) -> tuple[int, int]:
+    """How one TP rank's LoRA linear ``name`` is cut beyond its base layer: (A's rank divisor,
+    B's output divisor). vLLM's default: (1, 1) (``shard``'s shapes say it all). With
+    ``--fully-sharded-loras`` (S-LoRA's scheme): a column-parallel linear holds R / TP rows of each
+    slice's A, its shrink output all-gathered before the expand; a row-parallel linear holds
+    hidden / TP of B's outputs, its shrink output all-reduced first, its update landing in the
+    rank's share of the output."""
+    if not fully_sharded or tp == 1:
+        return 1, 1
+    return (tp, 1) if name in COLUMN_PARALLEL else (1, tp)
+
+
 def preset(name: str, layers: int | None = None) -> ModelConfig:
     """A preset's shapes, optionally shortened to ``layers`` layers."""
-    cfg = PRESETS[name]
-    return replace(cfg, layers=layers) if layers else cfg
+    return resolve(name, layers)
 
 
 def lora_linears(cfg: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:

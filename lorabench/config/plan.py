@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass
 
 from lorabench.config.backends import KernelsLabel
+from lorabench.config.models import ModelConfig, resolve
+from lorabench.config.ranks import parse_ranks
 from lorabench.config.spec import SweepSpec
 from lorabench.config.strategies import AUTO, Vllm, strategy
 
@@ -44,8 +46,7 @@ class Job:
     counts: tuple[int, ...]  # lorabench's capture set (vLLM's keys are derived from the strategy by its rules)
     bucket_grid: bool  # graphs launched with min(bucket, max_loras) programs, whatever n
     device: str
-    model: str
-    layers: int | None
+    model: ModelConfig  # the whole model's shapes (--layers applied); the worker builds one rank of it
     rank: int
     dtype: str
     context_len: int
@@ -59,6 +60,10 @@ class Job:
     points: tuple[Point, ...] = ()
     predicted_ms: tuple[tuple[str, int, float], ...] = ()  # strategy auto: (workload, c, the cost model's ms)
     ci_target: float | None = None  # stop a point once its median's interval is within this % (at most iters steps)
+    tp: int = 1  # tensor-parallel ranks: the worker builds and times one rank's shapes
+    fully_sharded: bool = False  # --fully-sharded-loras (tp > 1)
+    ranks: str | None = None  # --ranks: the adapters' own ranks and shares, padded to ``rank``
+    slot_ranks: tuple[int, ...] = ()  # each slot's adapter's own rank (empty: all at ``rank``)
 
     @property
     def label(self) -> KernelsLabel:
@@ -77,8 +82,12 @@ class Job:
         raw = json.loads(text)
         raw["points"] = tuple(Point(**p) for p in raw["points"])
         raw["predicted_ms"] = tuple(tuple(p) for p in raw["predicted_ms"])
-        for name in ("counts", "capture_sizes"):
-            raw[name] = tuple(raw[name])
+        if isinstance(raw["model"], str):  # a run planned before models had shapes in the plan: a preset's name
+            raw["model"] = resolve(raw["model"], raw.pop("layers", None))
+        else:
+            raw["model"] = ModelConfig(**raw["model"])
+        for name in ("counts", "capture_sizes", "slot_ranks"):
+            raw[name] = tuple(raw.get(name, ()))
         return cls(**raw)
 
 
@@ -111,11 +120,12 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                 jobs.append(Job(
                     run_id=run_id, started_at=started_at, argv=argv, kernels=str(kernels), max_loras=max_loras,
                     strategy=s.name, counts=tuple(counts), bucket_grid=s.bucket_grid, device=spec.device,
-                    model=spec.model, layers=spec.layers, rank=spec.rank, dtype=spec.dtype, context_len=spec.context_len,
+                    model=spec.model_config or resolve(spec.model, spec.layers), tp=spec.tp, rank=spec.rank, dtype=spec.dtype, context_len=spec.context_len,
                     capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
                     iters=spec.iters, warmup=spec.warmup, seed=spec.seed, check=spec.check,
                     tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
-                    ci_target=spec.ci_target))
+                    ci_target=spec.ci_target, ranks=spec.ranks, fully_sharded=spec.fully_sharded_loras,
+                    slot_ranks=parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks else ()))
     return jobs
 
 

@@ -20,11 +20,12 @@ from lorabench.config.flags import (
     to_strs,
 )
 from lorabench.config.limits import Shape, culprit, estimate, graph_count, size
-from lorabench.config.models import PRESETS, preset
+from lorabench.config.models import ModelConfig, resolve, shard, shortened
+from lorabench.config.ranks import parse_ranks
 from lorabench.config.strategies import AUTO, Vllm, strategy
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
-from lorabench.kernels import DTYPES, SUPPORTED_RANKS
+from lorabench.kernels import BACKENDS, DTYPES, RANKS
 from lorabench.storage.tune_files import tuned_file, tuned_table, vllm_folder
 
 MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
@@ -37,9 +38,12 @@ class SweepSpec:
     max_loras: list[int] = field(default_factory=lambda: [4])
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     strategy: list[str] = field(default_factory=lambda: ["max", "pow2", "dense"])
-    model: str | None = None  # default: llama-2-7b on a GPU, tiny on the CPU
-    layers: int | None = None  # default: the preset's
-    rank: int = 16
+    model: str | None = None  # a preset, a config.json or a Hugging Face id; default: llama-2-7b on a GPU, tiny on the CPU
+    layers: int | None = None  # default: the model's
+    tp: int = 1  # tensor-parallel ranks: one rank's decode step is measured (its all-reduces left out)
+    fully_sharded_loras: bool = False  # vLLM's --fully-sharded-loras: A (column-parallel) or B (row-parallel) cut over the ranks too
+    rank: int = 16  # vLLM's --max-lora-rank: every adapter's weights are padded to it
+    ranks: str | None = None  # the adapters' own ranks and their shares of the slots ("8:0.5,64:0.5"); default: all at rank
     context_len: int = 1024
     dtype: str | None = None  # default: float16 on a GPU, float32 on the CPU
     kernels: list[str] | None = None  # kernels labels; default: triton on a GPU, torch on the CPU
@@ -57,6 +61,16 @@ class SweepSpec:
     auto_sets: dict | None = None  # --strategy auto, chosen when planned: "kernels/max_loras" -> counts and predictions
     tuned: str | None = None  # `lorabench tune`'s output folder: adds a "+tuned" run of each tunable backend
     ci_target: float | None = None  # stop timing a point once its median's 95 % interval is within ± this % (at most iters steps)
+    model_config: ModelConfig | None = None  # --model resolved when planned (the whole model, --layers applied)
+
+    @property
+    def rank_model(self) -> ModelConfig:
+        """The shapes one worker builds: one tensor-parallel rank of the model."""
+        return shard(self.model_config, self.tp)
+
+    def __post_init__(self):
+        if isinstance(self.model_config, dict):  # read back from a run.json
+            self.model_config = ModelConfig(**self.model_config)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,9 +82,9 @@ class SweepSpec:
 
 LIST_INT = {"max_loras", "concurrency", "capture_sizes"}
 LIST_STR = {"strategy", "kernels", "workload"}
-INTS = {"layers", "rank", "context_len", "iters", "warmup", "seed"}
-STRS = {"model", "dtype", "device", "out", "auto_from", "tuned"}
-BOOLS = {"check"}
+INTS = {"layers", "tp", "rank", "context_len", "iters", "warmup", "seed"}
+STRS = {"model", "dtype", "device", "out", "auto_from", "tuned", "ranks"}
+BOOLS = {"check", "fully_sharded_loras"}
 FLOATS = {"graph_memory_budget", "startup_budget", "ci_target"}
 FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS | FLOATS
 
@@ -173,13 +187,18 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     spec.concurrency = sorted(set(spec.concurrency))
     spec.max_loras = sorted(set(spec.max_loras))
 
-    if spec.model not in PRESETS:
-        raise UserError(f"{names('model')}: unknown preset {spec.model!r} (choose from {', '.join(PRESETS)})")
-    if spec.layers is not None and spec.layers > PRESETS[spec.model].layers:
-        raise UserError(f"{names('layers')}: {spec.layers} is more than {spec.model}'s {PRESETS[spec.model].layers} "
-                        "layers (--layers shortens a model)")
-    if spec.rank not in SUPPORTED_RANKS:
-        raise UserError(f"{names('rank')}: {spec.rank} is not supported (choose from {', '.join(map(str, SUPPORTED_RANKS))})")
+    try:
+        spec.model_config = shortened(resolve(spec.model, None, names("model")), spec.layers)
+    except UserError as e:
+        raise names.renamed("layers", e) from None
+    shard(spec.model_config, spec.tp, names("tp"))
+    if spec.fully_sharded_loras:
+        if spec.tp == 1:
+            raise UserError(f"{names('fully_sharded_loras')}: needs --tp 2 or more (one rank has nothing to shard)")
+    if spec.rank not in RANKS:
+        raise UserError(f"{names('rank')}: {spec.rank} is not a rank vLLM allows (choose from {', '.join(map(str, RANKS))})")
+    if spec.fully_sharded_loras and spec.rank % spec.tp:
+        raise UserError(f"{names('fully_sharded_loras')}: rank {spec.rank} does not split over {spec.tp} ranks")
     if spec.dtype not in DTYPES:
         raise UserError(f"{names('dtype')}: {spec.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     try:
@@ -188,6 +207,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         raise UserError(f"{names('kernels')}: {e}") from None
     try:
         _resolve_tuned(spec, machine)
+        _resolve_ranks(spec, names)
         if any(k.vllm for k in spec.labels):
             require_vllm_dtype(spec.dtype)
     except UserError as e:
@@ -218,6 +238,11 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
             raise UserError(f"{names('workload')}: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
+    if spec.fully_sharded_loras:
+        cannot = [str(k) for k in spec.labels if k.backend in ("fused", "vllm")]
+        if cannot:
+            raise UserError(f"{names('fully_sharded_loras')}: --kernels {cannot[0]} cannot run it here (the fused kernel "
+                            "has no place for the all-gather between shrink and expand; vLLM's is not built); use triton or torch")
     if any(k.vllm for k in spec.labels) and no_vllm:
         if all(k.vllm for k in spec.labels) and len(no_vllm) == len(spec.strategy):
             raise UserError(f"{names.value('strategy', ','.join(no_vllm))}: vLLM has no count-agnostic grid; use --kernels triton or fused")
@@ -280,15 +305,37 @@ def check_memory(spec: SweepSpec, machine: Machine, graphs: Callable[[KernelsLab
     free, what = machine.free_bytes(spec.device)
     if free is None:
         return
-    cfg = preset(spec.model, spec.layers)
+    cfg = spec.rank_model
     max_tokens = max(spec.capture_sizes + spec.concurrency)
     for m in reversed(spec.max_loras):
         for label in spec.labels:
-            shape = Shape(cfg, m, spec.rank, spec.dtype, max_tokens, spec.context_len, vllm=label.vllm)
+            shape = Shape(cfg, m, spec.rank, spec.dtype, max_tokens, spec.context_len, vllm=label.vllm,
+                          fully_sharded=spec.fully_sharded_loras)
             count, cuda = graphs(label, m), spec.device == "cuda"
             need = estimate(shape, count, cuda)
             if need.total > free:
                 raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}")
+
+
+def _resolve_ranks(spec: SweepSpec, names: Names) -> None:
+    """--ranks: adapters of their own ranks, padded to --rank. Every swept lorabench backend that
+    can skip the padding also runs as "<backend>+unpadded", next to its padded run."""
+    wants = [k for k in spec.labels if k.unpadded]
+    if spec.ranks is None:
+        if wants:
+            raise UserError(f"--kernels {wants[0]}: needs --ranks (the adapters' own ranks, padded to --rank)")
+        return
+    try:
+        mix = parse_ranks(spec.ranks, spec.rank)
+    except ValueError as e:
+        raise UserError(f"{names('ranks')}: {e}") from None
+    spec.ranks = str(mix)
+    if mix.shares == ((spec.rank, 1.0),):
+        return  # no padding to skip
+    for k in list(spec.labels):
+        unpadded = str(KernelsLabel(k.backend, k.tuned, True))
+        if not k.unpadded and BACKENDS[k.backend].unpadded and unpadded not in spec.kernels:
+            spec.kernels.insert(spec.kernels.index(str(k)) + 1, unpadded)
 
 
 def _resolve_tuned(spec: SweepSpec, machine: Machine) -> None:
@@ -319,7 +366,7 @@ def _resolve_tuned(spec: SweepSpec, machine: Machine) -> None:
         if not has[k.backend]:
             raise UserError(f"--kernels {k}: {folder} holds no tuned configs for {k.backend}")
     for k in list(spec.labels):  # every swept backend the folder has configs for
-        tuned = KernelsLabel(k.backend, True)
+        tuned = KernelsLabel(k.backend, True, k.unpadded)
         if not k.tuned and has.get(k.backend) and str(tuned) not in spec.kernels:
             spec.kernels.insert(spec.kernels.index(str(k)) + 1, str(tuned))
     if not any(k.tuned for k in spec.labels):

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from lorabench.config.backends import require_vllm_dtype
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
-from lorabench.config.models import PRESETS
+from lorabench.config.models import resolve
 from lorabench.config.spec import MAX_SEED, MAX_TOKENS
 from lorabench.errors import UserError
-from lorabench.kernels import BACKENDS, DTYPES, SUPPORTED_RANKS
+from lorabench.kernels import BACKENDS, DTYPES, RANKS
 
 TUNABLE = tuple(name for name, b in BACKENDS.items() if b.tunable)
 
@@ -76,8 +76,8 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
                     seed=_ints("--seed", flags.get("seed") or "0", 0, MAX_SEED)[0])
     for k in spec.kernels:
         one_of("kernels", k, TUNABLE)
-    one_of("model", spec.model, PRESETS)
-    one_of("rank", spec.rank, SUPPORTED_RANKS)
+    resolve(spec.model)  # a preset, a config.json or a Hugging Face id; refused in one line otherwise
+    one_of("rank", spec.rank, RANKS)
     one_of("dtype", spec.dtype, DTYPES)
     if "vllm" in spec.kernels:
         require_vllm_dtype(spec.dtype)

@@ -117,11 +117,14 @@ class Dispatcher:
         seed: int = 0,
         rules=None,
         bucket_grid: bool = False,
+        slot_rank: torch.Tensor | None = None,
     ):
+        """slot_rank: each slot's own rank, for kernels that skip the padding (``LoRAMeta.slot_rank``;
+        None: they compute every adapter at the weights' rank, as vLLM does)."""
         if max(capture_sizes) > model.max_tokens:
             raise ValueError(f"capture size {max(capture_sizes)} exceeds the model's {model.max_tokens} token slots")
         device = model.embed.device
-        self.model, self.backend, self.scale = model, backend, lora_scale
+        self.model, self.backend, self.scale, self.slot_rank = model, backend, lora_scale, slot_rank
         self.max_loras, self.use_graphs = max_loras, use_graphs
         self.capture_sizes = sorted(set(capture_sizes))
         self.rules = rules or LorabenchRules(counts, max_loras, model.max_tokens, device, bucket_grid)
@@ -143,6 +146,8 @@ class Dispatcher:
         (0: the base model, no LoRA kernels at all)."""
         backend = backend or self.backend
         meta = self.rules.meta if meta is None else meta
+        if self.slot_rank is not None:
+            meta = meta._replace(slot_rank=self.slot_rank)
         lora = None if launch == 0 else LoRAStep(backend, meta, launch, self.scale)
         return self.model(self.input_ids[:tokens], self.positions[:tokens], lora)
 

@@ -1,5 +1,9 @@
 """A compact Llama-style decoder for decode steps, with LoRA on q, k, v, o, gate, up and down.
 
+Llama, Mistral, Qwen2 (biases on q, k, v) and Qwen3 (per-head q and k norms) differ only in
+what ``ModelConfig`` says. Built at a tensor-parallel rank's shapes (``models.shard``), it is
+that rank's step without its all-reduces.
+
 One forward = one decode step: ``T`` tokens, one per request, each attending over its own static
 KV cache of ``context_len`` positions. Weights are random, created on the device from the shapes
 of ``lorabench.config.models`` (qkv, o, gate_up, down: the LoRA linears, fused as servers fuse them).
@@ -11,9 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorabench.config.models import LORA_LINEARS_PER_LAYER, ModelConfig, lora_linears
+from lorabench.config.models import (
+    LORA_LINEARS_PER_LAYER,
+    ModelConfig,
+    lora_linears,
+    lora_shares,
+)
 from lorabench.kernels import MAX_SLICES
-from lorabench.kernels.base_ops import add_rmsnorm, rope_and_cache, silu_mul
+from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, rope_and_cache, silu_mul
 from lorabench.kernels.meta import LoRAMeta
 
 
@@ -34,37 +43,59 @@ def _randn(shape, std, dtype, device, gen):
 class LoRALinear(nn.Module):
     """A fused linear (output = slices side by side) with ``max_loras`` resident adapter slots."""
 
-    def __init__(self, in_features, slice_sizes, max_loras, rank, dtype, device, gen):
+    def __init__(self, in_features, slice_sizes, max_loras, rank, dtype, device, gen, bias=False, shares=(1, 1)):
+        """shares: (A's rank divisor, B's output divisor) under fully sharded LoRA
+        (``models.lora_shares``): A holds rank / a rows per slice, B the first N / b outputs."""
         super().__init__()
         n = sum(slice_sizes)
-        self.slice_starts = tuple(sum(slice_sizes[:i]) for i in range(len(slice_sizes) + 1))
+        a_div, b_div = shares
         self.weight = nn.Parameter(_randn((n, in_features), in_features**-0.5, dtype, device, gen), False)
-        a_shape = (max_loras, len(slice_sizes) * rank, in_features)
+        self.bias = nn.Parameter(_randn((n,), 0.02, dtype, device, gen), False) if bias else None
+        if b_div > 1:  # a row-parallel linear (one slice): LoRA updates this rank's share of the outputs
+            slice_sizes = (n // b_div,)
+        self.lora_n = sum(slice_sizes)
+        self.slice_starts = tuple(sum(slice_sizes[:i]) for i in range(len(slice_sizes) + 1))
+        a_shape = (max_loras, len(slice_sizes) * rank // a_div, in_features)
         self.lora_a = nn.Parameter(_randn(a_shape, in_features**-0.5, dtype, device, gen), False)
-        self.lora_b = nn.Parameter(_randn((max_loras, n, rank), rank**-0.5, dtype, device, gen), False)
+        self.lora_b = nn.Parameter(_randn((max_loras, self.lora_n, rank), rank**-0.5, dtype, device, gen), False)
+
+    def pad(self, slot_ranks: list[int], rank: int) -> None:
+        """Zero every slot's A rows and B columns past its adapter's own rank (vLLM's padding)."""
+        slices = len(self.slice_starts) - 1
+        rows = self.lora_a.shape[1] // slices  # the rank, or this rank's share of it (fully sharded)
+        for slot, r in enumerate(slot_ranks):
+            if r < rank:
+                for s in range(slices):
+                    self.lora_a.data[slot, s * rows + min(r, rows):(s + 1) * rows] = 0
+                self.lora_b.data[slot, :, r:] = 0
 
     def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor):
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         if lora is not None:
+            out = y if self.lora_n == y.shape[1] else y[:, : self.lora_n]
             lora.backend.lora_apply(
-                y, x, self.lora_a, self.lora_b, self.slice_starts, lora.meta, lora.launch_count, lora.scale, scratch
+                out, x, self.lora_a, self.lora_b, self.slice_starts, lora.meta, lora.launch_count, lora.scale, scratch
             )
         return y
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras, rank, max_tokens, context_len, dtype, device, gen):
+    def __init__(self, cfg: ModelConfig, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded):
         super().__init__()
         d, kvh = cfg.head_dim, cfg.kv_heads
         args = (max_loras, rank, dtype, device, gen)
         shapes = lora_linears(cfg)
+        shares = {name: lora_shares(name, cfg.tp, fully_sharded) for name in shapes}
         self.cfg = cfg
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
-        self.qkv = LoRALinear(*shapes["qkv"], *args)
-        self.o = LoRALinear(*shapes["o"], *args)
+        self.qkv = LoRALinear(*shapes["qkv"], *args, bias=cfg.qkv_bias, shares=shares["qkv"])
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype, device=device), False)
+            self.k_norm = nn.Parameter(torch.ones(d, dtype=dtype, device=device), False)
+        self.o = LoRALinear(*shapes["o"], *args, bias=cfg.o_bias, shares=shares["o"])
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
-        self.gate_up = LoRALinear(*shapes["gate_up"], *args)
-        self.down = LoRALinear(*shapes["down"], *args)
+        self.gate_up = LoRALinear(*shapes["gate_up"], *args, shares=shares["gate_up"])
+        self.down = LoRALinear(*shapes["down"], *args, shares=shares["down"])
         # Static KV cache; random, not zero, so attention reads real-looking data.
         cache_shape = (max_tokens, kvh, context_len, d)
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
@@ -78,6 +109,8 @@ class Block(nn.Module):
         cfg, t = self.cfg, x.shape[0]
         h, x = add_rmsnorm(x, delta, self.attn_norm, cfg.norm_eps, fused, pdl and delta is not None)
         qkv = self.qkv(h, lora, scratch[0])
+        if cfg.qk_norm:
+            qkv = qk_rmsnorm(qkv, self.q_norm, self.k_norm, cfg.heads, cfg.kv_heads, cfg.norm_eps)
         q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
@@ -91,13 +124,19 @@ class LlamaLoRA(nn.Module):
     """The decoder. ``forward(input_ids[T], positions[T], lora)`` returns logits [T, vocab];
     ``lora=None`` runs the base model with no LoRA kernels at all (the n = 0 graph)."""
 
-    def __init__(self, cfg: ModelConfig, *, max_loras, rank, max_tokens, context_len, dtype, device, seed=0):
+    def __init__(self, cfg: ModelConfig, *, max_loras, rank, max_tokens, context_len, dtype, device, seed=0,
+                 slot_ranks: tuple[int, ...] = (), fully_sharded: bool = False):
+        """slot_ranks: each slot's adapter's own rank, its weights zero-padded to ``rank`` as vLLM
+        pads them (empty: every adapter of rank ``rank``); ``slot_rank`` holds them on the device
+        for kernels that skip the padding. fully_sharded: a TP rank's LoRA cut as vLLM's
+        ``--fully-sharded-loras`` cuts it (``models.lora_shares``); its collectives are left out."""
         super().__init__()
         gen = torch.Generator(device=device).manual_seed(seed)
         self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
         self.embed = nn.Parameter(_randn((cfg.vocab, cfg.hidden), 1.0, dtype, device, gen), False)
         self.layers = nn.ModuleList(
-            Block(cfg, max_loras, rank, max_tokens, context_len, dtype, device, gen) for _ in range(cfg.layers)
+            Block(cfg, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded)
+            for _ in range(cfg.layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
         self.fused = torch.device(device).type == "cuda"  # fused Triton ops on the GPU, torch twins elsewhere
@@ -110,6 +149,13 @@ class LlamaLoRA(nn.Module):
         widest = MAX_SLICES * rank
         shape = (cfg.layers, LORA_LINEARS_PER_LAYER, max_tokens, widest)
         self.register_buffer("scratch", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
+        own = list(slot_ranks) or [rank] * max_loras
+        if len(own) != max_loras or not all(1 <= r <= rank for r in own):
+            raise ValueError(f"slot ranks {own} must be {max_loras} ranks of 1..{rank}")
+        self.register_buffer("slot_rank", torch.tensor(own, dtype=torch.int32, device=device), persistent=False)
+        for m in self.modules():
+            if isinstance(m, LoRALinear):
+                m.pad(own, rank)
 
     def forward(self, input_ids, positions, lora: LoRAStep | None = None):
         t = input_ids.shape[0]

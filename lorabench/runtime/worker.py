@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lorabench.config.batches import fixed_batch
-from lorabench.config.models import preset
+from lorabench.config.models import shard
 from lorabench.config.plan import FIXED, WORKLOAD, Job, Point
 from lorabench.config.strategies import strategy
 from lorabench.config.workload import parse_workload
@@ -101,7 +101,7 @@ class Worker:
         self.jobs, self.spawned_at = jobs, spawned_at
         job = self.lead = jobs[0]
         self.cuda = job.device == "cuda"
-        self.cfg = cfg = preset(job.model, job.layers)
+        self.cfg = cfg = shard(job.model, job.tp)  # one tensor-parallel rank's shapes (the whole model at tp 1)
         self.backend = get_backend(job.label.backend)
         if job.label.tuned and hasattr(self.backend, "load_tuned"):  # lorabench's kernels (vLLM reads its own folder)
             self.backend.load_tuned(tuned_table(job.tuned))
@@ -112,7 +112,12 @@ class Worker:
             "run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, "seed": job.seed,
             **{k: self.env.get(k) for k in ("git_sha", "device", "gpu_name", "driver", "torch", "triton", "cuda",
                                             "host", "gpu_uuid")},
-            "model": cfg.name, "layers": cfg.layers, "hidden": cfg.hidden, "rank": job.rank, "dtype": job.dtype,
+            "model": cfg.name, "model_source": cfg.source, "architecture": cfg.architecture, "layers": cfg.layers,
+            "hidden": cfg.hidden, "heads": job.model.heads, "kv_heads": job.model.kv_heads, "head_dim": cfg.head_dim,
+            "intermediate": job.model.intermediate, "vocab": job.model.vocab, "tp": job.tp,
+            # one rank is timed alone: the two all-reduces per layer a TP step adds are not in its step_ms
+            "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded, "rank": job.rank, "dtype": job.dtype,
+            "ranks": job.ranks, "slot_ranks": list(job.slot_ranks) or None,
             "capture_sizes": list(job.capture_sizes), "context_len": job.context_len, "iters": job.iters,
             "warmup": job.warmup, "ci_target": job.ci_target, "timing": "cuda_events" if self.cuda else "cpu_wall",
             "vllm": self.backend.version() if job.label.vllm else None, "tuned": job.tuned,
@@ -140,7 +145,8 @@ class Worker:
         self.shared["process_s"] = time.time() - self.spawned_at
         t0 = time.perf_counter()
         model = LlamaLoRA(self.cfg, max_loras=job.max_loras, rank=job.rank, max_tokens=job.max_tokens,
-                          context_len=job.context_len, dtype=getattr(torch, job.dtype), device=job.device, seed=job.seed)
+                          context_len=job.context_len, dtype=getattr(torch, job.dtype), device=job.device, seed=job.seed,
+                          slot_ranks=job.slot_ranks, fully_sharded=job.fully_sharded)
         self.sync()
         self.shared["build_s"] = time.perf_counter() - t0
         return model
@@ -149,7 +155,8 @@ class Worker:
         job = arm.job
         rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
         return Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=capture_sizes, counts=arm.counts,
-                          use_graphs=self.cuda, seed=job.seed, rules=rules, bucket_grid=job.bucket_grid)
+                          use_graphs=self.cuda, seed=job.seed, rules=rules, bucket_grid=job.bucket_grid,
+                          slot_rank=model.slot_rank if arm.label.unpadded else None)
 
     def first_capture(self, model: LlamaLoRA) -> None:
         """Before any strategy: a warm-up and capture of the first strategy's graphs at the

@@ -74,6 +74,14 @@ SCHEMA = pa.schema(
         ("clock_drop", BOOL),  # the SM clock fell by more than 5 % over the point
         ("first_capture_s", F64),  # a process's one-time cost of its first warm-up and capture, paid before any strategy
         ("first_capture_bytes", I64),  # (CUDA/cuBLAS initialisation, the capture workspace): not in any strategy's own columns
+        ("model_source", STR),  # "preset", a config.json path or a Hugging Face id
+        ("architecture", STR),  # the Hugging Face architecture lorabench built (LlamaForCausalLM, ...)
+        ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("intermediate", I64), ("vocab", I64),  # the whole model's
+        ("tp", I64),  # tensor-parallel ranks: the row times one rank's shapes
+        ("ranks", STR),  # --ranks: the adapters' own ranks and shares ("8:0.5,64:0.5"), padded to `rank`
+        ("slot_ranks", pa.list_(I64)),  # each resident slot's adapter's own rank
+        ("fully_sharded_loras", BOOL),  # vLLM's --fully-sharded-loras: LoRA A (qkv, gate_up) or B (o, down) cut over the ranks too
+        ("allreduce", STR),  # tp > 1: "left out" (one rank timed alone: a TP step adds two all-reduces per layer, and fully sharded LoRA its LoRA collectives)
     ]
 )
 COLUMNS = SCHEMA.names

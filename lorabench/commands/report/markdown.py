@@ -100,6 +100,28 @@ def geomean_interval(samples, pairs):
     return interval_of(samples, geomean_ratio_pct(pairs), [x for pair in pairs for x in pair])
 
 
+def model_md(r) -> list[str]:
+    """What the header says beyond the model's name: where its shapes came from, one TP rank, mixed ranks."""
+    get = lambda c: r[c] if c in r.index and not (isinstance(r[c], float) and pd.isna(r[c])) else None  # noqa: E731
+    out = []
+    if get("architecture") and get("model_source") not in (None, "preset"):
+        out.append(f"- shapes: {get('architecture')} from `{get('model_source')}` (weights random)")
+    tp = get("tp")
+    if tp is not None and int(tp) > 1:
+        lora = ("fully sharded (--fully-sharded-loras: A's rank cut on qkv and gate_up, B's outputs on o and down)"
+                if get("fully_sharded_loras") else "sharded as vLLM shards it by default")
+        out.append(f"- tensor parallel: one of {int(tp)} ranks, timed alone: a 1/{int(tp)} share of the heads, KV heads, "
+                   f"intermediate features and vocabulary, LoRA {lora}; **the rank's collectives (two all-reduces per "
+                   "layer, and fully sharded LoRA's own) are left out of every figure**")
+    if get("ranks"):
+        slots = get("slot_ranks")
+        held = f" (slots: {', '.join(str(int(x)) for x in slots)})" if slots is not None else ""
+        out.append(f"- adapters' own ranks: {get('ranks')}{held}, zero-padded to rank {int(r['rank'])} as vLLM pads them; "
+                   "`<backend>+unpadded` computes each at its own rank: its ratio to `<backend>` in Backends side by "
+                   "side is what the padding costs")
+    return out
+
+
 def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, samples=None) -> list[str]:
     """Per (max_loras, strategy) measured with several backends: step times, ratios to the first
     backend with their intervals (from the samples; only between points measured on one GPU: the
@@ -364,6 +386,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
         f"- machine: {where}",
         f"- model: {r.model}, {int(r.layers)} layers, hidden {int(r.hidden)}, rank {int(r['rank'])}, {r['dtype']}, "
         f"context {int(r.context_len) if pd.notna(r.context_len) else '-'}",
+        *model_md(r),
         f"- torch {r.torch}, triton {r.triton}, git {r.git_sha}",
         f"- command: `{run_info.get('argv', r.argv)}`",
         f"- sweep wall time: {wall}; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
