@@ -35,6 +35,9 @@
 #   confidence - sweeps/card.toml twice (the A/A), once with --ci-target 0.3 (each timed from process start to
 #            table), with both backends (triton vs vllm), and max vs pow2 at 128 slots: results/confidence/
 #   ci-target - the card sweep without and with --ci-target 0.3, timed, into results/confidence/
+#   models - sweeps/llama-3.1-8b.toml and sweeps/llama-3.1-70b-tp4.toml at ranks 16, 64, 128, sweeps/qwen2.5-7b.toml:
+#            results/models/ (triton vs vLLM's kernels in each run)
+#   padding - sweeps/padding.toml at --rank 64, 128 (rank-8 adapters padded, and +unpadded) and at rank 8: results/padding/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 set -uo pipefail
@@ -122,6 +125,21 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       lorabench sweep --spec sweeps/card.toml --kernels triton,vllm --strategy max,pow2 --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       lorabench sweep --max-loras 128 --strategy max,pow2 --concurrency 1,2,4,8 --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       tar czf "$OUT/confidence.tgz" results/confidence ;;
+    models)  # real models' configs at the card's points, triton vs vLLM, ranks 16, 64, 128: results/models/
+      for rank in 16 64 128; do
+        for spec in llama-3.1-8b llama-3.1-70b-tp4; do
+          /usr/bin/time -f "$spec rank $rank wall %e s" lorabench sweep --spec sweeps/$spec.toml --rank $rank \
+            --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+        done
+      done
+      lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      tar czf "$OUT/models.tgz" results/models ;;
+    padding)  # rank-8 adapters padded to 64 and 128 (triton, vllm) vs at their own rank (triton+unpadded), and a rank-8 run
+      for rank in 64 128; do
+        lorabench sweep --spec sweeps/padding.toml --rank $rank --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      done
+      lorabench sweep --spec sweeps/padding.toml --rank 8 --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      tar czf "$OUT/padding.tgz" results/padding ;;
     report) for r in results/2*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
