@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import reference, vllm_lora
+from lorabench.kernels import RANKS, reference, vllm_lora
 
 from lorabench.cli import main
 from lorabench.config.flags import Machine
@@ -83,15 +83,17 @@ def test_vllm_needs_half_precision():
 
 @needs_vllm
 @pytest.mark.parametrize("slices", [(48,), (32, 16, 16)])
-def test_vllm_ops_match_the_reference(slices):
-    """vLLM's shrink + expand through this backend, on a batch mixing base and adapter tokens."""
+@pytest.mark.parametrize("R", RANKS)
+def test_vllm_ops_match_the_reference(slices, R):
+    """vLLM's shrink + expand through this backend, on a batch mixing base and adapter tokens,
+    at every rank vLLM allows."""
     from lorabench.runtime.vllm_rules import VllmRules
 
     torch.manual_seed(0)
-    L, R, K, T = 3, 16, 64, 6
+    L, K, T = 3, 64, 6
     starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
     a = torch.randn(L, len(slices) * R, K, device=DEVICE, dtype=torch.float16) / 8
-    b = torch.randn(L, starts[-1], R, device=DEVICE, dtype=torch.float16) / 4
+    b = torch.randn(L, starts[-1], R, device=DEVICE, dtype=torch.float16) / (2 * R**0.5)
     x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
     slots = [2, -1, 0, 2, -1, 1]
     rules = VllmRules(strategy("pow2"), L, 8, DEVICE)
