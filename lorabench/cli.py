@@ -168,6 +168,7 @@ def compare(
 def tune(
     kernels: str = typer.Option(None, "--kernels", help=f"Kernels to tune, {LIST}: triton (lorabench's shrink and expand), fused (lorabench's), vllm (vLLM's shrink and expand) [default: triton,fused, plus vllm on a GPU when vLLM is installed]."),
     model: Model = None,
+    tp: Tp = None,
     rank: Rank = None,
     dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (lorabench's kernels only) [default: the sweep's: float16 on a GPU, float32 on the CPU; float16 when tuning vllm]."),
     max_loras: MaxLoras = None,
@@ -182,7 +183,7 @@ def tune(
     vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume."""
     from lorabench.commands.tune import tune as run
 
-    flags = dict(kernels=kernels, model=model, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
+    flags = dict(kernels=kernels, model=model, tp=tp, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
                  budget_s=budget_s, out=out, device=device, seed=seed)
     return run(flags, resume, console)
 

@@ -154,7 +154,21 @@ BAD = [
     (["--model", "gpt-5"], "--model"),
     (["--device", "tpu"], "--device"),
     (["--kernels", "vllm", "--dtype", "float32"], "float16"),
+    (["--model", "qwen2.5-7b", "--tp", "8"], "--tp 8: qwen2.5-7b's 28 attention heads"),
 ]
+
+
+def test_a_tp_rank_is_tuned_at_its_own_shapes():
+    """--tp: the shapes are one rank's (qkv's outputs and down's inputs a quarter at TP 4)."""
+    from lorabench.commands.tune.backends import TritonPair
+    from lorabench.commands.tune.shapes import build_shapes
+    from lorabench.config.tune_spec import TuneSpec
+
+    spec = TuneSpec(kernels=["triton"], model="llama-3.1-70b", rank=16, dtype="float16", max_loras=[4], tokens=[1],
+                    budget_s=1, out="unused", device="cpu", tp=4)
+    shapes = {s.linear: s for s in build_shapes(spec, {"triton": TritonPair()})}
+    assert any(s.k == 28672 // 4 for s in shapes.values())  # down's inputs: the rank's intermediate features
+    assert any(s.slices == (2048, 256, 256) for s in shapes.values())  # qkv: 16 heads, 2 KV heads of 128
 
 
 @pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])

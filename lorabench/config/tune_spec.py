@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from lorabench.config.backends import require_vllm_dtype
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
-from lorabench.config.models import resolve
+from lorabench.config.models import resolve, shard
 from lorabench.config.spec import MAX_SEED, MAX_TOKENS
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS, DTYPES, RANKS
@@ -26,6 +26,7 @@ class TuneSpec:
     out: str
     device: str
     seed: int = 0
+    tp: int = 1  # tune one tensor-parallel rank's shapes (models.shard)
 
 
 def _ints(flag: str, text: str, lo: int, hi: int) -> list[int]:
@@ -73,10 +74,11 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
                     max_loras=_ints("--max-loras", flags.get("max_loras") or "4", 1, 4096),
                     tokens=_ints("--tokens", flags.get("tokens") or "1,8,32", 1, MAX_TOKENS),
                     budget_s=_budget(flags.get("budget_s") or "300"), out=flags.get("out") or "tuned", device=device,
-                    seed=_ints("--seed", flags.get("seed") or "0", 0, MAX_SEED)[0])
+                    seed=_ints("--seed", flags.get("seed") or "0", 0, MAX_SEED)[0],
+                    tp=_ints("--tp", flags.get("tp") or "1", 1, 1024)[0])
     for k in spec.kernels:
         one_of("kernels", k, TUNABLE)
-    resolve(spec.model)  # a preset, a config.json or a Hugging Face id; refused in one line otherwise
+    shard(resolve(spec.model), spec.tp)  # a preset, a config.json or a Hugging Face id, split over --tp; one line otherwise
     one_of("rank", spec.rank, RANKS)
     one_of("dtype", spec.dtype, DTYPES)
     if "vllm" in spec.kernels:

@@ -121,6 +121,8 @@ def sweep_hint(spec: TuneSpec, machine: Machine, results: list[dict]) -> str:
     cuda = spec.device == "cuda"
     if spec.model != ("llama-2-7b" if cuda else "tiny"):
         flags["model"] = spec.model
+    if spec.tp != 1:
+        flags["tp"] = str(spec.tp)
     if spec.rank != 16:
         flags["rank"] = str(spec.rank)
     if spec.dtype != ("float16" if cuda else "float32"):

@@ -183,7 +183,7 @@ class Tuner:
         self.timer = time_cuda if self.cuda else time_cpu
         self.viable: dict[Shape, int] = {}  # configs left after static pruning, per shape
         self.meta = {"gpu": gpu, "device": spec.device, "timing": "cuda_graph" if self.cuda else "cpu_wall",
-                     "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "command": command,
+                     "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "tp": spec.tp, "command": command,
                      "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device)}
         self._timed = lambda n: None  # told the number of configs timed for the current shape
 
