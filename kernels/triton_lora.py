@@ -203,7 +203,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rank step: >= R up to 64, at least 16 (tl.dot's minimum)
-    R_STEPS: tl.constexpr,  # ceil(R / BLOCK_R): 1 up to rank 64
+    R_STEPS: tl.constexpr,  # ceil(R / BLOCK_R): 1 up to rank 64 (then no loop is compiled)
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
     USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
@@ -227,18 +227,26 @@ def _expand_kernel(
     b_base = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
     h_base = h_ptr + rows[:, None] * stride_hm
     own = tl.load(rank_ptr + slot) if RANKED else R
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in tl.static_range(R_STEPS):  # one step up to rank 64; larger ranks in 64-wide steps
-        offs_r = i * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < own
-        b = tl.load(b_base + offs_r[:, None] * stride_br, mask=n_mask[None, :] & r_mask[:, None], other=0.0)
-        if i == 0:
-            pdl_wait(USE_PDL)  # B's first tile is loaded while the shrink finishes; h only after it
-        h = tl.load(h_base + (s * R + offs_r)[None, :] * stride_hn, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        if UPCAST:
-            acc = tl.dot(h, b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(h.to(b.dtype), b, acc)
+    # The first rank step (all of it up to rank 64): B loaded while the shrink finishes, h after it.
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < own
+    b = tl.load(b_base + offs_r[:, None] * stride_br, mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+    pdl_wait(USE_PDL)
+    h = tl.load(h_base + (s * R + offs_r)[None, :] * stride_hn, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    if UPCAST:
+        acc = tl.dot(h, b.to(tl.float32))
+    else:
+        acc = tl.dot(h.to(b.dtype), b)
+    if R_STEPS > 1:  # larger ranks: the rest in 64-wide steps, a loop (not unrolled: its tiles would spill), up to the slot's own rank
+        for r0 in range(BLOCK_R, own, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < own
+            b = tl.load(b_base + offs_r[:, None] * stride_br, mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+            h = tl.load(h_base + (s * R + offs_r)[None, :] * stride_hn, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(h, b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(h.to(b.dtype), b, acc)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)

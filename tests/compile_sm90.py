@@ -6,7 +6,11 @@ ships catches those without a GPU. The launchers are recorded, not run: their ar
 give each kernel's signature at Llama-2-7B shapes, in every dtype and config the sweeps use.
 """
 
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -111,6 +115,19 @@ def launch_ranks(dtype, tokens):
 
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use (227 KiB)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def stack_bytes(cubin: bytes) -> int | None:
+    """Per-thread stack (register spills, local arrays) of a cubin, from cuobjdump; None without it."""
+    if not CUOBJDUMP.is_file():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"STACK:(\d+)", out)
+    return int(found.group(1)) if found else None
 
 
 def main() -> int:
@@ -149,8 +166,13 @@ def main() -> int:
                     print(f"{name}: {kernel.metadata.shared} bytes of shared memory, more than an sm_90 block has "
                           f"({SHARED_LIMIT}): {sorted(kwargs.items())}")
                     return 1
+                stack = stack_bytes(kernel.asm["cubin"])
+                large = kwargs.get("R_STEPS", 1) > 1 or kwargs.get("BLOCK_R", 16) > 64 or kwargs.get("BLOCK_M", 16) > 32
+                if stack and stack > 8 and lora and not large:  # decode tiles at ranks up to 64: no spills (8 bytes: the fused kernel's frame)
+                    print(f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}")
+                    return 1
                 print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
-                      f"{', PDL' if waits else ''}")
+                      f"{f', {stack} bytes stack' if stack else ''}{', PDL' if waits else ''}")
                 compiled += 1
     print(f"compiled {compiled} kernel variants for sm_90")
     return 0

@@ -96,6 +96,18 @@ CASES = {
     "sweep ranks not summing to 1": sweep("--rank", "64", "--ranks", "8:0.5", "--ranks: the shares of '8:0.5' sum to 0.5"),
     "sweep ranks above --rank": sweep("--rank", "16", "--ranks", "64:1", "--ranks: rank 64 is above --rank 16"),
     "sweep unpadded without ranks": sweep("--kernels", "triton+unpadded", "triton+unpadded: needs --ranks"),
+    "sweep fully sharded hidden": sweep("--model", "{tmp}/odd.json", "--tp", "4", "--fully-sharded-loras",
+                                        "--fully-sharded-loras: odd's hidden size 90 does not split over 4 ranks",
+                                        files={"odd.json": '{"architectures": ["MistralForCausalLM"], "model_type": "mistral", '
+                                               '"hidden_size": 90, "head_dim": 32, "num_attention_heads": 4, '
+                                               '"num_key_value_heads": 4, "num_hidden_layers": 1, '
+                                               '"intermediate_size": 256, "vocab_size": 512}'}),
+    "sweep a config transformers rejects": sweep("--model", "{tmp}/bad.json", "bad.json: transformers cannot read it (",
+                                                 files={"bad.json": '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", '
+                                                        '"hidden_size": 90, "num_attention_heads": 4}'}),
+    "sweep fully sharded without tp": sweep("--fully-sharded-loras", "--fully-sharded-loras: needs --tp 2 or more"),
+    "sweep fully sharded fused": sweep("--model", "llama-3.1-8b", "--tp", "2", "--fully-sharded-loras", "--kernels", "fused",
+                                       "--kernels fused cannot run it here"),
     "sweep torch unpadded": sweep("--kernels", "torch+unpadded", "--ranks", "8:1", "--rank", "16", "unknown backend 'torch+unpadded'"),
     "sweep rank 12": sweep("--rank", "12", "--rank"),
     "sweep dtype float8": sweep("--dtype", "float8", "--dtype"),
@@ -172,6 +184,7 @@ CASES = {
     "spec layers past the preset": spec_file('layers = 9\ndevice = "cpu"', "bad.toml: key `layers`: 9 is more than tiny's 2 layers"),
     "spec unknown model": spec_file('model = "gpt-5"', "bad.toml: key `model`: 'gpt-5' is not a preset"),
     "spec rank": spec_file("rank = 12", "bad.toml: key `rank`: 12 is not a rank vLLM allows"),
+    "spec max-lora-rank is rank": spec_file("max-lora-rank = 12", "bad.toml: key `max-lora-rank`: 12 is not a rank vLLM allows"),
     "spec ranks": spec_file('rank = 16\nranks = "8:0.5,9:0.5"', "bad.toml: key `ranks`: rank 9 is not one vLLM allows"),
     "spec workload base twice": spec_file('workload = ["base:0.5+base:0.3"]', "bad.toml: key `workload`: workload"),
     "spec out empty": spec_file('out = ""', "bad.toml: key `out`: empty path"),

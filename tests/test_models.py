@@ -293,3 +293,63 @@ def test_a_model_type_transformers_does_not_know_is_read_from_the_file(tmp_path)
     cfg = resolve(str(tmp_path))
     assert (cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.layers, cfg.rope_theta) == (256, 4, 4, 64, 3, 5e5)
     assert cfg.qkv_bias  # Qwen2's biases come with the architecture
+
+
+def test_the_model_at_one_tp_rank_holds_vllms_default_lora_shapes():
+    """Default sharding at TP 4 of an 8-head, 2-KV-head model: qkv's A whole ([3R, hidden]) and B
+    the rank's outputs (2 heads, 1 replicated KV head); o's A the rank's inputs, B all of hidden;
+    gate_up's A whole and B the rank's intermediate features; down's A the rank's inputs."""
+    from lorabench.runtime.model import LlamaLoRA
+
+    cfg = shard(ModelConfig("m", 1, 256, 8, 2, 512, 96), 4)
+    blk = LlamaLoRA(cfg, max_loras=3, rank=16, max_tokens=2, context_len=4, dtype=torch.float32, device="cpu").layers[0]
+    d = 32
+    assert blk.qkv.lora_a.shape == (3, 3 * 16, 256) and blk.qkv.lora_b.shape == (3, 2 * d + d + d, 16)
+    assert blk.o.lora_a.shape == (3, 16, 2 * d) and blk.o.lora_b.shape == (3, 256, 16)
+    assert blk.gate_up.lora_a.shape == (3, 2 * 16, 256) and blk.gate_up.lora_b.shape == (3, 2 * 128, 16)
+    assert blk.down.lora_a.shape == (3, 16, 128) and blk.down.lora_b.shape == (3, 256, 16)
+    assert blk.qkv.weight.shape == (2 * d + 2 * d, 256) and blk.down.weight.shape == (256, 128)
+
+
+def test_a_sweep_plans_and_builds_what_its_flags_say(tmp_path):
+    """--tp, --fully-sharded-loras and --ranks reach the jobs, the worker's model and rows, and
+    only the +unpadded arms get each slot's rank (padded weights are zero, so results alone
+    could not tell)."""
+    from lorabench.config.flags import Machine
+    from lorabench.config.plan import Job, plan
+    from lorabench.config.spec import build_spec
+    from lorabench.runtime.worker import Worker
+
+    flags = dict(model="llama-3.1-8b", layers=1, tp=2, fully_sharded_loras=True, rank=16, ranks="8:0.5,16:0.5",
+                 kernels="triton", max_loras="4", concurrency="1", strategy="max", device="cpu", out=str(tmp_path))
+    spec, _ = build_spec(flags, None, Machine(cuda=False))
+    assert spec.kernels == ["triton", "triton+unpadded"]
+    jobs = [Job.from_json(j.to_json()) for j in plan(spec)]
+    assert [j.kernels for j in jobs] == ["triton", "triton+unpadded"]
+    assert all(j.tp == 2 and j.fully_sharded and j.slot_ranks == (8, 16, 8, 16) and j.ranks == "8:0.5,16:0.5"
+               and j.model.name == "llama-3.1-8b" and j.model.layers == 1 for j in jobs)
+    for job, unpadded in zip(jobs, (False, True)):
+        w = Worker([job], 0.0)
+        assert (w.common["tp"], w.common["allreduce"], w.common["fully_sharded_loras"]) == (2, "left out", True)
+        assert w.common["slot_ranks"] == [8, 16, 8, 16] and w.cfg.heads == 16 and w.cfg.kv_heads == 4
+        model = LlamaLoRA_small(w)
+        d = w.dispatcher(model, w.arms[0], [1])
+        assert (d.slot_rank is not None) == unpadded
+        if unpadded:
+            assert d.slot_rank.tolist() == [8, 16, 8, 16]
+        qkv = model.layers[0].qkv  # fully sharded at TP 2: 8 of rank 16's rows per slice; slot 0's adapter is rank 8
+        assert qkv.lora_a.shape[1] == 3 * 8 and qkv.lora_a[0].abs().min() > 0  # its 8 rows are all its own
+        assert not qkv.lora_b[0, :, 8:].any() and qkv.lora_b[0, :, :8].abs().min() > 0  # B padded past rank 8
+        assert qkv.lora_b[1].abs().min() > 0  # slot 1: rank 16, no padding
+
+
+def LlamaLoRA_small(worker):
+    """The worker's model with a small vocabulary (the CPU builds it in a moment)."""
+    from dataclasses import replace
+
+    from lorabench.runtime.model import LlamaLoRA
+
+    job = worker.lead
+    return LlamaLoRA(replace(worker.cfg, vocab=512), max_loras=job.max_loras, rank=job.rank, max_tokens=job.max_tokens,
+                     context_len=8, dtype=torch.float32, device="cpu", slot_ranks=job.slot_ranks,
+                     fully_sharded=job.fully_sharded)

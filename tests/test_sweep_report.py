@@ -272,6 +272,22 @@ def test_several_backends_side_by_side(tmp_path, backends, capsys):
     assert "| 4 | pow2 | vllm |" in side  # the cost table
 
 
+def test_padding_costs_are_each_backends_padded_run_against_its_unpadded_twin(tmp_path, capsys):
+    """fused+unpadded is compared with fused, not with the first backend (triton)."""
+    run = synthetic_run(tmp_path, backends=("triton", "triton+unpadded", "fused", "fused+unpadded"),
+                        speed={("triton", "max"): 1.25, ("fused", "max"): 1.1, ("fused+unpadded", "max"): 2.0})
+    df = pd.read_parquet(run / "points.parquet").assign(ranks="8:1")
+    df.to_parquet(run / "points.parquet", schema=SCHEMA)
+    write_report(run)
+    padding = section((run / "report.md").read_text(), "What padding costs")
+    assert "Adapters of ranks 8:1 zero-padded to rank" in padding
+    triton, fused = padding.split("**fused (padded) vs fused+unpadded**")
+    assert "**triton (padded) vs triton+unpadded**" in triton
+    assert "| 4 | max | 1 | 1 |" in triton and "+25.0 %" in triton and "| 4 | pow2 | 1 | 1 |" in triton
+    assert "-45.0 %" in fused  # fused: 1.1 against fused+unpadded's 2.0, whatever triton did
+    assert "| 4 | max | 1 | 0 |" not in padding  # n = 0 runs no LoRA: no padding to cost
+
+
 def test_one_backend_has_no_side_by_side(tmp_path, capsys):
     run = synthetic_run(tmp_path)
     assert run / "backends.png" not in write_report(run) and not (run / "backends.png").exists()

@@ -114,13 +114,11 @@ def from_hf_file(path: Path, name: str, where: str, source: str | None = None) -
 
     try:
         hf = AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # transformers raises many kinds (ValueError, OSError, its validators' own)
         if raw.get("model_type") and ("model type" in str(e) or "model_type" in str(e)):  # a model type this transformers is too old to know:
             hf = PretrainedConfig(**raw)  # the file's own values, without that type's defaults
         else:
             raise UserError(f"{where}: {path}: transformers cannot read it ({_first_line(e)})") from None
-    except OSError as e:
-        raise UserError(f"{where}: {path}: transformers cannot read it ({_first_line(e)})") from None
     return from_hf(hf, name, where, source or str(path))
 
 
@@ -131,20 +129,21 @@ def from_hf_id(model_id: str, where: str) -> ModelConfig:
 
     try:
         hf = AutoConfig.from_pretrained(model_id, local_files_only=True)
-    except (OSError, ValueError, KeyError) as cached:
+    except Exception as cached:  # transformers raises many kinds
         if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
             raise UserError(f"{where}: cannot read {model_id}'s config: not in the local Hugging Face cache and "
                             f"HF_HUB_OFFLINE is set ({_first_line(cached)})") from None
         try:
             hf = AutoConfig.from_pretrained(model_id)
-        except (OSError, ValueError, KeyError) as e:
+        except Exception as e:
             raise UserError(f"{where}: cannot read {model_id}'s config from the Hugging Face Hub or its local cache "
                             f"({_first_line(e)})") from None
     return from_hf(hf, model_id, where, model_id)
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    """An exception's message on one line (transformers' validators spread theirs over several)."""
+    return " ".join(part.strip() for part in str(e).splitlines() if part.strip())[:300] or type(e).__name__
 
 
 def from_hf(hf, name: str, where: str = "--model", source: str = "") -> ModelConfig:

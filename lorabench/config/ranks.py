@@ -26,9 +26,10 @@ class RankMix:
         return max(r for r, _ in self.shares)
 
     def slot_ranks(self, max_loras: int) -> tuple[int, ...]:
-        """Each slot's rank, interleaved so that the first n slots hold the mix as nearly as n
-        allows (a batch of n active adapters uses slots 0..n-1 first): slot i takes the rank
-        furthest behind its share of i + 1 slots (ties: the order given)."""
+        """Each slot's rank: the slots hold the mix as nearly as ``max_loras`` allows, interleaved
+        (slot i takes the rank furthest behind its share of i + 1 slots; ties: the order given)
+        so that the low slots a skewed workload favours (zipf) hold the mix too. A fixed point's
+        batch draws its n slots at random, so its ranks are the mix on average, not exactly."""
         taken = [0] * len(self.shares)
         out = []
         for i in range(max_loras):

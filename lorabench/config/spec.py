@@ -87,6 +87,7 @@ STRS = {"model", "dtype", "device", "out", "auto_from", "tuned", "ranks"}
 BOOLS = {"check", "fully_sharded_loras"}
 FLOATS = {"graph_memory_budget", "startup_budget", "ci_target"}
 FIELDS = LIST_INT | LIST_STR | INTS | STRS | BOOLS | FLOATS
+ALIASES = {"max_lora_rank": "rank"}  # vLLM's name for it
 
 
 def coerce(name: str, value):
@@ -143,7 +144,7 @@ def read_spec_file(path: Path) -> dict[str, tuple[str, object]]:
         raise UserError(f"spec file {path} cannot be read: {e.strerror or e}") from None
     values: dict[str, tuple[str, object]] = {}
     for key, value in raw.items():
-        name = key.replace("-", "_")
+        name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
         if name not in FIELDS:
             raise UserError(f"spec file {path}: unknown key {key!r} (known: {', '.join(sorted(FIELDS))})")
         if name in values:
@@ -199,6 +200,9 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         raise UserError(f"{names('rank')}: {spec.rank} is not a rank vLLM allows (choose from {', '.join(map(str, RANKS))})")
     if spec.fully_sharded_loras and spec.rank % spec.tp:
         raise UserError(f"{names('fully_sharded_loras')}: rank {spec.rank} does not split over {spec.tp} ranks")
+    if spec.fully_sharded_loras and spec.model_config.hidden % spec.tp:
+        raise UserError(f"{names('fully_sharded_loras')}: {spec.model_config.name}'s hidden size "
+                        f"{spec.model_config.hidden} does not split over {spec.tp} ranks")
     if spec.dtype not in DTYPES:
         raise UserError(f"{names('dtype')}: {spec.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     try:

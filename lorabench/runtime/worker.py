@@ -115,7 +115,7 @@ class Worker:
             "model": cfg.name, "model_source": cfg.source, "architecture": cfg.architecture, "layers": cfg.layers,
             "hidden": cfg.hidden, "heads": job.model.heads, "kv_heads": job.model.kv_heads, "head_dim": cfg.head_dim,
             "intermediate": job.model.intermediate, "vocab": job.model.vocab, "tp": job.tp,
-            # one rank is timed alone: the two all-reduces per layer a TP step adds are not in its step_ms
+            # one rank is timed alone: the collectives a TP step adds are not in its step_ms
             "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded, "rank": job.rank, "dtype": job.dtype,
             "ranks": job.ranks, "slot_ranks": list(job.slot_ranks) or None,
             "capture_sizes": list(job.capture_sizes), "context_len": job.context_len, "iters": job.iters,

@@ -81,7 +81,7 @@ SCHEMA = pa.schema(
         ("ranks", STR),  # --ranks: the adapters' own ranks and shares ("8:0.5,64:0.5"), padded to `rank`
         ("slot_ranks", pa.list_(I64)),  # each resident slot's adapter's own rank
         ("fully_sharded_loras", BOOL),  # vLLM's --fully-sharded-loras: LoRA A (qkv, gate_up) or B (o, down) cut over the ranks too
-        ("allreduce", STR),  # tp > 1: "left out" (one rank timed alone: a TP step adds two all-reduces per layer, and fully sharded LoRA its LoRA collectives)
+        ("allreduce", STR),  # tp > 1: "left out" (one rank timed alone: no all-reduce after o, down and the embedding, no logits all-gather, no LoRA collectives)
     ]
 )
 COLUMNS = SCHEMA.names

@@ -16,7 +16,7 @@ from lorabench.analysis.points import majority_gpu, ok_points, short_uuid, verdi
 from lorabench.analysis.recommend import PAYS, VLLM_NOTE, vllm_specialised
 from lorabench.commands.report.labels import backends, in_order, strategies, unit
 from lorabench.commands.tables import markdown_table
-from lorabench.config.backends import label_order
+from lorabench.config.backends import UNPADDED_SUFFIX, label_order
 from lorabench.config.strategies import AUTO, BASELINE, STRATEGIES, report_order
 from lorabench.stats import describe, geomean_ratio_pct, ratio_pct
 from lorabench.storage.runs import run_status
@@ -110,15 +110,16 @@ def model_md(r) -> list[str]:
     if tp is not None and int(tp) > 1:
         lora = ("fully sharded (--fully-sharded-loras: A's rank cut on qkv and gate_up, B's outputs on o and down)"
                 if get("fully_sharded_loras") else "sharded as vLLM shards it by default")
-        out.append(f"- tensor parallel: one of {int(tp)} ranks, timed alone: a 1/{int(tp)} share of the heads, KV heads, "
-                   f"intermediate features and vocabulary, LoRA {lora}; **the rank's collectives (two all-reduces per "
-                   "layer, and fully sharded LoRA's own) are left out of every figure**")
+        out.append(f"- tensor parallel: one of {int(tp)} ranks, timed alone: a 1/{int(tp)} share of the heads, "
+                   f"intermediate features and vocabulary, of the KV heads where there are {int(tp)} or more (else one, "
+                   f"replicated), LoRA {lora}; **the rank's collectives (an all-reduce after o and after down in every "
+                   "layer, the embedding's all-reduce, the logits' all-gather, and fully sharded LoRA's own) are left "
+                   "out of every figure**")
     if get("ranks"):
         slots = get("slot_ranks")
         held = f" (slots: {', '.join(str(int(x)) for x in slots)})" if slots is not None else ""
         out.append(f"- adapters' own ranks: {get('ranks')}{held}, zero-padded to rank {int(r['rank'])} as vLLM pads them; "
-                   "`<backend>+unpadded` computes each at its own rank: its ratio to `<backend>` in Backends side by "
-                   "side is what the padding costs")
+                   "`<backend>+unpadded` computes each at its own rank (What padding costs)")
     return out
 
 
@@ -184,6 +185,54 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, sampl
     out += [markdown_table(["max_loras", "strategy", "kernels", "graph MiB", "graphs", "startup s"],
                      [[int(c.max_loras), c.strategy, c.kernels, _mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
                       for c in cost.itertuples()]), ""]
+    return out
+
+
+def padding_md(over: pd.DataFrame, u: str, samples=None) -> list[str]:
+    """What padding costs: each ``<backend>+unpadded`` (every adapter at its own rank) against the
+    same backend padding every adapter to ``rank`` (vLLM's way), per (max_loras, strategy, c, n),
+    on one GPU; positive = the padding's cost. Empty when the run has no ``+unpadded`` kernels."""
+    labels = sorted(set(over.kernels), key=label_order)
+    twins = [(k, k.replace(UNPADDED_SUFFIX, "")) for k in labels if UNPADDED_SUFFIX in k]
+    twins = [(k, p) for k, p in twins if p in labels]
+    if not twins:
+        return []
+    r = over.iloc[0]
+    mix = r["ranks"] if "ranks" in over and isinstance(r["ranks"], str) else "mixed"
+    out = ["## What padding costs", "",
+           f"Adapters of ranks {mix} zero-padded to rank {int(r['rank'])} as vLLM pads them (the padded kernels compute "
+           "every rank), against the same adapters each at its own rank (`+unpadded` skips the padding). Separate "
+           f"workers: a difference counts only when its whole 95 % interval lies beyond ±{APART_MARGIN_PCT:g} %.", ""]
+    for unpadded, padded in twins:
+        both = over[over.kernels.isin([unpadded, padded])]
+        gpu = majority_gpu(both[both.kernels == padded])
+        if "gpu_uuid" in both:
+            both = both[[_uuid(v) == gpu for v in both.gpu_uuid]]
+        rows, pairs, no_interval = [], [], set()
+        for (m, st, c, n), g in sorted(both.groupby(["max_loras", "strategy", "concurrency", "n_active"]),
+                                       key=lambda kv: (kv[0][0], report_order(kv[0][1]), kv[0][2], kv[0][3])):
+            a, b = (g[g.kernels == k] for k in (unpadded, padded))
+            if not len(a) or not len(b) or n == 0:
+                continue
+            pa, pb = _point(a.point.iloc[0]), _point(b.point.iloc[0])
+            cell = "-"
+            if samples is not None and pa is not None and pb is not None:
+                pairs.append((pa, pb))
+                iv, why = ratio_interval(samples, pa, pb)
+                cell = describe(iv, APART_MARGIN_PCT).replace("slower", "costs") if iv is not None else "-"
+                if iv is None:
+                    no_interval.add(why)
+            ms_a, ms_b = a.step_ms_median.iloc[0], b.step_ms_median.iloc[0]
+            rows.append([int(m), st, int(c), int(n), ms_a, ms_b, _fmt(100 * (ms_b / ms_a - 1), "{:+.1f} %"), cell])
+        out += [f"**{padded} (padded) vs {unpadded}** ({u}" + (f"; on GPU {short_uuid(gpu)}" if gpu else "") + ")", "",
+                markdown_table(["max_loras", "strategy", "c", "n", f"{unpadded} ms", f"{padded} ms", "padding costs",
+                                "padded vs unpadded, 95 % CI"], rows), ""]
+        if pairs:
+            iv, why = geomean_interval(samples, pairs)
+            text = describe(iv, APART_MARGIN_PCT).replace("slower", "costs") if iv is not None else f"no interval: {why}"
+            out += [f"- over the {len(pairs)} points with adapters (geometric mean): padding {text}", ""]
+        if no_interval:
+            out += [f"no interval: {', '.join(sorted(no_interval))}", ""]
     return out
 
 
@@ -425,6 +474,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
         out += [markdown_table(["c", "n"] + strats, rows), ""]
     if "backends" in plots:
         out += backends_md(over, cfg, u, plots["backends"], samples)
+    out += padding_md(over, u, samples)
     out += agnostic_md(over, cfg, u)
     out += roofline_md(fl, plots.get("roofline"))
     if not exp.empty:

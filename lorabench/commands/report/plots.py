@@ -11,7 +11,7 @@ import pandas as pd  # noqa: E402
 
 from lorabench.analysis.points import ok_points  # noqa: E402
 from lorabench.commands.report.labels import label, unit  # noqa: E402
-from lorabench.config.backends import TUNED_SUFFIX, label_order  # noqa: E402
+from lorabench.config.backends import TUNED_SUFFIX, UNPADDED_SUFFIX, label_order  # noqa: E402
 from lorabench.config.strategies import BASELINE  # noqa: E402
 
 
@@ -154,7 +154,7 @@ def latency_vs_memory(df: pd.DataFrame, cmps: list, cfg: pd.DataFrame, path: Pat
 def backends(df: pd.DataFrame, over: pd.DataFrame, path: Path) -> Path:
     """LoRA overhead over the n = 0 step vs active count, one line per backend and strategy."""
     def draw(ax, k, s, g):
-        ax.plot(g.n_active, g.overhead_pct, ms=3, ls=["-", "--", ":", "-."][int(label_order(k)) % 4], marker="os"[k.endswith(TUNED_SUFFIX)], label=f"{k}/{s}")
+        ax.plot(g.n_active, g.overhead_pct, ms=3, ls=["-", "--", ":", "-."][int(label_order(k)) % 4], marker="os^d"[(TUNED_SUFFIX in k) + 2 * (UNPADDED_SUFFIX in k)], label=f"{k}/{s}")
 
     fig, axes = _by_active(over, "LoRA overhead over n = 0 (%)", draw)
     for ax in axes.flat:
