@@ -7,6 +7,9 @@ Installed as ``lorabench.kernels``. Every backend computes, for a LoRA linear wi
         h = scale · A[slot] @ x[t]                     # [S·R]: the rank-R piece of every slice
         y[t, slice s] += B[slot][slice s] @ h[s·R:(s+1)·R]
 
+The slices may end before y does (``slice_starts[-1] < N``: a fully sharded row-parallel TP rank
+updates its share of the outputs only), and A may hold R / TP rows per slice (a fully sharded
+column-parallel rank: the other ranks' shares of h count as zero, their all-gather left out).
 Tokens of slot -1 (base model) are never touched. A token whose slot lies past the launch count
 is not updated either: that is what a grid with too small an adapter dimension does, and the
 graph dispatcher must never let it happen (tests prove it does not).

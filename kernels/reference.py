@@ -42,4 +42,4 @@ def lora_delta(
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
     """In-place reference update ``y += delta``; same signature as the kernel backends."""
     del launch_count, scratch  # the reference serves every adapter token, whatever the grid
-    y += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale).to(y.dtype)
+    y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale).to(y.dtype)

@@ -131,9 +131,9 @@ def vllm_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_starts: tuple
     if cached is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("vLLM-layout weights must be made before graph capture (run a warm-up step)")
-        rank = lora_b.shape[-1]
         slices = len(slice_starts) - 1
-        a = tuple(lora_a[:, s * rank : (s + 1) * rank].unsqueeze(1).contiguous() for s in range(slices))
+        rows = lora_a.shape[1] // slices  # the rank, or a fully sharded rank's share of it
+        a = tuple(lora_a[:, s * rows : (s + 1) * rows].unsqueeze(1).contiguous() for s in range(slices))
         b = tuple(lora_b[:, slice_starts[s] : slice_starts[s + 1]].unsqueeze(1).contiguous() for s in range(slices))
         cached = lora_a._vllm_slices = (a, b)
     return cached
@@ -148,14 +148,16 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: VllmMeta, launch_count,
     del scratch
     if launch_count <= 0:
         return
-    if lora_a.shape[1] != (len(slice_starts) - 1) * lora_b.shape[-1]:
-        raise ValueError("fully sharded LoRA is not built for vLLM's kernels here (use the triton kernels)")
     lora_shrink, lora_expand, _, _ = load_ops()
     a, b = vllm_weights(lora_a, lora_b, slice_starts)
-    tokens, rank = x.shape[0], lora_b.shape[-1]
+    tokens, rank, rows = x.shape[0], lora_b.shape[-1], a[0].shape[2]
     args = meta.kernel_meta.meta_args(tokens, meta.specialize)
     if meta.frozen_grid is not None:
         args = (*args[:-1], meta.frozen_grid)
-    buffer = torch.empty((len(a), tokens, rank), dtype=torch.float32, device=x.device)
+    buffer = torch.empty((len(a), tokens, rows), dtype=torch.float32, device=x.device)
     lora_shrink(x, a, buffer, *args, scale)
+    if rows != rank:  # fully sharded (vLLM's _mcp_apply): the all-gather, left out, makes [S, T, R]; here the
+        gathered = torch.zeros((len(a), tokens, rank), dtype=torch.float32, device=x.device)  # other ranks' shares are 0
+        gathered[:, :, :rows] = buffer
+        buffer = gathered
     lora_expand(buffer, b, y, *args, offset_start=0, add_inputs=True)

@@ -106,6 +106,49 @@ def test_vllm_ops_match_the_reference(slices, R):
 
 
 @needs_vllm
+@pytest.mark.parametrize("slices", [(48,), (32, 16, 16)])
+def test_vllm_ops_fully_sharded_match_the_reference(slices):
+    """A column-parallel rank of fully sharded LoRA (R / TP rows of each slice's A; the other
+    ranks' shares of the gathered shrink output count as zero): vLLM's ops as the reference."""
+    from lorabench.runtime.vllm_rules import VllmRules
+
+    torch.manual_seed(1)
+    L, R, tp, K, T = 3, 16, 4, 64, 6
+    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
+    a = torch.randn(L, len(slices) * R // tp, K, device=DEVICE, dtype=torch.float16) / 8
+    b = torch.randn(L, starts[-1], R, device=DEVICE, dtype=torch.float16) / 4
+    x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
+    slots = [2, -1, 0, 2, -1, 1]
+    rules = VllmRules(strategy("max"), L, 8, DEVICE)
+    rules.load(slots)
+    y = torch.randn(T, starts[-1], device=DEVICE, dtype=torch.float16)
+    want = y.float() + reference.lora_delta(x, a, b, starts, torch.tensor(slots, device=DEVICE), 0.5)
+    vllm_lora.lora_apply(y, x, a, b, starts, rules.meta, 1, 0.5)
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_vllm
+def test_vllm_ops_fully_sharded_row_parallel_update_the_ranks_share():
+    """A row-parallel rank of fully sharded LoRA: B holds hidden / TP outputs; the update lands in
+    the first hidden / TP columns of y (rank 0's share, vLLM's offset_start 0), the rest untouched."""
+    from lorabench.runtime.vllm_rules import VllmRules
+
+    torch.manual_seed(2)
+    L, R, K, T, N, share = 3, 16, 64, 6, 96, 48
+    a = torch.randn(L, R, K, device=DEVICE, dtype=torch.float16) / 8
+    b = torch.randn(L, share, R, device=DEVICE, dtype=torch.float16) / 4
+    x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
+    slots = [2, -1, 0, 2, -1, 1]
+    rules = VllmRules(strategy("max"), L, 8, DEVICE)
+    rules.load(slots)
+    y = torch.randn(T, N, device=DEVICE, dtype=torch.float16)
+    want = y.float().clone()
+    want[:, :share] += reference.lora_delta(x, a, b, (0, share), torch.tensor(slots, device=DEVICE), 0.5)
+    vllm_lora.lora_apply(y, x, a, b, (0, share), rules.meta, 1, 0.5)
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_vllm
 def test_vllm_runner_rules_give_the_right_grids():
     from lorabench.runtime.vllm_rules import VllmRules
 

@@ -243,10 +243,10 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
     if spec.fully_sharded_loras:
-        cannot = [str(k) for k in spec.labels if k.backend in ("fused", "vllm")]
+        cannot = [str(k) for k in spec.labels if k.backend == "fused"]
         if cannot:
-            raise UserError(f"{names('fully_sharded_loras')}: --kernels {cannot[0]} cannot run it here (the fused kernel "
-                            "has no place for the all-gather between shrink and expand; vLLM's is not built); use triton or torch")
+            raise UserError(f"{names('fully_sharded_loras')}: --kernels {cannot[0]} cannot run it (one launch has no "
+                            "place for the all-gather between shrink and expand); use triton, torch or vllm")
     if any(k.vllm for k in spec.labels) and no_vllm:
         if all(k.vllm for k in spec.labels) and len(no_vllm) == len(spec.strategy):
             raise UserError(f"{names.value('strategy', ','.join(no_vllm))}: vLLM has no count-agnostic grid; use --kernels triton or fused")

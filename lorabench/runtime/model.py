@@ -71,10 +71,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor):
         y = F.linear(x, self.weight, self.bias)
-        if lora is not None:
-            out = y if self.lora_n == y.shape[1] else y[:, : self.lora_n]
+        if lora is not None:  # slice_starts may end before y does: a fully sharded rank's share of the outputs (offset 0)
             lora.backend.lora_apply(
-                out, x, self.lora_a, self.lora_b, self.slice_starts, lora.meta, lora.launch_count, lora.scale, scratch
+                y, x, self.lora_a, self.lora_b, self.slice_starts, lora.meta, lora.launch_count, lora.scale, scratch
             )
         return y
 
