@@ -83,7 +83,7 @@ def test_other_architectures_are_refused_naming_what_is_built(bad, says):
 
 def test_bad_model_values_get_one_line(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
-    for value, says in [("nope", "is not a preset"), (str(tmp_path), "without a config.json"),
+    for value, says in [("nope", "is not a preset"), (str(tmp_path), "without a config.json"), ("x" * 5000, "--model: 'xxx"),
                         (str(tmp_path / "broken.json"), "not a readable JSON config")]:
         with pytest.raises(UserError, match=says):
             resolve(value)

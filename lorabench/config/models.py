@@ -79,11 +79,16 @@ def resolve(model: str, layers: int | None = None, where: str = "--model") -> Mo
         cfg = from_hf_file(CONFIG_FOLDER / f"{model}.json", model, where, source="preset")
     else:
         path = Path(model).expanduser()
-        if path.is_dir():
+        try:
+            is_dir, is_file = path.is_dir(), path.is_file()
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte
+            raise UserError(f"{where}: {model[:80]!r}: {getattr(e, 'strerror', None) or e}") from None
+        if is_dir:
             path = path / "config.json"
             if not path.is_file():
                 raise UserError(f"{where}: {model} is a folder without a config.json")
-        if path.is_file():
+            is_file = True
+        if is_file:
             cfg = from_hf_file(path, path.parent.name if path.name == "config.json" else path.stem, where)
         elif model.count("/") == 1 and not model.startswith((".", "/", "~")) and not model.endswith(".json"):
             cfg = from_hf_id(model, where)
