@@ -25,7 +25,7 @@ import torch
 from lorabench.kernels import fused_lora, triton_lora
 
 from lorabench.config.batches import fixed_batch
-from lorabench.config.models import lora_linears, preset
+from lorabench.config.models import lora_linears, resolve
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.timing import replay_ms
@@ -147,7 +147,7 @@ def main() -> None:
     for vname, (apply, pdl) in chosen.items():
         for tokens, active, launch in points:
             per = []
-            for lname, (k, slices) in lora_linears(preset("llama-2-7b")).items():
+            for lname, (k, slices) in lora_linears(resolve("llama-2-7b")).items():
                 r = bench_linear(lname, k, slices, tokens, active, launch, args.max_loras, apply, pdl)
                 per.append(r)
                 rows.append({"variant": vname, "max_loras": args.max_loras, **r})

@@ -18,7 +18,7 @@ from lorabench.kernels import get_backend
 from torch.profiler import ProfilerActivity, profile
 
 from lorabench.config.batches import fixed_batch
-from lorabench.config.models import preset
+from lorabench.config.models import resolve
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA
 
@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--kernels", default="triton")
     args = ap.parse_args()
-    cfg = preset(args.model, args.layers)
+    cfg = resolve(args.model, args.layers)
 
     src = torch.randn(2**30, device="cuda", dtype=torch.float32)  # 4 GiB
     dst = torch.empty_like(src)

@@ -24,7 +24,7 @@ from lorabench.kernels import vllm_lora
 from torch.profiler import ProfilerActivity, profile
 
 from lorabench.config.batches import fixed_batch
-from lorabench.config.models import preset
+from lorabench.config.models import resolve
 from lorabench.config.strategies import strategy as strategy_named
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA
@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    cfg = preset(args.model, args.layers)
+    cfg = resolve(args.model, args.layers)
     m = args.max_loras
     model = LlamaLoRA(cfg, max_loras=m, rank=16, max_tokens=8, context_len=1024, dtype=torch.float16, device="cuda")
     results, worst = [], 0.0

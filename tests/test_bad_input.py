@@ -370,10 +370,10 @@ def test_memory_estimate_covers_the_real_model(max_loras, max_tokens, context_le
     import torch
 
     from lorabench.config.limits import RUNTIME, Shape, estimate, model_bytes
-    from lorabench.config.models import preset
+    from lorabench.config.models import resolve
     from lorabench.runtime.model import LlamaLoRA
 
-    cfg = preset("tiny")
+    cfg = resolve("tiny")
     model = LlamaLoRA(cfg, max_loras=max_loras, rank=16, max_tokens=max_tokens, context_len=context_len,
                       dtype=getattr(torch, dtype), device="cpu")
     real = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
@@ -426,10 +426,10 @@ def test_memory_estimate_covers_real_configs_and_tp_ranks(name):
     import torch
 
     from lorabench.config.limits import Shape, model_bytes
-    from lorabench.config.models import preset, shard
+    from lorabench.config.models import resolve, shard
     from lorabench.runtime.model import LlamaLoRA
 
-    full = replace(preset(name, layers=1), vocab=1024, hidden=512, intermediate=1024)
+    full = replace(resolve(name, layers=1), vocab=1024, hidden=512, intermediate=1024)
     for tp in (1, 4):
         cfg = shard(full, tp)
         model = LlamaLoRA(cfg, max_loras=2, rank=8, max_tokens=2, context_len=8, dtype=torch.float16, device="cpu")

@@ -59,7 +59,7 @@ def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, b
     does is tested on the GPU, by tests/test_graphs.py's captured graphs against the reference.)"""
     from lorabench.kernels import get_backend
 
-    from lorabench.config.models import preset
+    from lorabench.config.models import resolve
     from lorabench.runtime import model as model_mod
     from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -73,7 +73,7 @@ def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, b
 
     for name in ("add_rmsnorm", "rope_and_cache", "silu_mul"):
         monkeypatch.setattr(model_mod, name, recording(getattr(model_mod, name)))
-    m = model_mod.LlamaLoRA(preset("tiny"), max_loras=2, rank=8, max_tokens=2, context_len=8,
+    m = model_mod.LlamaLoRA(resolve("tiny"), max_loras=2, rank=8, max_tokens=2, context_len=8,
                             dtype=torch.float32, device=DEVICE)
     buf = MetaBuffer(2, 2, DEVICE)
     buf.load(buf.pack([0, -1])[0])

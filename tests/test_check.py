@@ -11,7 +11,7 @@ from conftest import DEVICE, HAS_CUDA, fault_injected
 from lorabench.kernels import get_backend
 
 from lorabench.cli import main
-from lorabench.config.models import preset
+from lorabench.config.models import resolve
 from lorabench.config.strategies import capture_counts
 from lorabench.config.strategies import strategy as strategy_named
 from lorabench.runtime.check import Case, cases, check
@@ -22,7 +22,7 @@ DTYPE = "float16" if HAS_CUDA else "float32"
 
 
 def build(kernels="torch", strategy="pow2", max_loras=4, sizes=(1, 2, 4, 8), scale=1.0):
-    model = LlamaLoRA(preset("tiny"), max_loras=max_loras, rank=16, max_tokens=max(sizes), context_len=16,
+    model = LlamaLoRA(resolve("tiny"), max_loras=max_loras, rank=16, max_tokens=max(sizes), context_len=16,
                       dtype=getattr(torch, DTYPE), device=DEVICE)
     d = Dispatcher(model, get_backend(kernels), max_loras=max_loras, capture_sizes=list(sizes),
                    counts=capture_counts(strategy, max_loras), use_graphs=HAS_CUDA, lora_scale=scale,

@@ -12,7 +12,7 @@ from conftest import DEVICE, HAS_CUDA, requires_cuda
 from lorabench.kernels import get_backend
 
 from lorabench.config.batches import mixed_batch
-from lorabench.config.models import preset
+from lorabench.config.models import resolve
 from lorabench.config.strategies import capture_counts
 from lorabench.runtime.check import row_errors
 from lorabench.runtime.dispatch import Dispatcher, Route
@@ -26,7 +26,7 @@ TOL = 3e-2 if HAS_CUDA else 1e-4
 
 def build(kernels: str, strategy: str, seed: int = 0) -> Dispatcher:
     model = LlamaLoRA(
-        preset("tiny"), max_loras=MAX_LORAS, rank=16, max_tokens=16, context_len=32,
+        resolve("tiny"), max_loras=MAX_LORAS, rank=16, max_tokens=16, context_len=32,
         dtype=DTYPE, device=DEVICE, seed=seed,
     )
     d = Dispatcher(
@@ -111,7 +111,7 @@ def test_no_lora_graph_runs_no_lora_kernels():
     d.forward(4, 0)
     assert calls == []
     d.forward(4, 4)
-    assert len(calls) == 4 * preset("tiny").layers
+    assert len(calls) == 4 * resolve("tiny").layers
 
 
 @requires_cuda
@@ -126,7 +126,7 @@ def test_a_collection_during_capture_finds_no_dead_graph():
         torch_lora.lora_apply(*args)
 
     collecting = type("Collecting", (), {"NEEDS_ZEROED_SCRATCH": False, "lora_apply": staticmethod(collect_then_apply)})
-    model = LlamaLoRA(preset("tiny"), max_loras=MAX_LORAS, rank=16, max_tokens=16, context_len=32, dtype=DTYPE, device=DEVICE)
+    model = LlamaLoRA(resolve("tiny"), max_loras=MAX_LORAS, rank=16, max_tokens=16, context_len=32, dtype=DTYPE, device=DEVICE)
     d = Dispatcher(model, collecting, max_loras=MAX_LORAS, capture_sizes=SIZES, counts=capture_counts("pow2", MAX_LORAS),
                    use_graphs=True)
     d.warm_up()

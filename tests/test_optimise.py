@@ -22,7 +22,7 @@ from lorabench.analysis.costmodel import (
 )
 from lorabench.analysis.optimise import Optimiser, auto_recommendations, fits
 from lorabench.cli import main
-from lorabench.config.models import preset
+from lorabench.config.models import resolve
 from lorabench.config.strategies import capture_counts
 from lorabench.config.workload import parse_workload
 from lorabench.runtime.dispatch import Dispatcher
@@ -91,7 +91,7 @@ def test_graph_costs_are_exact_at_the_measured_sets():
 
 @pytest.mark.parametrize("counts", [[4], [1, 2, 4], [1, 2, 3, 4], [3, 4], [2, 4]])
 def test_graph_count_is_the_dispatchers(counts):
-    model = LlamaLoRA(preset("tiny"), max_loras=4, rank=8, max_tokens=8, context_len=8, dtype=torch.float32, device="cpu")
+    model = LlamaLoRA(resolve("tiny"), max_loras=4, rank=8, max_tokens=8, context_len=8, dtype=torch.float32, device="cpu")
     d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2, 8], counts=counts, use_graphs=False)
     assert lora_graphs(counts, [1, 2, 8], 4) == d.num_graphs - 3  # minus one no-LoRA graph per size
 

@@ -81,71 +81,56 @@ def test_vllm_needs_half_precision():
         build_spec({"kernels": "vllm", "dtype": "float32"}, None, Machine(cuda=HAS_CUDA))
 
 
+SLOTS = [2, -1, 0, 2, -1, 1]  # three adapters and two base-model requests
+
+
+def vllm_against_reference(slices, a_rows: int, rank: int, out_width: int | None = None, seed: int = 0,
+                           strategy_name: str = "pow2"):
+    """vLLM's shrink + expand through this backend against the reference on SLOTS: A of
+    ``a_rows`` rows per slice (the rank, or a fully sharded rank's share of it), B of ``rank``,
+    y ``out_width`` wide (default: the slices'; wider: only the slices' columns change).
+    Returns the rules (their grid is vLLM's)."""
+    from lorabench.runtime.vllm_rules import VllmRules
+
+    torch.manual_seed(seed)
+    L, K, T = 3, 64, len(SLOTS)
+    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
+    a = torch.randn(L, len(slices) * a_rows, K, device=DEVICE, dtype=torch.float16) / 8
+    b = torch.randn(L, starts[-1], rank, device=DEVICE, dtype=torch.float16) / (2 * rank**0.5)
+    x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
+    rules = VllmRules(strategy(strategy_name), L, 8, DEVICE)
+    rules.load(SLOTS)
+    y = torch.randn(T, out_width or starts[-1], device=DEVICE, dtype=torch.float16)
+    want = y.float().clone()
+    want[:, : starts[-1]] += reference.lora_delta(x, a, b, starts, torch.tensor(SLOTS, device=DEVICE), 0.5)
+    vllm_lora.lora_apply(y, x, a, b, starts, rules.meta, 1, 0.5)
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    return rules
+
+
 @needs_vllm
 @pytest.mark.parametrize("slices", [(48,), (32, 16, 16)])
 @pytest.mark.parametrize("R", RANKS)
 def test_vllm_ops_match_the_reference(slices, R):
     """vLLM's shrink + expand through this backend, on a batch mixing base and adapter tokens,
     at every rank vLLM allows."""
-    from lorabench.runtime.vllm_rules import VllmRules
-
-    torch.manual_seed(0)
-    L, K, T = 3, 64, 6
-    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
-    a = torch.randn(L, len(slices) * R, K, device=DEVICE, dtype=torch.float16) / 8
-    b = torch.randn(L, starts[-1], R, device=DEVICE, dtype=torch.float16) / (2 * R**0.5)
-    x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
-    slots = [2, -1, 0, 2, -1, 1]
-    rules = VllmRules(strategy("pow2"), L, 8, DEVICE)
-    rules.load(slots)
-    y = torch.randn(T, starts[-1], device=DEVICE, dtype=torch.float16)
-    want = y.float() + reference.lora_delta(x, a, b, starts, torch.tensor(slots, device=DEVICE), 0.5)
-    vllm_lora.lora_apply(y, x, a, b, starts, rules.meta, 1, 0.5)
-    assert rules.grid(T) == 4  # 3 adapters + the base id -1, rounded up in [1, 2, 4]
-    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    rules = vllm_against_reference(slices, R, R)
+    assert rules.grid(len(SLOTS)) == 4  # 3 adapters + the base id -1, rounded up in [1, 2, 4]
 
 
 @needs_vllm
 @pytest.mark.parametrize("slices", [(48,), (32, 16, 16)])
 def test_vllm_ops_fully_sharded_match_the_reference(slices):
-    """A column-parallel rank of fully sharded LoRA (R / TP rows of each slice's A; the other
-    ranks' shares of the gathered shrink output count as zero): vLLM's ops as the reference."""
-    from lorabench.runtime.vllm_rules import VllmRules
-
-    torch.manual_seed(1)
-    L, R, tp, K, T = 3, 16, 4, 64, 6
-    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
-    a = torch.randn(L, len(slices) * R // tp, K, device=DEVICE, dtype=torch.float16) / 8
-    b = torch.randn(L, starts[-1], R, device=DEVICE, dtype=torch.float16) / 4
-    x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
-    slots = [2, -1, 0, 2, -1, 1]
-    rules = VllmRules(strategy("max"), L, 8, DEVICE)
-    rules.load(slots)
-    y = torch.randn(T, starts[-1], device=DEVICE, dtype=torch.float16)
-    want = y.float() + reference.lora_delta(x, a, b, starts, torch.tensor(slots, device=DEVICE), 0.5)
-    vllm_lora.lora_apply(y, x, a, b, starts, rules.meta, 1, 0.5)
-    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    """A column-parallel rank of fully sharded LoRA at TP 4 (R / 4 rows of each slice's A; the
+    other ranks' shares of the gathered shrink output count as zero)."""
+    vllm_against_reference(slices, 16 // 4, 16, seed=1, strategy_name="max")
 
 
 @needs_vllm
 def test_vllm_ops_fully_sharded_row_parallel_update_the_ranks_share():
     """A row-parallel rank of fully sharded LoRA: B holds hidden / TP outputs; the update lands in
     the first hidden / TP columns of y (rank 0's share, vLLM's offset_start 0), the rest untouched."""
-    from lorabench.runtime.vllm_rules import VllmRules
-
-    torch.manual_seed(2)
-    L, R, K, T, N, share = 3, 16, 64, 6, 96, 48
-    a = torch.randn(L, R, K, device=DEVICE, dtype=torch.float16) / 8
-    b = torch.randn(L, share, R, device=DEVICE, dtype=torch.float16) / 4
-    x = torch.randn(T, K, device=DEVICE, dtype=torch.float16)
-    slots = [2, -1, 0, 2, -1, 1]
-    rules = VllmRules(strategy("max"), L, 8, DEVICE)
-    rules.load(slots)
-    y = torch.randn(T, N, device=DEVICE, dtype=torch.float16)
-    want = y.float().clone()
-    want[:, :share] += reference.lora_delta(x, a, b, (0, share), torch.tensor(slots, device=DEVICE), 0.5)
-    vllm_lora.lora_apply(y, x, a, b, (0, share), rules.meta, 1, 0.5)
-    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    vllm_against_reference((48,), 16, 16, out_width=96, seed=2, strategy_name="max")
 
 
 @needs_vllm
@@ -167,7 +152,7 @@ def test_check_verdicts_on_vllm_rules():
     """vLLM's default (one key, grid max_loras+1) is correct; with --specialize-active-lora, the
     smallest batch mixing one adapter with a base request replays a grid-1 graph whose only
     program takes the base id -1: the adapter token gets no update."""
-    from lorabench.config.models import preset
+    from lorabench.config.models import resolve
     from lorabench.runtime.check import check
     from lorabench.runtime.dispatch import Dispatcher
     from lorabench.runtime.model import LlamaLoRA
@@ -175,7 +160,7 @@ def test_check_verdicts_on_vllm_rules():
 
     verdicts = {}
     for name in ("max", "pow2"):
-        model = LlamaLoRA(preset("tiny", 1), max_loras=2, rank=16, max_tokens=2, context_len=8,
+        model = LlamaLoRA(resolve("tiny", 1), max_loras=2, rank=16, max_tokens=2, context_len=8,
                           dtype=torch.float16, device=DEVICE)
         d = Dispatcher(model, vllm_lora, max_loras=2, capture_sizes=[1, 2], counts=None, use_graphs=HAS_CUDA,
                        rules=VllmRules(strategy(name), 2, 2, DEVICE))

@@ -215,11 +215,6 @@ def lora_shares(name: str, tp: int, fully_sharded: bool) -> tuple[int, int]:
     return (tp, 1) if name in COLUMN_PARALLEL else (1, tp)
 
 
-def preset(name: str, layers: int | None = None) -> ModelConfig:
-    """A preset's shapes, optionally shortened to ``layers`` layers."""
-    return resolve(name, layers)
-
-
 def lora_linears(cfg: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Each LoRA linear of a layer: (input features K, output slice widths)."""
     d = cfg.head_dim

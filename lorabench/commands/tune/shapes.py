@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import triton
 
-from lorabench.config.models import lora_linears, preset, shard
+from lorabench.config.models import lora_linears, resolve, shard
 from lorabench.config.tune_spec import TuneSpec
 
 SMEM_BYTES = 232448  # shared memory one block may use on sm90 (227 KiB)
@@ -47,7 +47,7 @@ def build_shapes(spec: TuneSpec, backends: dict) -> list[Shape]:
     """Every shape of the spec's kernels, in the backends' order; linears that share a key are
     tuned once (``o/down``). ``backends``: name -> its TuneBackend."""
     found: dict[tuple, Shape] = {}
-    for m, L, (name, (k, slices)) in itertools.product(spec.tokens, spec.max_loras, lora_linears(shard(preset(spec.model), spec.tp)).items()):
+    for m, L, (name, (k, slices)) in itertools.product(spec.tokens, spec.max_loras, lora_linears(shard(resolve(spec.model), spec.tp)).items()):
         for kernel in spec.kernels:
             for s in backends[kernel].shapes(name, k, slices, m, L, spec.rank):
                 old = found.setdefault((s.kernel, s.op, s.key), s)
