@@ -193,16 +193,8 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     except UserError as e:
         raise names.renamed("layers", e) from None
     shard(spec.model_config, spec.tp, names("tp"))
-    if spec.fully_sharded_loras:
-        if spec.tp == 1:
-            raise UserError(f"{names('fully_sharded_loras')}: needs --tp 2 or more (one rank has nothing to shard)")
     if spec.rank not in RANKS:
         raise UserError(f"{names('rank')}: {spec.rank} is not a rank vLLM allows (choose from {', '.join(map(str, RANKS))})")
-    if spec.fully_sharded_loras and spec.rank % spec.tp:
-        raise UserError(f"{names('fully_sharded_loras')}: rank {spec.rank} does not split over {spec.tp} ranks")
-    if spec.fully_sharded_loras and spec.model_config.hidden % spec.tp:
-        raise UserError(f"{names('fully_sharded_loras')}: {spec.model_config.name}'s hidden size "
-                        f"{spec.model_config.hidden} does not split over {spec.tp} ranks")
     if spec.dtype not in DTYPES:
         raise UserError(f"{names('dtype')}: {spec.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     try:
@@ -243,10 +235,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
     if spec.fully_sharded_loras:
-        cannot = [str(k) for k in spec.labels if k.backend == "fused"]
-        if cannot:
-            raise UserError(f"{names('fully_sharded_loras')}: --kernels {cannot[0]} cannot run it (one launch has no "
-                            "place for the all-gather between shrink and expand); use triton, torch or vllm")
+        _check_fully_sharded(spec, names)
     if any(k.vllm for k in spec.labels) and no_vllm:
         if all(k.vllm for k in spec.labels) and len(no_vllm) == len(spec.strategy):
             raise UserError(f"{names.value('strategy', ','.join(no_vllm))}: vLLM has no count-agnostic grid; use --kernels triton or fused")
@@ -319,6 +308,22 @@ def check_memory(spec: SweepSpec, machine: Machine, graphs: Callable[[KernelsLab
             need = estimate(shape, count, cuda)
             if need.total > free:
                 raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}")
+
+
+def _check_fully_sharded(spec: SweepSpec, names: Names) -> None:
+    """--fully-sharded-loras cuts the rank and the hidden outputs over --tp ranks, and needs an
+    all-gather between shrink and expand, which one fused launch has no place for."""
+    where, cfg = names("fully_sharded_loras"), spec.model_config
+    if spec.tp == 1:
+        raise UserError(f"{where}: needs --tp 2 or more (one rank has nothing to shard)")
+    if spec.rank % spec.tp:
+        raise UserError(f"{where}: rank {spec.rank} does not split over {spec.tp} ranks")
+    if cfg.hidden % spec.tp:
+        raise UserError(f"{where}: {cfg.name}'s hidden size {cfg.hidden} does not split over {spec.tp} ranks")
+    cannot = [str(k) for k in spec.labels if k.backend == "fused"]
+    if cannot:
+        raise UserError(f"{where}: --kernels {cannot[0]} cannot run it (one launch has no place for the all-gather "
+                        "between shrink and expand); use triton, torch or vllm")
 
 
 def _resolve_ranks(spec: SweepSpec, names: Names) -> None:
