@@ -140,7 +140,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       done
       lorabench sweep --spec sweeps/padding.toml --rank 8 --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       tar czf "$OUT/padding.tgz" results/padding ;;
-    report) for r in results/2*/; do lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
+    report) for r in results/2*/ results/models/2*/ results/padding/2*/; do [ -d "$r" ] || continue; lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
   log "$stage: rc=${PIPESTATUS[0]} wall $((SECONDS - t0)) s"
