@@ -44,6 +44,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+pack() { tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true; }  # what finished, should the call be cut short
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/stages.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
   | tee -a "$OUT/stages.log"
@@ -129,14 +130,14 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       for rank in 16 64 128; do
         for spec in llama-3.1-8b llama-3.1-70b-tp4; do
           /usr/bin/time -f "$spec rank $rank wall %e s" lorabench sweep --spec sweeps/$spec.toml --rank $rank \
-            --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+            --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
         done
       done
-      lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
       tar czf "$OUT/models.tgz" results/models ;;
     padding)  # rank-8 adapters padded to 64 and 128 (triton, vllm) vs at their own rank (triton+unpadded), and a rank-8 run
       for rank in 64 128; do
-        lorabench sweep --spec sweeps/padding.toml --rank $rank --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+        lorabench sweep --spec sweeps/padding.toml --rank $rank --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
       done
       lorabench sweep --spec sweeps/padding.toml --rank 8 --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       tar czf "$OUT/padding.tgz" results/padding ;;
@@ -144,5 +145,5 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
     *) log "unknown stage $stage"; exit 2 ;;
   esac
   log "$stage: rc=${PIPESTATUS[0]} wall $((SECONDS - t0)) s"
-  tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true  # after every stage: a call cut short keeps what finished
+  pack
 done
