@@ -279,8 +279,9 @@ def test_fully_sharded_model_holds_the_cut_weights_and_matches_its_reference():
         outs[name] = model(ids, pos, LoRAStep(get_backend(name), meta, 3, 0.5)).float()
     base = model(ids, pos, None).float()
     assert (outs["reference"] - base).abs().max() > 1e-3  # LoRA changed the logits
+    tol = 1e-2 if DEVICE == "cuda" else 1e-3  # tl.dot takes fp32 operands as TF32 on a GPU
     for name in ("torch", "triton"):
-        assert torch.allclose(outs[name], outs["reference"], rtol=1e-3, atol=1e-3)
+        assert torch.allclose(outs[name], outs["reference"], rtol=tol, atol=tol)
 
 
 def test_a_model_type_transformers_does_not_know_is_read_from_the_file(tmp_path):
