@@ -56,6 +56,7 @@ from .meta import LoRAMeta
 from .triton_lora import (  # noqa: F401 (pdl_enabled: the worker's pdl column)
     INTERPRET,
     adapter_tile,
+    own_rank,
     pdl_enabled,
     pdl_launch,
     pdl_wait,
@@ -128,7 +129,7 @@ def _fused_kernel(
         return
 
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < (tl.load(rank_ptr + slot) if RANKED else R)
+    r_mask = offs_r < (own_rank(rank_ptr, slot, R) if RANKED else R)
     slot64 = slot.to(tl.int64)
     offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi

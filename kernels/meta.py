@@ -14,7 +14,9 @@ class LoRAMeta(NamedTuple):
     slot_start:   [max_loras+1] where each active slot's tokens begin in sorted_tokens
     slot_rank:    [max_loras]   optional: each slot's adapter's own rank (<= the weights' rank R,
                                 which the adapter is zero-padded to). Given, lorabench's Triton
-                                kernels skip the padding; None, they compute all R, as vLLM does.
+                                kernels skip the padding past the own rank rounded up to 16 (the
+                                zeros below it keep their loads vectorised); None, they compute
+                                all R, as vLLM does.
     """
 
     token_slot: torch.Tensor

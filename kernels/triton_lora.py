@@ -145,7 +145,7 @@ def _shrink_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if RANKED:  # a tile wholly in the padding is not computed; its h stays zero
-        n_mask = n_mask & (offs_n % RA < tl.load(rank_ptr + slot))
+        n_mask = n_mask & (offs_n % RA < own_rank(rank_ptr, slot, RA))
         if tl.max(n_mask.to(tl.int32), axis=0) == 0:
             pdl_wait(USE_PDL)
             return
@@ -179,6 +179,14 @@ def _shrink_kernel(
         tl.store(out, acc, mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def own_rank(rank_ptr, slot, R):
+    """A slot's own rank rounded up to a multiple of 16, at most R: what the ``RANKED`` kernels
+    compute of it. The padding they then read is zero; a bound that is a multiple of 16 keeps
+    their rank-wise loads vectorised (an arbitrary runtime bound makes them one element each)."""
+    return tl.minimum((tl.load(rank_ptr + slot) + 15) // 16 * 16, R)
 
 
 @triton.jit
@@ -226,7 +234,7 @@ def _expand_kernel(
     n_mask = offs_n < n_hi
     b_base = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
     h_base = h_ptr + rows[:, None] * stride_hm
-    own = tl.load(rank_ptr + slot) if RANKED else R
+    own = own_rank(rank_ptr, slot, R) if RANKED else R
     # The first rank step (all of it up to rank 64): B loaded while the shrink finishes, h after it.
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < own

@@ -39,20 +39,58 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def compile_call(fn, args, kwargs):
+def compile_call(fn, args, kwargs, specialise=False):
+    """``specialise``: as Triton's launcher does, integers equal to 1 become constants and pointers
+    and integers that are multiples of 16 are declared so (what lets loads be vectorised)."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # a launch option: the kernel's USE_PDL is what compiles differently
-    signature, constexprs = {}, {}
-    for name, value in zip(fn.arg_names, list(args) + [kwargs[n] for n in fn.arg_names[len(args):]]):
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, list(args) + [kwargs[n] for n in fn.arg_names[len(args):]])):
         if isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
-        elif name in kwargs:
+            if specialise:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in kwargs or (specialise and value == 1 and not isinstance(value, float)):
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
             signature[name] = "i32" if abs(value) < 2**31 else "i64"
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER, options=options)
+            if specialise and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
+
+
+def vector_loads(ptx: str) -> int:
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
+
+
+def ranked_loads_stay_vectorised() -> str | None:
+    """The ``+unpadded`` (RANKED) kernels load B and h 128 bits at a time, as the padded ones do:
+    a rank mask ending at an arbitrary runtime bound would make those loads one element each."""
+    recorders = record_launches()
+    k, slices, loras, rank = 4096, (4096, 1024, 1024), 4, 64
+    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
+    for tokens in (1, 8):
+        buf = MetaBuffer(tokens, loras, "cpu")
+        ranked = buf.meta._replace(slot_rank=torch.empty(loras, dtype=torch.int32))
+        x, y = torch.empty(tokens, k, dtype=torch.float16), torch.empty(tokens, sum(slices), dtype=torch.float16)
+        a = torch.empty(loras, len(slices) * rank, k, dtype=torch.float16)
+        b = torch.empty(loras, sum(slices), rank, dtype=torch.float16)
+        scratch = torch.empty(tokens, 3 * rank, dtype=torch.float32)
+        for meta in (buf.meta, ranked):
+            triton_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0, scratch)
+            fused_lora.lora_apply(y, x, a, b, starts, meta, loras, 1.0)
+    for name in ("_expand_kernel", "_fused_kernel"):
+        loads = {}
+        for args, kwargs in recorders[name].calls:
+            key = (kwargs["RANKED"], kwargs["BLOCK_M"])
+            loads.setdefault(key, vector_loads(compile_call(recorders[name].fn, args, dict(kwargs), True).asm["ptx"]))
+        for (is_ranked, block_m), count in loads.items():
+            if is_ranked and count < loads[(False, block_m)]:
+                return (f"{name}: {count} 128-bit loads with each slot's own rank, {loads[(False, block_m)]} padded "
+                        f"(BLOCK_M {block_m})")
+    return None
 
 
 def record_launches():
@@ -61,7 +99,8 @@ def record_launches():
     recs = {}
     for module, name in [(triton_lora, "_shrink_kernel"), (triton_lora, "_expand_kernel"), (fused_lora, "_fused_kernel"),
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel")]:
-        recs[name] = Recorder(getattr(module, name))
+        kernel = getattr(module, name)
+        recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         setattr(module, name, recs[name])
     return recs
 
@@ -134,6 +173,10 @@ def main() -> int:
     if HOPPER is None:
         print("this Triton cannot compile ahead of time")
         return 3
+    unvectorised = ranked_loads_stay_vectorised()
+    if unvectorised:
+        print(unvectorised)
+        return 1
     recorders = record_launches()
     for pdl in (False, True):
         use_pdl(pdl)

@@ -232,25 +232,34 @@ def test_fused_split_leaves_its_workspace_zero():
             assert not fused_lora._workspace(out.device, dtype, 1).any()
 
 
-def zero_padding(a, b, slot_ranks, rank, slices):
-    """The weights with every slot's rows/columns past its own rank zeroed (vLLM's padding)."""
+def zero_padding(a, b, slot_ranks, rank, slices, upto=None):
+    """The weights with every slot's rows/columns past its own rank zeroed (vLLM's padding), up
+    to ``upto(own rank)`` when given (past it they keep what they held)."""
     a, b = a.clone(), b.clone()
     for slot, r in enumerate(slot_ranks):
+        end = upto(r) if upto else rank
         for s in range(slices):
-            a[slot, s * rank + r:(s + 1) * rank] = 0
-        b[slot, :, r:] = 0
+            a[slot, s * rank + r:s * rank + end] = 0
+        b[slot, :, r:end] = 0
     return a, b
+
+
+def computed_rank(own: int, rank: int) -> int:
+    """What the RANKED kernels compute of a slot: its own rank rounded up to 16, at most the rank."""
+    return min(rank, -(-own // 16) * 16)
 
 
 @pytest.mark.parametrize("backend", ["triton", "fused"])
 @pytest.mark.parametrize("rank,slot_ranks", [(64, (8, 64, 16, 1)), (128, (8, 128, 64, 100)), (16, (16, 16, 8, 8))])
 @pytest.mark.parametrize("tokens", [6, 40])  # one token tile, and slot-sorted tiles
 def test_unpadded_kernels_read_only_each_slots_own_rank(backend, rank, slot_ranks, tokens):
-    """With ``meta.slot_rank`` the kernels compute each adapter at its own rank: garbage in the
-    padding changes nothing, and the result is the padded adapters' (whose padding is zero)."""
+    """With ``meta.slot_rank`` the kernels compute each adapter at its own rank rounded up to 16:
+    garbage in the padding past that changes nothing, and the result is the padded adapters'
+    (whose padding is zero)."""
     slices = (40, 24, 24)
     x, a, b, y, slots, starts = make_case(tokens, 96, slices, rank, 4, torch.float16, 0.25, rank + tokens)
     a0, b0 = zero_padding(a, b, slot_ranks, rank, len(slices))
+    a, b = zero_padding(a, b, slot_ranks, rank, len(slices), upto=lambda own: computed_rank(own, rank))
     buf = MetaBuffer(tokens, 4, DEVICE)
     packed, _ = buf.pack(slots)
     buf.load(packed)
