@@ -44,6 +44,9 @@ Dtype = Annotated[str, typer.Option("--dtype", help="float16, bfloat16, float32 
 Kernels = Annotated[str, typer.Option("--kernels", help=f"LoRA kernel backends, {LIST}: {'; '.join(f'{b.name} ({b.doc})' for b in BACKENDS.values())} [default: triton on a GPU, torch on the CPU].")]
 Device = Annotated[str, typer.Option("--device", help="auto, cuda, cpu [default: auto].")]
 Seed = Annotated[str, typer.Option("--seed", help="Seed for weights and batches [default: 0].")]
+Executor = Annotated[str, typer.Option("--executor", help="Where the worker groups (every strategy of one kernels and max_loras, compared with each other) run: local (this host's GPUs, one group per GPU at a time) or dask (a Dask cluster's workers with a GPU resource: pip install 'lorabench[dask]') [default: local].")]
+Gpus = Annotated[str, typer.Option("--gpus", help="This host's GPUs to use, as indices (0,1) or all; each worker is pinned to its GPU by UUID [default: all].")]
+Scheduler = Annotated[str, typer.Option("--scheduler", help="With --executor dask: the address of a running Dask scheduler (tcp://HOST:8786) whose workers hold --resources GPU=1 [default: a LocalCluster over this host's GPUs].")]
 
 
 @app.command()
@@ -76,16 +79,21 @@ def sweep(
     tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: each swept backend it has configs for (triton, fused, vllm) also runs as <backend>+tuned."),
     resume: Path = typer.Option(None, "--resume", help="A run folder whose sweep ended early (killed, interrupted, or with failed points): measure its missing and failed points into it, under its own spec."),
     force: bool = typer.Option(False, "--force", help="With --resume: resume even when this lorabench plans the run differently, runs other code, or finds another GPU (the run.json records it)."),
+    executor: Executor = None,
+    gpus: Gpus = None,
+    scheduler: Scheduler = None,
 ):
     """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
+    from lorabench.commands.sweep import Placement
     from lorabench.commands.sweep import sweep as run
 
+    placement = Placement.parse(executor, gpus, scheduler)
     flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers, tp=tp,
                  fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
                  check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
                  startup_budget=startup_budget, tuned=tuned, ci_target=ci_target)
-    return run(flags, spec, console, resume=resume, force=force)
+    return run(flags, spec, console, resume=resume, force=force, placement=placement)
 
 
 @app.command()
@@ -105,14 +113,19 @@ def check(
     seed: Seed = None,
     out: str = typer.Option(None, "--out", help="Output root; checks.json goes to OUT/<run_id> [default: results]."),
     spec: Path = typer.Option(None, "--spec", help="A TOML spec; its configurations are checked, nothing is timed."),
+    executor: Executor = None,
+    gpus: Gpus = None,
+    scheduler: Scheduler = None,
 ):
     """Replay every captured graph of each configuration on all-adapter, all-base and mixed
     batches at every active count, against the plain-torch reference. Exit 1 if any is wrong."""
     from lorabench.commands.check import check as run
+    from lorabench.commands.sweep import Placement
 
+    placement = Placement.parse(executor, gpus, scheduler)
     flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
                  layers=layers, tp=tp, fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, dtype=dtype, device=device, seed=seed, out=out)
-    return run(flags, spec, console)
+    return run(flags, spec, console, placement)
 
 
 @app.command()

@@ -228,6 +228,18 @@ CASES = {
     "report parquet of another schema": Case(["report", "{tmp}/other"], "is not a lorabench sweep's",
                                              files={"other/points.parquet": "other-schema"}),
     "report unknown flag": Case(["report", "{run}", "--bogus"], "bogus"),
+    # -- where the groups run -----------------------------------------------------------------
+    "sweep executor nope": sweep("--executor", "nope", "--executor nope: choose local or dask"),
+    "check executor nope": check("--executor", "nope", "--executor nope: choose local or dask"),
+    "sweep gpus beyond the visible ones": sweep("--gpus", "7", "--gpus 7: this host has"),
+    "sweep gpus not indices": sweep("--gpus", "first", "--gpus first: give GPU indices like 0,1, or all"),
+    "sweep scheduler without dask": sweep("--scheduler", "tcp://127.0.0.1:9", "--scheduler goes with --executor dask"),
+    "sweep scheduler with gpus": sweep("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9", "--gpus", "0",
+                                       "--gpus chooses this host's GPUs"),
+    "sweep scheduler unreachable": sweep("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9",
+                                         "--scheduler tcp://127.0.0.1:9: cannot connect"),
+    "sweep scheduler not an address": sweep("--executor", "dask", "--scheduler", "nowhere:x", "--scheduler nowhere:x: cannot connect"),
+    "resume executor nope": Case(["sweep", "--resume", "{run}", "--executor", "nope"], "--executor nope"),
     # -- recommend ----------------------------------------------------------------------------
     "recommend missing run": Case(["recommend", "{tmp}/missing"], "not a folder"),
     "recommend folder without points": Case(["recommend", "{tmp}/empty"], "no points.parquet", files={"empty/": 0o755}),
@@ -330,6 +342,15 @@ def test_bad_input_is_one_line_and_writes_nothing(name, place, capsys, monkeypat
     before = snapshot(place)
     code = main(fill(case.argv, place))
     assert_one_error_line(code, capsys.readouterr().err, case.needle)
+    assert snapshot(place) == before
+
+
+def test_executor_dask_without_dask_installed(place, capsys, monkeypatch):
+    for name in ("distributed", "dask"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as where neither is installed
+    before = snapshot(place)
+    code = main(fill(["sweep", "--out", "{results}", "--executor", "dask"], place))
+    assert_one_error_line(code, capsys.readouterr().err, "--executor dask needs dask.distributed: pip install 'lorabench[dask]'")
     assert snapshot(place) == before
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lorabench.commands.sweep import Sweep, prepare
+from lorabench.commands.sweep import Placement, Sweep, prepare
 from lorabench.config.flags import split_list
 from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
@@ -32,19 +32,22 @@ def check_table(checks: list[dict]) -> Table:
     return table
 
 
-def check(flags: dict, spec_file: Path | None, console: Console) -> int:
+def check(flags: dict, spec_file: Path | None, console: Console, placement: Placement = Placement()) -> int:
     if flags.get("strategy") and AUTO in split_list(flags["strategy"]):
         raise UserError("lorabench check takes fixed capture sets: check an auto set by its list, e.g. --strategy '[8,128]'")
     spec, notice = prepare({**flags, "check": True}, spec_file)
     if notice:
         console.print(notice)
-    run = Sweep.start(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
-    console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
+    executor = placement.executor_for(spec.device)
     try:
-        run.run()
+        run = Sweep.start(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
+        console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
+        run.run(executor)
     except KeyboardInterrupt:
         print(f"interrupted: {len(run.checks)} verdicts kept in {run.run_dir / 'checks.json'}", file=sys.stderr)
         return 130
+    finally:
+        executor.close()
     console.print(check_table(run.checks))
     wrong = sum(c.get("correct") is False for c in run.checks)
     unknown = sum(c.get("correct") is None for c in run.checks)

@@ -10,14 +10,14 @@ configuration's correctness verdict) and one ``worker-<i>.log`` per worker.
 
 import json
 import os
+import queue
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,12 +34,15 @@ from rich.progress import (
 from lorabench.analysis.optimise import auto_recommendations
 from lorabench.analysis.points import run_samples
 from lorabench.commands.summary import points_table
-from lorabench.config.plan import Job, auto_key, groups, plan
+from lorabench.config.plan import Job, auto_key, groups, plan, point_groups
 from lorabench.config.spec import SweepSpec, build_spec
 from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS
 from lorabench.runtime import env
+from lorabench.runtime.executors import Event, Executor, ExecutorKind, Kind
+from lorabench.runtime.executors import make as make_executor
+from lorabench.runtime.launch import Task
 from lorabench.stats import median_interval
 from lorabench.storage.results import PointsWriter, load_run, read_points
 from lorabench.storage.runs import (
@@ -54,7 +57,22 @@ from lorabench.storage.samples import write_samples
 from lorabench.storage.tune_files import vllm_folder
 
 WORKER = "lorabench.runtime.worker"  # the module each worker process runs
-LIFELINE = "lorabench.runtime.lifeline"  # runs WORKER, tied to this process (it ends when the sweep does)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the groups run: ``--executor``, ``--gpus``, ``--scheduler`` (lorabench.runtime.executors)."""
+
+    executor: ExecutorKind = ExecutorKind.LOCAL
+    gpus: str | None = None
+    scheduler: str | None = None
+
+    @classmethod
+    def parse(cls, executor: str | None, gpus: str | None, scheduler: str | None) -> "Placement":
+        return cls(ExecutorKind.parse(executor), gpus, scheduler)
+
+    def executor_for(self, device: str) -> Executor:
+        return make_executor(self.executor, self.gpus, self.scheduler, device)
 
 
 def resolve_auto(spec: SweepSpec) -> str | None:
@@ -154,7 +172,7 @@ class Sweep:
         info = {"run_id": run_id, "command": "check" if check_only else "sweep", "started_at": started_at,
                 "argv": argv, "status": RUNNING, "spec": spec.to_dict(), "env": env.collect("cpu"),
                 "jobs": [asdict(job) for job in jobs]}
-        run = cls(spec, argv, console, run_dir, info, PointsWriter(run_dir), check_only)
+        run = cls(spec, argv, console, run_dir, info, PointsWriter(run_dir, part_of=point_groups(jobs)), check_only)
         run.write_info()
         return run
 
@@ -177,7 +195,8 @@ class Sweep:
             raise UserError(f"--resume {run_dir}: its sweep is still running ({where}); "
                             "if that process is gone, add --force")
         try:
-            run = cls(SweepSpec(**info["spec"]), argv, console, run_dir, info, PointsWriter(run_dir, resume=True))
+            parts = point_groups([Job.from_json(json.dumps(j)) for j in jobs_raw])
+            run = cls(SweepSpec(**info["spec"]), argv, console, run_dir, info, PointsWriter(run_dir, True, parts))
         except (TypeError, KeyError) as e:
             raise UserError(f"--resume {run_dir}: its run.json is not one this lorabench can read ({e})") from None
         differences = run.differences()
@@ -222,15 +241,17 @@ class Sweep:
         tmp.write_text(json.dumps(self.info, indent=2) + "\n")
         os.replace(tmp, self.run_dir / "run.json")
 
-    def run(self) -> Path:
-        """Measure ``self.todo``. SIGTERM and SIGHUP stop it as Ctrl-C does (``Stopped``): the
-        run is marked interrupted, the worker killed, every finished row kept."""
+    def run(self, executor: "Executor") -> Path:
+        """Measure ``self.todo``, its groups spread by ``executor``. SIGTERM and SIGHUP stop it as
+        Ctrl-C does (``Stopped``): the run is marked interrupted, every task cancelled and its
+        worker killed, every finished row kept."""
         t0 = time.perf_counter()
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGHUP)}
         total = len(self.todo) if self.check_only else self.points
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        self.info["executor"] = executor.describe()
         try:
             with Progress(*columns, console=self.console, transient=False) as progress:
                 task = progress.add_task("starting", total=total)
@@ -240,12 +261,10 @@ class Sweep:
                     self.info["wall_s"] = self.wall_before + time.perf_counter() - t0
                     self.write_info()
 
-                for group in groups(self.todo):
-                    lead = group[0][1]
-                    progress.update(task, description=f"{lead.kernels} max_loras={lead.max_loras} "
-                                                      f"{','.join(j.strategy for _, j in group)}")
-                    self.run_worker(group, advance)
+                self.progress = lambda text: progress.update(task, description=text)
+                self.execute(executor, advance)
         except KeyboardInterrupt as e:
+            executor.cancel()
             signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
             self.writer.flush()
             self.info.update(status=INTERRUPTED, signal=signal.Signals(signum).name,
@@ -260,6 +279,79 @@ class Sweep:
         self.write_info()
         return self.run_dir
 
+    def group_numbers(self) -> dict[int, int]:
+        """A job's index in the plan -> its group's place among the whole plan's groups (its
+        worker-<g>.log and part-<g>.parquet: a resumed group continues the same ones)."""
+        return {i: g for g, members in enumerate(groups(list(enumerate(self.jobs)))) for i, _ in members}
+
+    def execute(self, executor: "Executor", advance) -> None:
+        """Hand every group of ``self.todo`` to the executor, then write what its workers send,
+        in this thread, until every group has ended."""
+        number = self.group_numbers()
+        states: dict[int, GroupRun] = {}
+        tasks = []
+        for group in groups(self.todo):
+            g = number[group[0][0]]
+            jobs = [job for _, job in group]
+            states[g] = GroupRun(jobs)
+            log = self.worker_log(g)
+            if log.is_file() and log.stat().st_size:
+                with open(log, "a") as f:
+                    f.write(f"--- resumed {now()}: {sum(len(j.points) for j in jobs)} points ---\n")
+            message = json.dumps({"jobs": [job.to_json() for job in jobs], "spawned_at": time.time()})
+            tasks.append(Task(g, WORKER, message, self.worker_env(jobs[0]), sum(len(j.points) for j in jobs)))
+        events: queue.Queue[Event] = queue.Queue()
+        executor.start(tasks, events, self.worker_log)
+        while any(not state.ended for state in states.values()):
+            try:
+                event = events.get(timeout=0.5)  # a timeout: signals reach this thread between waits
+            except queue.Empty:
+                continue
+            self.handle(event, states, advance)
+
+    def handle(self, event: Event, states: "dict[int, GroupRun]", advance) -> None:
+        state = states[event.group]
+        if event.kind is Kind.START:
+            if state.attempt:
+                self.console.print(f"worker-{event.group}: its Dask worker was lost; its group runs again, whole, "
+                                   f"on {event.text}")
+                state.done.clear()  # the group's rows all come from one GPU: the rerun's
+            state.attempt, state.seen = event.attempt, -1
+            lead = state.jobs[0]
+            self.progress(f"{lead.kernels} max_loras={lead.max_loras} {','.join(j.strategy for j in state.jobs)}"
+                          f" on {event.text}")
+        elif event.kind is Kind.LINE:
+            if event.attempt == state.attempt and event.seq > state.seen:
+                state.seen = event.seq
+                self.take_line(event.text, state, advance)
+        elif event.kind is Kind.END and not state.ended:
+            if event.attempt and event.attempt == state.attempt:
+                for seq, line in enumerate(event.lines):  # what the stream has not brought yet
+                    if seq > state.seen:
+                        state.seen = seq
+                        self.take_line(line, state, advance)
+            if event.lines or (event.text and event.status is not None):  # a Dask task's log comes back with it
+                with open(self.worker_log(event.group), "a") as log:
+                    log.write(event.text)
+            state.ended = True
+            self.end_group(event, state, advance)
+
+    def take_line(self, line: str, state: "GroupRun", advance) -> None:
+        kind, _, body = line.partition(" ")
+        if kind == "@@row":
+            row = json.loads(body)
+            self.add_row(row)
+            state.done.add(row["point"])
+            if row["point"] not in state.counted:
+                state.counted.add(row["point"])
+                advance()
+        elif kind == "@@check":
+            verdict = json.loads(body)
+            self.add_check(verdict, advance)
+            state.verdicts.add(verdict.get("strategy"))
+        elif kind == "@@env":
+            self.info["env"] = json.loads(body)
+            self.write_info()
     def add_check(self, verdict: dict, advance) -> None:
         key = {k: verdict.get(k) for k in ("kernels", "max_loras", "strategy")}
         self.checks = [c for c in self.checks if {k: c.get(k) for k in key} != key] + [verdict]
@@ -267,22 +359,24 @@ class Sweep:
         if self.check_only:
             advance()
 
-    def worker_env(self, job: Job) -> dict:
-        child_env = dict(os.environ)
+    def worker_env(self, job: Job) -> dict[str, str | None]:
+        """What the worker's environment gets on top of its host's (None: removed)."""
+        changes: dict[str, str | None] = {}
         label = job.label
         if self.spec.device == "cpu" and BACKENDS[label.backend].triton:
-            child_env["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU run in its interpreter
+            changes["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU run in its interpreter
         if label.vllm and label.tuned:  # vLLM reads its tuned configs from here, and only then
-            child_env["VLLM_TUNED_CONFIG_FOLDER"] = str(vllm_folder(self.spec.tuned))
+            changes["VLLM_TUNED_CONFIG_FOLDER"] = str(Path(vllm_folder(self.spec.tuned)).resolve())
         elif label.vllm:
-            child_env.pop("VLLM_TUNED_CONFIG_FOLDER", None)  # the defaults, whatever the shell says
-        return child_env
+            changes["VLLM_TUNED_CONFIG_FOLDER"] = None  # the defaults, whatever the shell says
+        if os.environ.get("LORABENCH_GIT_SHA"):  # a worker on another host reports this code's version
+            changes["LORABENCH_GIT_SHA"] = os.environ["LORABENCH_GIT_SHA"]
+        return changes
 
-    def worker_log(self, group: list[tuple[int, Job]]) -> Path:
+    def worker_log(self, g: int) -> Path:
         """worker-<g>.log: g is the group's place among the run's whole plan's groups, so a
         resumed worker appends to the log of the one before it."""
-        number = {i: g for g, members in enumerate(groups(list(enumerate(self.jobs)))) for i, _ in members}
-        return self.run_dir / f"worker-{number[group[0][0]]}.log"
+        return self.run_dir / f"worker-{g}.log"
 
     def add_row(self, row: dict) -> None:
         """A worker's row: its samples into their file first, their median's interval into the row."""
@@ -294,60 +388,46 @@ class Sweep:
                 row.update(step_ms_ci_low=interval.low, step_ms_ci_high=interval.high)
         self.writer.append(row)
 
-    def run_worker(self, group: list[tuple[int, Job]], advance) -> None:
-        jobs = [job for _, job in group]
-        message = json.dumps({"jobs": [job.to_json() for job in jobs], "spawned_at": time.time()})
-        log_path = self.worker_log(group)
-        done: set[int] = set()
-        verdicts: set[tuple] = set()
-        with open(log_path, "a") as log:
-            if log.tell():
-                log.write(f"--- resumed {now()}: {sum(len(j.points) for j in jobs)} points ---\n")
-                log.flush()
-            proc = subprocess.Popen([sys.executable, "-m", LIFELINE, str(os.getpid()), WORKER], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log, text=True, env=self.worker_env(jobs[0]))
-            try:
-                proc.stdin.write(message)
-                proc.stdin.close()
-                for line in proc.stdout:
-                    kind, _, body = line.partition(" ")
-                    if kind == "@@row":
-                        row = json.loads(body)
-                        self.add_row(row)
-                        done.add(row["point"])
-                        advance()
-                    elif kind == "@@check":
-                        verdict = json.loads(body)
-                        self.add_check(verdict, advance)
-                        verdicts.add(verdict.get("strategy"))
-                    elif kind == "@@env":
-                        self.info["env"] = json.loads(body)
-                        self.write_info()
-                rc = proc.wait()
-            except BaseException:
-                proc.kill()
-                proc.wait()
-                raise
-        tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(empty log)"]
-        for job in jobs:
-            missing = [p for p in job.points if p.index not in done]
-            if self.spec.check and job.strategy not in verdicts:
-                self.add_check({**job.config, "correct": None,
-                                "detail": f"no verdict: worker exited with status {rc}; its log ends: {tail[0][:500]}"},
-                               advance)
-            if missing:
-                error = f"worker exited with status {rc} before this point; its log ends: {tail[0][:500]}"
-                base = {"run_id": self.run_id, "started_at": self.started_at, "argv": job.argv, **job.config,
-                        "device": job.device, "model": job.model.name, "tp": job.tp, "rank": job.rank, "dtype": job.dtype}
-                for p in missing:
-                    self.writer.append({**base, "point": p.index, "mode": p.mode, "concurrency": p.concurrency,
-                                        "n_active": p.n_active, "workload": p.workload, "status": "failed",
-                                        "error": error})
+    def end_group(self, event: Event, state: "GroupRun", advance) -> None:
+        """A group's worker ended: its points without a row become failed rows, its strategies
+        without a verdict get none, each saying how it ended."""
+        if event.status is not None:
+            lines = [ln for ln in self.worker_log(event.group).read_text().splitlines() if ln.strip()]
+            how = f"worker exited with status {event.status}; its log ends: {(lines[-1:] or ['(empty log)'])[0][:500]}"
+        else:
+            how = f"worker never finished: {event.text[:500]}"
+        for job in state.jobs:
+            missing = [p for p in job.points if p.index not in state.done]
+            if self.spec.check and job.strategy not in state.verdicts:
+                self.add_check({**job.config, "correct": None, "detail": f"no verdict: {how}"}, advance)
+            base = {"run_id": self.run_id, "started_at": self.started_at, "argv": job.argv, **job.config,
+                    "device": job.device, "model": job.model.name, "tp": job.tp, "rank": job.rank, "dtype": job.dtype}
+            for p in missing:
+                self.writer.append({**base, "point": p.index, "mode": p.mode, "concurrency": p.concurrency,
+                                    "n_active": p.n_active, "workload": p.workload, "status": "failed",
+                                    "error": how.replace("; its log", " before this point; its log", 1)
+                                    if event.status is not None else f"{how} (before this point)"})
+                if p.index not in state.counted:
+                    state.counted.add(p.index)
                     advance()
 
 
+@dataclass
+class GroupRun:
+    """What the sweep knows of one group while it runs: its jobs, the attempt it listens to (a
+    Dask task rerun elsewhere is another), the points with a row and the strategies with a verdict."""
+
+    jobs: list[Job]
+    attempt: str = ""
+    seen: int = -1  # the attempt's last line taken
+    done: set[int] = field(default_factory=set)
+    counted: set[int] = field(default_factory=set)  # points the progress bar has counted (once, whatever reruns)
+    verdicts: set[str] = field(default_factory=set)
+    ended: bool = False
+
+
 def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | None = None,
-          force: bool = False) -> int:
+          force: bool = False, placement: Placement = Placement()) -> int:
     """The command: run the sweep (or resume one), print its table. Exit status 1 when no point
     was measured; 128 + the signal's number when a signal stopped it."""
     argv = shlex.join(["lorabench"] + sys.argv[1:])
@@ -355,31 +435,37 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None] + (["--spec"] if spec_file else [])
         if given:
             raise UserError(f"--resume continues the run under its own spec; drop {', '.join(given)}")
-        run = Sweep.resume(resume, argv, console, force)
-        if any(j.label.vllm for _, j in run.todo):
-            env.require_vllm()
-        planned = sum(len(j.points) for j in run.jobs)
-        if run.todo:
-            console.print(f"resume {run.run_id}: {run.points} of {planned} points to measure in "
-                          f"{len(groups(run.todo))} workers -> {run.run_dir}")
-        else:
-            console.print(f"{run.run_dir}: every one of its {planned} planned points has an ok row; nothing to measure")
+        executor = placement.executor_for((read_info(resume).get("spec") or {}).get("device", "cpu"))
     else:
         if force:
             raise UserError("--force goes with --resume")
         spec, notice = prepare(flags, spec_file)
         if notice:
             console.print(notice)
-        run = Sweep.start(spec, argv, console)
-        console.print(f"run {run.run_id}: {run.points} points in {len(groups(run.todo))} workers -> {run.run_dir}")
+        executor = placement.executor_for(spec.device)
     try:
-        run_dir = run.run()
+        if resume is not None:
+            run = Sweep.resume(resume, argv, console, force)
+            if any(j.label.vllm for _, j in run.todo):
+                env.require_vllm()
+            planned = sum(len(j.points) for j in run.jobs)
+            if run.todo:
+                console.print(f"resume {run.run_id}: {run.points} of {planned} points to measure in "
+                              f"{len(groups(run.todo))} workers -> {run.run_dir}")
+            else:
+                console.print(f"{run.run_dir}: every one of its {planned} planned points has an ok row; nothing to measure")
+        else:
+            run = Sweep.start(spec, argv, console)
+            console.print(f"run {run.run_id}: {run.points} points in {len(groups(run.todo))} workers -> {run.run_dir}")
+        run_dir = run.run(executor)
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         print(f"interrupted ({signal.Signals(signum).name}): {len(run.writer.rows)} finished rows kept in "
               f"{run.writer.path}; finish it with: lorabench sweep --resume {shlex.quote(str(run.run_dir))}",
               file=sys.stderr)
         return 128 + signum
+    finally:
+        executor.close()
     df = read_points(run_dir)
     console.print(points_table(df, run.spec.device, coverage(run_dir, df)))
     failed = int((df.status == "failed").sum())

@@ -142,3 +142,10 @@ def groups(jobs: list[tuple[int, Job]]) -> list[list[tuple[int, Job]]]:
     for index, job in jobs:
         out.setdefault(group_key(job), []).append((index, job))
     return list(out.values())
+
+
+def point_groups(jobs: list[Job]) -> dict[int, int]:
+    """Each planned point's group: the group's place among the plan's groups (its worker's log and
+    its rows' part file are numbered so)."""
+    return {p.index: g for g, members in enumerate(groups(list(enumerate(jobs)))) for _, job in members
+            for p in job.points}

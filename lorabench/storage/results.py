@@ -1,8 +1,12 @@
 """The Parquet rows: one per measured point, written as points finish.
 
-``points.parquet`` is rewritten whole (to a temporary file, then renamed over the old one)
-after every row, so at any moment, a Ctrl-C or a killed worker included, it is a complete,
-readable file holding every finished row. ``points.jsonl`` is the same rows, appended.
+A run's ``points.parquet`` is a folder of part files, one per worker group
+(``part-<g>.parquet``, the group of ``worker-<g>.log``), read back as one Parquet dataset
+(``read_points``); runs written before the parts, and tables made by hand, are a single file there,
+read the same way. Groups run at the same time on different GPUs or hosts, so each part is rewritten
+whole (to a hidden temporary file, then renamed over the old one) after each of its rows: at any
+moment, a Ctrl-C or a killed worker included, the dataset holds every finished row, and a row costs
+the rewrite of its group's part only. ``points.jsonl`` is the same rows, appended.
 Columns: docs/design.md's list (extend, never rename), the extensions marked below.
 ``load_run`` and ``find_newest_run`` read runs back for the report, recommend and auto.
 """
@@ -88,24 +92,32 @@ COLUMNS = SCHEMA.names
 
 
 class PointsWriter:
-    """Writes a run's rows as they arrive. ``resume=True`` starts from the rows already in the
+    """Writes a run's rows as they arrive, each into its group's part (``part_of``: a point's
+    group; all in part 0 when not given). ``resume=True`` starts from the rows already in the
     folder; a row for a point that already has one replaces it (a resumed sweep re-measures
-    failed points), so ``points.parquet`` holds one row per point. It is written first, then
+    failed points), so the dataset holds one row per point. The part is written first, then
     ``points.jsonl``, the append-only log: a re-measured point appears in the log twice (the later
     line counts), and a SIGKILL between the two writes leaves the log one line short, never the
-    Parquet file."""
+    Parquet parts. One thread writes at a time (the sweep's)."""
 
-    def __init__(self, run_dir: Path, resume: bool = False):
+    def __init__(self, run_dir: Path, resume: bool = False, part_of: dict[int, int] | None = None):
         self.run_dir = Path(run_dir)
+        self.part_of = part_of or {}
         self.rows: list[dict] = []
         self._place: dict[int, int] = {}  # point -> its row's place in self.rows
-        if resume and self.path.is_file():
+        if resume and self.path.exists():
             for row in pq.read_table(self.path).to_pylist():
                 self._put({c: row.get(c) for c in COLUMNS})
+            if self.path.is_file():  # a run from before the parts: its rows go into parts from now on
+                self.path.unlink()
+                self.flush()
 
     @property
     def path(self) -> Path:
         return self.run_dir / "points.parquet"
+
+    def part(self, row: dict) -> int:
+        return self.part_of.get(row["point"], 0) if row["point"] is not None else 0
 
     def append(self, row: dict) -> None:
         unknown = set(row) - set(COLUMNS)
@@ -113,7 +125,7 @@ class PointsWriter:
             raise KeyError(f"unknown columns {sorted(unknown)}")
         full = {c: row.get(c) for c in COLUMNS}
         self._put(full)
-        self.flush()
+        self._write(self.part(full))
         with open(self.run_dir / "points.jsonl", "a") as f:
             f.write(json.dumps(full) + "\n")
 
@@ -126,20 +138,28 @@ class PointsWriter:
                 self._place[full["point"]] = len(self.rows)
             self.rows.append(full)
 
-    def flush(self) -> None:
-        """points.parquet from every row held; the sweep calls it again when a signal stops it
-        in the middle of an append."""
-        if not self.rows:
+    def _write(self, part: int) -> None:
+        rows = [r for r in self.rows if self.part(r) == part]
+        if not rows:
             return
-        tmp = self.path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA), tmp)
-        os.replace(tmp, self.path)
+        self.path.mkdir(exist_ok=True)
+        target = self.path / f"part-{part:04d}.parquet"
+        tmp = self.path / f".{target.name}.tmp"  # a dataset skips hidden files: readers never see it
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
+        os.replace(tmp, target)
+
+    def flush(self) -> None:
+        """Every part from the rows held; the sweep calls it again when a signal stops it in the
+        middle of an append."""
+        for part in sorted({self.part(r) for r in self.rows}):
+            self._write(part)
 
 
 REQUIRED = ("run_id", "kernels", "max_loras", "strategy", "concurrency", "mode", "status")  # what every reader uses
 
 
 def read_points(run_dir: Path) -> pd.DataFrame:
+    """A run's rows: its parts as one dataset, group by group (or an older run's single file)."""
     return pq.read_table(Path(run_dir) / "points.parquet").to_pandas()
 
 
@@ -148,7 +168,7 @@ def load_run(run_dir: Path) -> pd.DataFrame:
     run_dir = Path(run_dir)
     if not os.path.isdir(run_dir):  # os.path: Path.is_dir raises on a name too long for the file system
         raise UserError(f"{run_dir} is not a folder")
-    if not os.path.isfile(run_dir / "points.parquet"):
+    if not os.path.exists(run_dir / "points.parquet"):
         raise UserError(f"{run_dir} has no points.parquet (is it a sweep's output folder?)")
     try:
         df = read_points(run_dir)
