@@ -33,7 +33,7 @@ def true_ms(strategy, c, n):
 
 
 def make_run(path: Path, seed: int, scale: float = 1.0, points=None, gpu=lambda i: GPU_A, sigma=0.01,
-             steps=100, samples=True, failed=(), device="cuda", host="node-1") -> Path:
+             steps=100, samples=True, failed=(), device="cuda", host="node-1", rank=16) -> Path:
     """A run folder as a sweep writes it: points.parquet and, with ``samples``, every step, drawn
     lognormally around ``scale`` times the point's true median."""
     path.mkdir(parents=True)
@@ -46,7 +46,7 @@ def make_run(path: Path, seed: int, scale: float = 1.0, points=None, gpu=lambda 
             write_samples(path, i, {"turn": list(range(steps)), "step_ms": ms.tolist(), "host_us": [20.0] * steps,
                                     "copy_us": [5.0] * steps, "launch_us": [8.0] * steps,
                                     "n_active": [n or 1] * steps, "launches": [4] * steps})
-        writer.append({"run_id": path.name, "model": "llama-2-7b", "rank": 16, "dtype": "float16",
+        writer.append({"run_id": path.name, "model": "llama-2-7b", "rank": rank, "dtype": "float16",
                        "kernels": "triton", "max_loras": 4, "strategy": s, "mode": "workload" if wl else "fixed",
                        "concurrency": c, "n_active": n, "workload": wl, "status": "ok" if ok else "failed",
                        "step_ms_median": float(np.median(ms)) if ok else None, "point": i, "device": device,
@@ -175,6 +175,21 @@ def test_points_in_one_run_only_are_counted_not_compared(tmp_path, capsys):
     assert data["overall"]["compared"] == len(b_points) - 2
     assert f"{only_a} points only in A, not compared: " in out and "(+7 more)" in out
     assert "1 point only in B, not compared: triton L4 dense c1 n1" in out
+
+
+def test_runs_set_to_different_ranks_are_compared_across_the_rank(tmp_path, capsys):
+    """Rank-8 adapters at rank 8 (A) against padded to 64 (B, 5 % slower): the rank is what B
+    changes, so points match on everything else, and the output says so."""
+    a = make_run(tmp_path / "a", seed=1, rank=8)
+    b = make_run(tmp_path / "b", seed=2, rank=64, scale=1.05)
+    rc, out, err = run_cli(capsys, a, b)
+    assert rc == 0, out + err
+    assert "B differs from A in rank 8 -> 64: points matched on everything else" in out
+    data = json.loads((b / "compare-a.json").read_text())
+    assert data["across"] == {"rank": {"a": 8, "b": 64}} and data["overall"]["compared"] == len(grid())
+    assert set(verdicts(b, a)) == {"slower"} and 4 < data["overall"]["geomean_diff_pct"]["low"] < 5
+    same = compare_runs(a, make_run(tmp_path / "a2", seed=3, rank=8))  # one rank in both: nothing across
+    assert same.across == {} and len(same.points) == len(grid())
 
 
 def test_a_run_without_samples_is_refused_in_one_line(tmp_path, capsys):

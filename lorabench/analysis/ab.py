@@ -41,6 +41,9 @@ from lorabench.storage.samples import FOLDER, read_samples, step_times
 
 KEY = ("model", "rank", "dtype", "kernels", "max_loras", "strategy", "mode", "concurrency", "n_active", "workload")
 INT_KEYS = frozenset({"rank", "max_loras", "concurrency", "n_active"})
+# What a whole run is set to: when each run holds one value and the values differ (rank 8 against
+# rank 64), that difference is what the A/B measures, and points are matched on the rest of KEY.
+RUN_SETTINGS = ("model", "rank", "dtype")
 
 # A rerun on the same GPU a minute later differs by up to 0.5 % at a point, two GPUs of one host by up to
 # 1.7 %: 1 % keeps reruns on one GPU "the same" and still catches changes a user would care about.
@@ -55,9 +58,10 @@ def _value(v, name: str):
     return int(v) if name in INT_KEYS else str(v)
 
 
-def key_of(row) -> tuple:
-    """The point's ``KEY`` values, nulls as None and counts as ints (NaN never equals NaN)."""
-    return tuple(_value(row.get(c), c) for c in KEY)
+def key_of(row, across: frozenset = frozenset()) -> tuple:
+    """The point's ``KEY`` values, nulls as None and counts as ints (NaN never equals NaN); the
+    columns in ``across`` (settings the runs differ in) as None."""
+    return tuple(None if c in across else _value(row.get(c), c) for c in KEY)
 
 
 def device_of(row) -> str | None:
@@ -137,6 +141,7 @@ class Comparison:
     margin_pct: float
     points: list[PointDiff]  # compared, in the order of A's points
     overall: Interval | None  # geometric mean of B/A - 1 (percent) over points with a diff
+    across: dict[str, tuple] = field(default_factory=dict)  # setting -> (A's value, B's value): what B changes
     only_a: list[tuple] = field(default_factory=list)  # keys ok in A only
     only_b: list[tuple] = field(default_factory=list)
     other_device: list[tuple] = field(default_factory=list)  # keys in both, never on one device
@@ -163,6 +168,7 @@ class Comparison:
         return {
             "run_a": self.a.to_dict(), "run_b": self.b.to_dict(),
             "margin_pct": self.margin_pct, "level": LEVEL,
+            "across": {k: {"a": a, "b": b} for k, (a, b) in self.across.items()},
             "overall": {"geomean_diff_pct": None if self.overall is None else self.overall.to_dict(),
                         "verdict": _overall_verdict(self), "compared": len(self.points), **self.counts()},
             "points": [p.to_dict() | {"label": label(p.key, vary)} for p in self.points],
@@ -186,14 +192,28 @@ def _has_samples(run_dir: Path) -> bool:
     return folder.is_dir() and any(folder.glob("point-*.parquet"))
 
 
-def _index(df: pd.DataFrame) -> dict[tuple, dict[str | None, int]]:
+def run_settings(df: pd.DataFrame) -> dict[str, set]:
+    """Each of ``RUN_SETTINGS``'s values over a run's ok points."""
+    ok = df[df.status == "ok"].to_dict("records")
+    return {c: {_value(r.get(c), c) for r in ok} for c in RUN_SETTINGS}
+
+
+def settings_across(df_a: pd.DataFrame, df_b: pd.DataFrame) -> dict[str, tuple]:
+    """The run settings in which B differs from A as a whole (one value in each run, not the same):
+    setting -> (A's, B's)."""
+    sa, sb = run_settings(df_a), run_settings(df_b)
+    return {c: (next(iter(sa[c])), next(iter(sb[c]))) for c in RUN_SETTINGS
+            if len(sa[c]) == 1 and len(sb[c]) == 1 and sa[c] != sb[c]}
+
+
+def _index(df: pd.DataFrame, across: frozenset = frozenset()) -> dict[tuple, dict[str | None, int]]:
     """key -> device -> point, over the ok points (a repeated (key, device) keeps the last point)."""
     out: dict[tuple, dict[str | None, int]] = {}
     ok = df[df.status == "ok"]
     if "point" not in ok:
         ok = ok.assign(point=ok.index)
     for row in ok.sort_values("point").to_dict("records"):
-        out.setdefault(key_of(row), {})[device_of(row)] = int(row["point"])
+        out.setdefault(key_of(row, across), {})[device_of(row)] = int(row["point"])
     return out
 
 
@@ -210,8 +230,9 @@ def _info(run_dir: Path, df: pd.DataFrame) -> RunInfo:
 
 def compare_runs(run_a: Path, run_b: Path, margin_pct: float = DEFAULT_MARGIN, n_boot: int = N_BOOT,
                  seed: int = 0) -> Comparison:
-    """B against A over their matched points on the same device. UserError (one line) for a
-    folder that is not a run, a run without samples, or no point to compare."""
+    """B against A over their matched points on the same device; when B differs from A as a whole in
+    a run setting (``settings_across``: rank 8 against rank 64), matched without it. UserError (one
+    line) for a folder that is not a run, a run without samples, or no point to compare."""
     if not margin_pct >= 0 or not math.isfinite(margin_pct):
         raise UserError(f"the margin must be a percentage >= 0, not {margin_pct}")
     df_a, df_b = load_run(run_a), load_run(run_b)
@@ -219,7 +240,8 @@ def compare_runs(run_a: Path, run_b: Path, margin_pct: float = DEFAULT_MARGIN, n
         if not _has_samples(run):
             raise UserError(f"{run} has no samples/ (measured before lorabench kept raw samples): re-run it")
     info_a, info_b = _info(run_a, df_a), _info(run_b, df_b)
-    idx_a, idx_b = _index(df_a), _index(df_b)
+    across = settings_across(df_a, df_b)
+    idx_a, idx_b = _index(df_a, frozenset(across)), _index(df_b, frozenset(across))
 
     pairs, other = [], []
     for key, devs_a in idx_a.items():
@@ -262,4 +284,4 @@ def compare_runs(run_a: Path, run_b: Path, margin_pct: float = DEFAULT_MARGIN, n
         raise UserError(f"{run_a} and {run_b}: no matched point has {MIN_SAMPLES} samples on both sides")
 
     overall = boot.interval(geomean_ratio_pct([((i, "a"), (i, "b")) for i in usable]))
-    return Comparison(info_a, info_b, margin_pct, points, overall, only_a, only_b, other)
+    return Comparison(info_a, info_b, margin_pct, points, overall, across, only_a, only_b, other)

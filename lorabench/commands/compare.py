@@ -6,6 +6,9 @@ the margin, then the geometric mean over the points; writes ``<RUN_B>/compare-<A
 plot (``<RUN_B>/compare-<A>.png`` or ``--plot PATH``). The matching and the statistics are
 ``lorabench.analysis.ab``'s.
 
+Two runs set to different ranks (or models, dtypes) as a whole are compared point by point on
+everything else: that difference is the A/B (rank-8 adapters at rank 8 against padded to 64).
+
 Exit status 0; 1 with ``--fail-if-slower PCT`` when B is slower than A by more than PCT percent
 with confidence (the overall interval's low end above PCT); 2, one line on stderr, for bad input.
 """
@@ -142,6 +145,9 @@ def compare(run_a: Path, run_b: Path, fail_if_slower: str | None, margin: str | 
     c = compare_runs(run_a, run_b, margin_pct)
     console.print(escape(f"A: {c.a.path} ({c.a.where()})"), highlight=False)
     console.print(escape(f"B: {c.b.path} ({c.b.where()})"), highlight=False)
+    if c.across:
+        changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in c.across.items())
+        console.print(escape(f"B differs from A in {changes}: points matched on everything else"), highlight=False)
     console.print(diff_table(c))
     if len(c.points) > MAX_ROWS:
         console.print(f"{MAX_ROWS} of {len(c.points)} points shown, changed ones first (all in the JSON)")

@@ -202,7 +202,9 @@ def padding_md(over: pd.DataFrame, u: str, samples=None) -> list[str]:
     out = ["## What padding costs", "",
            f"Adapters of ranks {mix} zero-padded to rank {int(r['rank'])} as vLLM pads them (the padded kernels compute "
            "every rank), against the same adapters each at its own rank (`+unpadded` skips the padding). Separate "
-           f"workers: a difference counts only when its whole 95 % interval lies beyond ±{APART_MARGIN_PCT:g} %.", ""]
+           f"workers: a difference counts only when its whole 95 % interval lies beyond ±{APART_MARGIN_PCT:g} %. "
+           "Against a run of the same adapters at their own rank (`--rank` set to it): "
+           "`lorabench compare THAT_RUN THIS_RUN`.", ""]
     for unpadded, padded in twins:
         both = over[over.kernels.isin([unpadded, padded])]
         gpu = majority_gpu(both[both.kernels == padded])
