@@ -37,9 +37,14 @@
 #   ci-target - the card sweep without and with --ci-target 0.3, timed, into results/confidence/
 #   models - sweeps/llama-3.1-8b.toml and sweeps/llama-3.1-70b-tp4.toml at ranks 16, 64, 128, sweeps/qwen2.5-7b.toml:
 #            results/models/ (triton vs vLLM's kernels in each run)
+#   qwen   - sweeps/qwen2.5-7b.toml alone (the last run of the models stage): results/models/
 #   padding - sweeps/padding.toml at --rank 64, 128 (rank-8 adapters padded, and +unpadded) and at rank 8: results/padding/
+#   gpus   - sweeps/backends.toml on GPU 0 alone, then over GPUs 0,1 (--executor local, and --executor dask on a
+#            LocalCluster of the two), each timed from process start; the two-GPU runs' winners per (kernels, max_loras, c)
+#            compared with the one-GPU run's, and lorabench compare on the points both measured on one GPU: results/gpus/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
+# Dask's wheels: .dask-wheels/ beside this checkout (scripts/dask-wheels.sh downloads them), installed here when present.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -54,6 +59,10 @@ if [ -d .vllm-bundle ]; then  # unpack as the bundle's header says
   mkdir -p /tmp/vllm-site && tar xzf .vllm-bundle/vllm-py.tgz -C /tmp/vllm-site \
     && python3 -m pip install -q --no-index --no-deps --target /tmp/vllm-site .vllm-bundle/*.whl >>"$OUT/install.log" 2>&1
   export PYTHONPATH=/tmp/vllm-site:$PWD/.vllm-bundle${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -d .dask-wheels ]; then  # --executor dask without a package index
+  python3 -m pip install -q --no-index --no-deps --target /tmp/dask-site .dask-wheels/*.whl >>"$OUT/install.log" 2>&1
+  export PYTHONPATH=/tmp/dask-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 for stage in "$@"; do
   t0=$SECONDS
@@ -135,12 +144,41 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       done
       lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
       tar czf "$OUT/models.tgz" results/models ;;
+    qwen) lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
     padding)  # rank-8 adapters padded to 64 and 128 (triton, vllm) vs at their own rank (triton+unpadded), and a rank-8 run
       for rank in 64 128; do
         lorabench sweep --spec sweeps/padding.toml --rank $rank --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
       done
       lorabench sweep --spec sweeps/padding.toml --rank 8 --out results/padding 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       tar czf "$OUT/padding.tgz" results/padding ;;
+    gpus)  # one GPU against two: wall time from process start, and the same verdicts
+      for how in "one:--gpus 0" "local:--executor local --gpus 0,1" "dask:--executor dask --gpus 0,1"; do
+        name=${how%%:*}
+        # shellcheck disable=SC2086
+        /usr/bin/time -f "backends on $name wall %e s" lorabench sweep --spec sweeps/backends.toml ${how#*:} --out "results/gpus/$name" \
+          2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
+      done
+      one=$(ls -td results/gpus/one/2*/ | head -1)
+      for name in local dask; do
+        two=$(ls -td "results/gpus/$name"/2*/ | head -1)
+        python3 - "$one" "$two" <<'PY' 2>&1 | tee -a "$OUT/stages.log"
+import sys
+import pandas as pd
+def winners(run):
+    d = pd.read_parquet(run + "points.parquet")
+    d = d[(d.status == "ok") & (d["mode"] == "workload")]
+    return d.loc[d.groupby(["kernels", "max_loras", "concurrency"]).step_ms_median.idxmin()].set_index(
+        ["kernels", "max_loras", "concurrency"]).strategy, d.groupby(["kernels", "max_loras"]).gpu_uuid.nunique().max()
+(a, _), (b, per_group) = winners(sys.argv[1]), winners(sys.argv[2])
+same = (a == b.reindex(a.index))
+print(f"{sys.argv[2]}: the same winner as on one GPU at {int(same.sum())} of {len(a)} (kernels, max_loras, c); "
+      f"GPUs per group: {per_group}; GPUs in the run: {pd.read_parquet(sys.argv[2] + 'points.parquet').gpu_uuid.nunique()}")
+for key in a.index[~same]:
+    print(f"  differs at {key}: one GPU {a[key]}, two GPUs {b.get(key)}")
+PY
+        lorabench compare "$one" "$two" 2>&1 | tail -n 6 | tee -a "$OUT/stages.log"
+      done
+      tar czf "$OUT/gpus.tgz" results/gpus ;;
     report) for r in results/2*/ results/models/2*/ results/padding/2*/; do [ -d "$r" ] || continue; lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
