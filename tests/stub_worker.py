@@ -1,10 +1,13 @@
 """A stand-in for the sweep's worker that imports no torch and measures nothing: it speaks the
 worker's protocol (``@@env``, ``@@check``, one ``@@row`` per point, each after STUB_SLOW
 seconds), started as the real one is, under ``lorabench.runtime.lifeline``. The kill tests use it
-where what is under test is the sweep around the worker, not the worker's timing."""
+where what is under test is the sweep around the worker, not the worker's timing. Its rows say
+where it ran (``host``; ``gpu_uuid`` from CUDA_VISIBLE_DEVICES, as an executor pinned it) and
+``triton_cache`` holds the TRITON_CACHE_DIR it was given."""
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -32,7 +35,9 @@ def main() -> None:
                          "concurrency": p.concurrency, "n_active": p.n_active, "workload": p.workload,
                          "captured_counts": list(job.counts), "capture_sizes": list(job.capture_sizes),
                          "num_graphs": len(job.counts), "build_s": 0.0, "compile_s": 0.0, "capture_s": 0.0,
-                         "startup_s": 0.0, "status": "ok", "step_ms_median": 1.0 + p.index, "correct": True})
+                         "startup_s": 0.0, "status": "ok", "step_ms_median": 1.0 + p.index, "correct": True,
+                         "host": socket.gethostname(), "gpu_uuid": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         "triton_cache": os.environ.get("TRITON_CACHE_DIR")})
 
 
 if __name__ == "__main__":

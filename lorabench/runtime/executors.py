@@ -123,9 +123,10 @@ class DaskExecutor:
     ``scheduler``, or on a LocalCluster of ``local_workers`` processes (one per GPU) this
     executor starts and stops. Lines stream back as the workers' events (``log_event``); a task
     whose Dask worker is lost is rerun elsewhere as the scheduler allows (``allowed-failures``:
-    once on the LocalCluster), or ends without a status."""
+    once on the LocalCluster), or ends without a status. The LocalCluster's workers see only the
+    chosen GPUs (``devices``)."""
 
-    def __init__(self, scheduler: str | None, local_workers: int = 1):
+    def __init__(self, scheduler: str | None, local_workers: int = 1, devices: list[Device] = ()):
         distributed = _require_distributed()
         import dask
 
@@ -135,8 +136,9 @@ class DaskExecutor:
                 self.client = distributed.Client(scheduler, timeout="5s", set_as_default=False)
             else:
                 with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+                    seen = {"CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in devices)} if devices else {}
                     self.cluster = distributed.LocalCluster(n_workers=local_workers, threads_per_worker=1, processes=True,
-                                                            resources={"GPU": 1}, dashboard_address=None)
+                                                            resources={"GPU": 1}, dashboard_address=None, env=seen)
                 self.client = distributed.Client(self.cluster, set_as_default=False)
         except (OSError, TimeoutError, ValueError) as e:
             raise UserError(f"--scheduler {scheduler}: cannot connect ({type(e).__name__}: {e})") from None
@@ -243,4 +245,4 @@ def make(kind: ExecutorKind, gpus_text: str | None, scheduler: str | None, devic
         gpus.one_model(chosen)
     if kind is ExecutorKind.LOCAL:
         return LocalExecutor(slots)
-    return DaskExecutor(scheduler, len(slots))
+    return DaskExecutor(scheduler, len(slots), [s for s in slots if s is not None])

@@ -46,8 +46,11 @@ def run(task: Task, parent: int, pinned: dict[str, str], log: IO[str], on_line: 
                             stdout=subprocess.PIPE, stderr=log, text=True, env=environment(task, pinned))
     try:
         started(proc)
-        proc.stdin.write(task.message)
-        proc.stdin.close()
+        try:
+            proc.stdin.write(task.message)
+            proc.stdin.close()
+        except BrokenPipeError:  # it died before reading its jobs: its exit status says how
+            pass
         for line in proc.stdout:
             on_line(line.rstrip("\n"))
         return proc.wait()
