@@ -7,6 +7,7 @@ to end. Then what --resume refuses, and what it measures again."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,8 +248,8 @@ def test_resume_of_a_finished_run_measures_nothing(finished_run, capsys):
 def test_resume_refuses_a_changed_run_unless_forced(finished_run, tmp_path, capsys, change, says):
     run = tmp_path / finished_run.name
     run.mkdir()
-    for f in ("run.json", "points.parquet"):
-        (run / f).write_bytes((finished_run / f).read_bytes())
+    shutil.copy(finished_run / "run.json", run / "run.json")
+    shutil.copytree(finished_run / "points.parquet", run / "points.parquet")
     info = json.loads((run / "run.json").read_text())
     df = read_points(run)
     if "iters" in change:
@@ -256,7 +257,8 @@ def test_resume_refuses_a_changed_run_unless_forced(finished_run, tmp_path, caps
     else:
         key, value = next(iter(change.items()))
         df[key] = value
-        df.iloc[:1].to_parquet(run / "points.parquet")  # one ok row of "other" code, the rest missing
+        shutil.rmtree(run / "points.parquet")  # one ok row of "other" code, the rest missing, in one file (an older run's)
+        df.iloc[:1].to_parquet(run / "points.parquet")
     (run / "run.json").write_text(json.dumps(info))
     assert main(["sweep", "--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -271,6 +271,9 @@ class Sweep:
                              wall_s=self.wall_before + time.perf_counter() - t0)
             self.write_info()
             raise
+        except BaseException:  # a failure of the sweep itself: no worker left running
+            executor.cancel()
+            raise
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)

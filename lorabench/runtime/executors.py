@@ -68,6 +68,7 @@ class LocalExecutor:
         self.slots = slots
         self.procs: list = []
         self.cancelled = False
+        self.pool = ThreadPoolExecutor(len(slots), thread_name_prefix="lorabench-worker")  # no thread until a task
 
     def describe(self) -> str:
         return f"local: {', '.join(where(slot) for slot in self.slots)}"
@@ -77,7 +78,6 @@ class LocalExecutor:
         self.free: queue.Queue = queue.Queue()
         for slot in self.slots:
             self.free.put(slot)
-        self.pool = ThreadPoolExecutor(len(self.slots), thread_name_prefix="lorabench-worker")
         for task in tasks:
             self.pool.submit(self._run, task, events)
 
