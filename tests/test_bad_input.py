@@ -9,6 +9,7 @@ one with figures no machine has.
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -73,6 +74,14 @@ def _sys_skip() -> str | None:
     except OSError:
         return None
     return "/sys is writable here"
+
+
+def _dask_skip(wanted: bool) -> str | None:
+    """Skip a --executor dask case where dask.distributed is (wanted=False) or is not (wanted=True) installed."""
+    has = importlib.util.find_spec("distributed") is not None
+    if has == wanted:
+        return None
+    return "dask.distributed is not installed" if wanted else "dask.distributed is installed"
 
 
 STEPS_HEAD = "concurrency,n_active,base_tokens\n"
@@ -237,8 +246,11 @@ CASES = {
     "sweep scheduler with gpus": sweep("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9", "--gpus", "0",
                                        "--gpus chooses this host's GPUs"),
     "sweep scheduler unreachable": sweep("--executor", "dask", "--scheduler", "tcp://127.0.0.1:9",
-                                         "--scheduler tcp://127.0.0.1:9: cannot connect"),
-    "sweep scheduler not an address": sweep("--executor", "dask", "--scheduler", "nowhere:x", "--scheduler nowhere:x: cannot connect"),
+                                         "--scheduler tcp://127.0.0.1:9: cannot connect", skip=_dask_skip(True)),
+    "sweep scheduler not an address": sweep("--executor", "dask", "--scheduler", "nowhere:x", "--scheduler nowhere:x: cannot connect",
+                                            skip=_dask_skip(True)),
+    "sweep dask not installed": sweep("--executor", "dask", "--executor dask needs dask.distributed: pip install 'lorabench[dask]'",
+                                      skip=_dask_skip(False)),
     "resume executor nope": Case(["sweep", "--resume", "{run}", "--executor", "nope"], "--executor nope"),
     # -- recommend ----------------------------------------------------------------------------
     "recommend missing run": Case(["recommend", "{tmp}/missing"], "not a folder"),
