@@ -38,6 +38,7 @@
 #   models - sweeps/llama-3.1-8b.toml and sweeps/llama-3.1-70b-tp4.toml at ranks 16, 64, 128, sweeps/qwen2.5-7b.toml:
 #            results/models/ (triton vs vLLM's kernels in each run)
 #   qwen   - sweeps/qwen2.5-7b.toml alone (the last run of the models stage): results/models/
+#   fully-sharded - sweeps/llama-3.1-70b-tp4.toml at rank 16 with --fully-sharded-loras: results/models/
 #   padding - sweeps/padding.toml at --rank 64, 128 (rank-8 adapters padded, and +unpadded) and at rank 8: results/padding/
 #   gpus   - sweeps/backends.toml on GPU 0 alone, then over GPUs 0,1 (--executor local, and --executor dask on a
 #            LocalCluster of the two), each timed from process start; the two-GPU runs' winners per (kernels, max_loras, c)
@@ -144,6 +145,8 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       done
       lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"; pack
       tar czf "$OUT/models.tgz" results/models ;;
+    fully-sharded) lorabench sweep --spec sweeps/llama-3.1-70b-tp4.toml --rank 16 --fully-sharded-loras --out results/models 2>&1 \
+                     | tail -n 3 | tee -a "$OUT/stages.log" ;;
     qwen) lorabench sweep --spec sweeps/qwen2.5-7b.toml --out results/models 2>&1 | tail -n 3 | tee -a "$OUT/stages.log" ;;
     padding)  # rank-8 adapters padded to 64 and 128 (triton, vllm) vs at their own rank (triton+unpadded), and a rank-8 run
       for rank in 64 128; do
