@@ -1,0 +1,203 @@
+"""Adapter residency: N adapters served from ``max_loras`` GPU slots, and how often a workload
+needs one loaded (``--adapters N``).
+
+A closed loop, as a benchmark client with ``--max-concurrency C`` drives a server: C clients each
+keep one request in flight. A request asks for an adapter (drawn from the workload over the N
+adapters, adapter 0 the most popular under zipf; or read in order from a trace) or for the base
+model, and decodes ``output_tokens`` tokens, one per step; when it ends, its client sends the next
+one at once. The server schedules as vLLM's does:
+
+- **admission** (first come, first served, with skips): a waiting request joins the running batch
+  unless its adapter is not yet among the batch's and the batch already holds ``max_loras``
+  adapters; vLLM's scheduler then skips it for this step and tries the next. Base-model requests
+  always join. So with few slots and many adapters, requests wait and fewer tokens run per step.
+- **activation** (least recently used): every adapter of the batch counts as used at this step;
+  one that holds no slot takes a free slot, or the least recently used slot whose adapter the
+  batch does not use, and is *loaded* into it before the step (vLLM copies it from host memory
+  into the slot, blocking the step). vLLM's own loop touches the batch's adapters one by one and
+  can evict one the step needs before touching it, which then loads again; lorabench never does,
+  so it counts at most the loads vLLM makes.
+- **the CPU cache** (vLLM's ``--max-cpu-loras``, least recently used too): a load whose adapter is
+  not in it must first be read from storage (a *CPU miss*), evicting the cache's oldest.
+
+Prefill is not modelled: lorabench times decode steps, and a request's first step is one of them.
+The loop starts with every client's first request part-way through (remaining tokens uniform) and
+empty slots, and runs ``burn_in`` steps before the schedule's first, so that the schedule starts
+from the steady state.
+"""
+
+import bisect
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from lorabench.config.trace import TraceWorkload
+
+OUTPUT_TOKENS = 128  # decode steps per request by default (vllm bench's random dataset's output length)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """``--adapters``: how many adapters the requests choose from, vLLM's CPU cache, and how
+    many tokens each request decodes."""
+
+    count: int
+    max_cpu_loras: int | None = None  # None: every adapter fits in the CPU cache
+    output_tokens: int = OUTPUT_TOKENS
+
+    @property
+    def cpu_slots(self) -> int:
+        return self.count if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass
+class Schedule:
+    """The decode steps a closed loop of clients runs, one entry per step."""
+
+    batches: list[list[int]]  # each running request's slot (-1: a base-model request)
+    requests: list[list[int]]  # each running request's adapter (-1: the base model), as batches orders them
+    loads: list[list[tuple[int, int]]]  # (slot, adapter) loaded into a slot before the step
+    tokens: np.ndarray  # running requests (the batch's tokens)
+    n_active: np.ndarray  # distinct adapters in the batch
+    n_loads: np.ndarray
+    cpu_misses: np.ndarray  # loads whose adapter had to be read from storage first
+    waiting: np.ndarray  # requests waiting for a slot (not admitted) at the step
+
+
+class _Requests:
+    """The next request's (adapter, tokens to decode): a workload's draw over ``adapters.count``
+    adapters (``single``: every request the same adapter), or the trace's requests in order."""
+
+    def __init__(self, workload, adapters: Adapters, seed: int):
+        self.workload, self.adapters = workload, adapters
+        self.rng = random.Random(f"residency-{seed}")
+        if isinstance(workload, TraceWorkload):
+            check_residency(workload, adapters.count, None, [1])
+            ids = trace_adapters(workload)
+            out = workload.df.get("output_tokens")
+            self.trace = ids.tolist()
+            self.lengths = None if out is None else [int(v) for v in out]
+            self.next_row = 0
+        else:
+            self.trace = None
+            self.cum = np.cumsum(workload.weights(adapters.count)).tolist()
+
+    def __call__(self) -> tuple[int, int]:
+        if self.trace is not None:
+            i = self.next_row % len(self.trace)
+            self.next_row += 1
+            return self.trace[i], self.lengths[i] if self.lengths else self.adapters.output_tokens
+        wl, rng = self.workload, self.rng
+        if rng.random() < wl.base_frac:
+            return -1, self.adapters.output_tokens
+        if wl.adapters == "single":
+            return 0, self.adapters.output_tokens
+        # the first adapter whose cumulative weight exceeds the draw (the last: float rounding)
+        return min(bisect.bisect_right(self.cum, rng.random()), len(self.cum) - 1), self.adapters.output_tokens
+
+
+def trace_adapters(trace: TraceWorkload) -> np.ndarray:
+    """A requests trace's adapter ids in order (-1: base); a trace of logged steps has none."""
+    if not trace.requests:
+        raise ValueError(f"trace {trace.path} logs steps (concurrency, n_active), not requests with adapters: "
+                         "residency needs a trace of requests with an `adapter` column")
+    return trace.adapter_ids
+
+
+def check_residency(workload, adapters: int, max_cpu_loras: int | None, max_loras: list[int]) -> None:
+    """A ValueError in one line when these residency runs cannot be set up."""
+    if max_cpu_loras is not None and max_cpu_loras < max(max_loras):
+        raise ValueError(f"--max-cpu-loras {max_cpu_loras} is below --max-loras {max(max_loras)} "
+                         "(vLLM's CPU cache holds at least the GPU's slots)")
+    if isinstance(workload, TraceWorkload):
+        ids = trace_adapters(workload)
+        if ids.max(initial=-1) >= adapters:
+            raise ValueError(f"trace {workload.path} has {ids.max() + 1} adapters, more than --adapters {adapters}")
+        if "output_tokens" in workload.df:
+            out = pd.to_numeric(workload.df.output_tokens, errors="coerce")
+            bad = out[out.isna() | (out % 1 != 0) | (out < 1)]
+            if len(bad):
+                raise ValueError(f"trace {workload.path}: row {bad.index[0]} needs a whole output_tokens of at least 1")
+
+
+def _warm_cache(workload, adapters: Adapters) -> list[int]:
+    """The CPU cache of a server that has run a while: the ``cpu_slots`` most popular adapters
+    (a trace's first distinct ones), so that a schedule's misses are the cache's steady state,
+    not the first request of each adapter."""
+    if isinstance(workload, TraceWorkload):
+        ids = dict.fromkeys(int(a) for a in trace_adapters(workload) if a >= 0)
+        return list(ids)[: adapters.cpu_slots]
+    return list(range(min(adapters.cpu_slots, adapters.count)))
+
+
+def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: int, seed: int = 0,
+             burn_in: int | None = None) -> Schedule:
+    """``steps`` decode steps of ``clients`` clients served from ``max_loras`` slots, after
+    ``burn_in`` untimed ones (default: twice the output length, so that every first request has
+    ended and the slots have filled)."""
+    if clients < 1 or max_loras < 1 or steps < 0:
+        raise ValueError(f"clients {clients}, max_loras {max_loras} and steps {steps} must be positive")
+    if adapters.cpu_slots < max_loras:
+        raise ValueError(f"max_cpu_loras {adapters.cpu_slots} is below max_loras {max_loras} (vLLM requires at least max_loras)")
+    nxt = _Requests(workload, adapters, seed)
+    start = random.Random(f"residency-start-{seed}")
+    burn_in = 2 * adapters.output_tokens if burn_in is None else burn_in
+    waiting: deque[list[int]] = deque()
+    for _ in range(clients):
+        a, length = nxt()
+        waiting.append([a, start.randint(1, length)])
+    running: list[list[int]] = []
+    slot_of: dict[int, int] = {}  # adapter -> its slot
+    holder = [-1] * max_loras  # slot -> its adapter
+    used = [-1] * max_loras  # slot -> the last step its adapter ran
+    cpu: OrderedDict[int, None] = OrderedDict((a, None) for a in _warm_cache(workload, adapters))
+    out = Schedule([], [], [], *(np.zeros(steps, dtype=np.int64) for _ in range(5)))
+    for step in range(burn_in + steps):
+        batch: dict[int, None] = {r[0]: None for r in running if r[0] >= 0}
+        kept: deque[list[int]] = deque()
+        for r in waiting:
+            if r[0] >= 0 and r[0] not in batch and len(batch) >= max_loras:
+                kept.append(r)
+                continue
+            running.append(r)
+            if r[0] >= 0:
+                batch[r[0]] = None
+        waiting = kept
+        loads, misses = [], 0
+        for a in batch:
+            if a in cpu:
+                cpu.move_to_end(a)
+            if a in slot_of:
+                used[slot_of[a]] = step
+                continue
+            if a not in cpu:
+                misses += 1
+                cpu[a] = None
+                if len(cpu) > adapters.cpu_slots:
+                    cpu.popitem(last=False)
+            free = [s for s in range(max_loras) if holder[s] < 0 or holder[s] not in batch]
+            s = min(free, key=lambda s: (holder[s] >= 0, used[s]))  # an empty slot, else the least recently used
+            if holder[s] >= 0:
+                del slot_of[holder[s]]
+            holder[s], slot_of[a], used[s] = a, s, step
+            loads.append((s, a))
+        if step >= burn_in:
+            i = step - burn_in
+            out.batches.append([slot_of[r[0]] if r[0] >= 0 else -1 for r in running])
+            out.requests.append([r[0] for r in running])
+            out.loads.append(loads)
+            out.tokens[i], out.n_active[i], out.n_loads[i] = len(running), len(batch), len(loads)
+            out.cpu_misses[i], out.waiting[i] = misses, len(waiting)
+        still = []
+        for r in running:
+            r[1] -= 1
+            if r[1] > 0:
+                still.append(r)
+            else:
+                a, length = nxt()
+                waiting.append([a, length])
+        running = still
+    return out
