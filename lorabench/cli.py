@@ -46,6 +46,9 @@ Device = Annotated[str, typer.Option("--device", help="auto, cuda, cpu [default:
 Seed = Annotated[str, typer.Option("--seed", help="Seed for weights and batches [default: 0].")]
 Executor = Annotated[str, typer.Option("--executor", help="Where the worker groups (every strategy of one kernels and max_loras, compared with each other) run: local (this host's GPUs, one group per GPU at a time) or dask (a Dask cluster's workers with a GPU resource: pip install 'lorabench[dask]') [default: local].")]
 Gpus = Annotated[str, typer.Option("--gpus", help="This host's GPUs to use, as indices (0,1) or all; each worker is pinned to its GPU by UUID [default: all].")]
+AdaptersN = Annotated[str, typer.Option("--adapters", help="Adapters the requests choose from, held in the max_loras GPU slots by LRU: the workload runs become residency runs of the largest concurrency's clients, loading adapters into slots as the steps need them (timed) [default: one adapter per slot, none loaded].")]
+MaxCpuLoras = Annotated[str, typer.Option("--max-cpu-loras", help="With --adapters: vLLM's CPU cache of adapters (at least max_loras); a load of an adapter not in it is counted as a read from storage, which lorabench does not time [default: every adapter].")]
+OutputTokens = Annotated[str, typer.Option("--output-tokens", help="With --adapters: tokens each request decodes (a trace's output_tokens column overrides it) [default: 128].")]
 Scheduler = Annotated[str, typer.Option("--scheduler", help="With --executor dask: the address of a running Dask scheduler (tcp://HOST:8786) whose workers hold --resources GPU=1 [default: a LocalCluster over this host's GPUs].")]
 
 
@@ -77,6 +80,9 @@ def sweep(
     graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Strategy auto: most graph memory the set may take, MiB."),
     startup_budget: str = typer.Option(None, "--startup-budget", help="Strategy auto: most startup the set may take, s."),
     tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: each swept backend it has configs for (triton, fused, vllm) also runs as <backend>+tuned."),
+    adapters: AdaptersN = None,
+    max_cpu_loras: MaxCpuLoras = None,
+    output_tokens: OutputTokens = None,
     resume: Path = typer.Option(None, "--resume", help="A run folder whose sweep ended early (killed, interrupted, or with failed points): measure its missing and failed points into it, under its own spec."),
     force: bool = typer.Option(False, "--force", help="With --resume: resume even when this lorabench plans the run differently, runs other code, or finds another GPU (the run.json records it)."),
     executor: Executor = None,
@@ -92,7 +98,8 @@ def sweep(
                  fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
                  iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
                  check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
-                 startup_budget=startup_budget, tuned=tuned, ci_target=ci_target)
+                 startup_budget=startup_budget, tuned=tuned, ci_target=ci_target, adapters=adapters,
+                 max_cpu_loras=max_cpu_loras, output_tokens=output_tokens)
     return run(flags, spec, console, resume=resume, force=force, placement=placement)
 
 
@@ -136,12 +143,30 @@ def recommend(
     startup_budget: str = typer.Option(None, "--startup-budget", help="Most startup (build + compile + capture) the set may take, s."),
     kernels: str = typer.Option(None, "--kernels", help=f"Only these backends, {LIST} [default: every lorabench backend in the run]."),
     max_loras: str = typer.Option(None, "--max-loras", help=f"Only these max_loras, {LIST} [default: every one in the run]."),
+    adapters: str = typer.Option(None, "--adapters", help="Recommend the whole LoRA configuration for this many adapters: max_loras from adapter residency (LRU slots, loads timed by the run), the capture set, --max-cpu-loras, and what it all costs in KV cache."),
+    concurrency: str = typer.Option(None, "--concurrency", help="With --adapters: clients keeping one request each in flight (vllm bench's --max-concurrency) [default: the run's largest concurrency]."),
+    output_tokens: OutputTokens = None,
+    max_cpu_loras: MaxCpuLoras = None,
+    gpu_memory_budget: str = typer.Option(None, "--gpu-memory-budget", help="With --adapters: most GPU memory the LoRA configuration may take (its graphs and adapter slots, which come out of the KV cache), GiB [default: no limit]."),
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
     workload within the budgets, from what a run measured; compare it with max, pow2 and dense.
+    With --adapters N: choose max_loras, the capture set and the CPU cache for N adapters, by
+    tokens per second with adapter loads, and what they cost in memory and KV cache.
     Exit status 2 when no (kernels, max_loras) gets a set; those that get none are named."""
     from lorabench.commands.recommend import recommend as run
+    from lorabench.commands.recommend import recommend_residency
 
+    if adapters is not None:
+        given = [f for f, v in (("--graph-memory-budget", graph_memory_budget), ("--startup-budget", startup_budget)) if v is not None]
+        if given:
+            raise UserError(f"{given[0]} prices strategy auto alone; with --adapters use --gpu-memory-budget")
+        return recommend_residency(run_dir, workload, adapters, concurrency, output_tokens, max_cpu_loras,
+                                   gpu_memory_budget, kernels, max_loras, console)
+    given = [f for f, v in (("--concurrency", concurrency), ("--output-tokens", output_tokens), ("--max-cpu-loras", max_cpu_loras),
+                            ("--gpu-memory-budget", gpu_memory_budget)) if v is not None]
+    if given:
+        raise UserError(f"{given[0]}: goes with --adapters N")
     return run(run_dir, workload, graph_memory_budget, startup_budget, kernels, max_loras, console)
 
 

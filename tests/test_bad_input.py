@@ -58,7 +58,8 @@ def spec_file(toml: str | bytes, needle: str, *flags: str, **kw) -> Case:
 
 
 def trace(content: str | bytes, needle: str, name: str = "t.csv", command: str = "sweep") -> Case:
-    argv = ["sweep", "--out", "{results}"] if command == "sweep" else ["recommend", "{run}"]
+    argv = {"sweep": ["sweep", "--out", "{results}"], "recommend": ["recommend", "{run}"],
+            "sweep-adapters": ["sweep", "--out", "{results}", "--adapters", "2"]}[command]
     return Case([*argv, "--workload", f"trace:{{tmp}}/{name}"], needle, files={name: content})
 
 
@@ -237,6 +238,34 @@ CASES = {
     "report parquet of another schema": Case(["report", "{tmp}/other"], "is not a lorabench sweep's",
                                              files={"other/points.parquet": "other-schema"}),
     "report unknown flag": Case(["report", "{run}", "--bogus"], "bogus"),
+    # -- adapters and residency ----------------------------------------------------------------
+    "sweep adapters 0": sweep("--adapters", "0", "--adapters: 0 must be at least 1"),
+    "sweep adapters not whole": sweep("--adapters", "2.5", "--adapters: '2.5' is not an integer"),
+    "sweep cpu cache without adapters": sweep("--max-cpu-loras", "8", "--max-cpu-loras: goes with --adapters N"),
+    "sweep output tokens without adapters": sweep("--output-tokens", "64", "--output-tokens: goes with --adapters N"),
+    "sweep output tokens 0": sweep("--adapters", "10", "--output-tokens", "0", "--output-tokens: 0 must be at least 1"),
+    "sweep cpu cache below the slots": sweep("--adapters", "10", "--max-loras", "4,8", "--max-cpu-loras", "4",
+                                             "--max-cpu-loras 4 is below --max-loras 8"),
+    "sweep adapters with ranks": sweep("--adapters", "10", "--rank", "64", "--ranks", "8:0.5,64:0.5", "not with --ranks"),
+    "sweep adapters over a steps trace": trace("concurrency,n_active\n1,1\n2,1\n4,1\n8,1\n", "not requests with adapters",
+                                               command="sweep-adapters"),
+    "sweep adapters fewer than the trace's": trace("adapter\na\nb\nc\nd\ne\nf\ng\nh\n", "has 8 adapters, more than --adapters 2",
+                                                   command="sweep-adapters"),
+    "spec adapters": spec_file("adapters = 0", "bad.toml: key `adapters`: 0 must be at least 1"),
+    "recommend adapters 0": Case(["recommend", "{run}", "--adapters", "0"], "--adapters: 0 must be at least 1"),
+    "recommend adapters with a graph budget": Case(["recommend", "{run}", "--adapters", "10", "--graph-memory-budget", "5"],
+                                                   "--graph-memory-budget prices strategy auto alone; with --adapters use --gpu-memory-budget"),
+    "recommend concurrency without adapters": Case(["recommend", "{run}", "--concurrency", "8"], "--concurrency: goes with --adapters N"),
+    "recommend gpu budget without adapters": Case(["recommend", "{run}", "--gpu-memory-budget", "8"],
+                                                  "--gpu-memory-budget: goes with --adapters N"),
+    "recommend more clients than the run": Case(["recommend", "{run}", "--adapters", "10", "--concurrency", "64"],
+                                                "64 clients need fixed points up to concurrency 64; the run has them up to 8"),
+    "recommend negative gpu budget": Case(["recommend", "{run}", "--adapters", "10", "--gpu-memory-budget", "-1"],
+                                          "--gpu-memory-budget: '-1' is not a positive number"),
+    "recommend adapters over a steps trace": Case(["recommend", "{run}", "--adapters", "10", "--workload", "trace:{tmp}/t.csv"],
+                                                  "not requests with adapters", files={"t.csv": "concurrency,n_active\n1,1\n"}),
+    "recommend output tokens 0": Case(["recommend", "{run}", "--adapters", "10", "--output-tokens", "0"],
+                                      "--output-tokens: 0 must be at least 1"),
     # -- where the groups run -----------------------------------------------------------------
     "sweep executor nope": sweep("--executor", "nope", "--executor nope: choose local or dask"),
     "check executor nope": check("--executor", "nope", "--executor nope: choose local or dask"),

@@ -24,15 +24,20 @@ def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None
     one's error; with ``coverage`` (``lorabench.storage.runs.coverage``) of an incomplete run, its
     status, planned vs finished points and which configurations lack how many."""
     ok = ok_points(df)
-    workload = ok[ok["mode"] == "workload"]["workload"].dropna().unique()
+    mode = "workload" if (ok["mode"] == "workload").any() else "residency"  # --adapters: residency runs instead
+    workload = ok[ok["mode"] == mode]["workload"].dropna().unique()
     wl = workload[0] if len(workload) else None
     unit = "ms GPU" if device == "cuda" else "ms CPU wall"
     cost = configs(df).set_index(CONFIG) if len(ok) else None
-    what = f"median step ({unit}) under workload {wl}" if wl else f"median step ({unit})"
+    what = f"median step ({unit})"
+    if wl and mode == "residency":
+        what = f"mean step ({unit}), adapter loads included, of residency runs under {wl}"
+    elif wl:
+        what = f"median step ({unit}) under workload {wl}"
     tables = []
     for k, m in sorted(set(zip(df.kernels, df.max_loras)), key=lambda km: (label_order(km[0]), km[0], km[1])):
         g = df[(df.kernels == k) & (df.max_loras == m)]
-        tables.append(_table(g, k, m, sorted(g.strategy.unique(), key=report_order), wl, cost))
+        tables.append(_table(g, k, m, sorted(g.strategy.unique(), key=report_order), wl, cost, mode))
     parts: list = [Text(f"{what}, by concurrency c", style="bold"), Columns(tables, padding=(0, 2))]
     failed = df[df.status == "failed"]
     if len(failed):
@@ -48,7 +53,7 @@ def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None
     return Group(*parts)
 
 
-def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost) -> Table:
+def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost, mode: str = "workload") -> Table:
     table = Table(title=f"{k}, max_loras {m}", title_justify="left")
     table.add_column("c", justify="right", no_wrap=True)
     for s in strats:
@@ -58,8 +63,9 @@ def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost) 
     for i, c in enumerate(conc):
         cells = []
         for s in strats:
-            pt = good[(good.strategy == s) & (good.concurrency == c) & (good["mode"] == "workload") & (good.workload == wl)]
-            cells.append(f"{pt.step_ms_median.iloc[0]:.3f}" if len(pt) else "-")
+            pt = good[(good.strategy == s) & (good.concurrency == c) & (good["mode"] == mode) & (good.workload == wl)]
+            value = pt.step_ms_mean if mode == "residency" else pt.step_ms_median
+            cells.append(f"{value.iloc[0]:.3f}" if len(pt) else "-")
         table.add_row(f"{c}", *cells, end_section=i == len(conc) - 1)
     rows = {"graphs": [], "MiB": [], "start s": [], "failed": [], "check": []}
     for s in strats:

@@ -53,7 +53,7 @@ from lorabench.storage.runs import (
     read_info,
     run_status,
 )
-from lorabench.storage.samples import write_samples
+from lorabench.storage.samples import write_loads, write_samples
 from lorabench.storage.tune_files import vllm_folder
 
 WORKER = "lorabench.runtime.worker"  # the module each worker process runs
@@ -296,7 +296,7 @@ class Sweep:
         for group in groups(self.todo):
             g = number[group[0][0]]
             jobs = [job for _, job in group]
-            states[g] = GroupRun(jobs)
+            states[g] = GroupRun(g, jobs)
             log = self.worker_log(g)
             if log.is_file() and log.stat().st_size:
                 with open(log, "a") as f:
@@ -352,9 +352,13 @@ class Sweep:
             verdict = json.loads(body)
             self.add_check(verdict, advance)
             state.verdicts.add(verdict.get("strategy"))
+        elif kind == "@@loads":
+            loads = json.loads(body)
+            write_loads(self.run_dir, state.group, loads["kernels"], loads["max_loras"], loads)
         elif kind == "@@env":
             self.info["env"] = json.loads(body)
             self.write_info()
+
     def add_check(self, verdict: dict, advance) -> None:
         key = {k: verdict.get(k) for k in ("kernels", "max_loras", "strategy")}
         self.checks = [c for c in self.checks if {k: c.get(k) for k in key} != key] + [verdict]
@@ -420,6 +424,7 @@ class GroupRun:
     """What the sweep knows of one group while it runs: its jobs, the attempt it listens to (a
     Dask task rerun elsewhere is another), the points with a row and the strategies with a verdict."""
 
+    group: int  # its place among the run's groups (worker-<group>.log)
     jobs: list[Job]
     attempt: str = ""
     seen: int = -1  # the attempt's last line taken

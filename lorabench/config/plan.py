@@ -11,10 +11,14 @@ from dataclasses import asdict, dataclass
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.models import ModelConfig, resolve
 from lorabench.config.ranks import parse_ranks
+from lorabench.config.residency import OUTPUT_TOKENS, Adapters
 from lorabench.config.spec import SweepSpec
 from lorabench.config.strategies import AUTO, Vllm, strategy
 
-FIXED, WORKLOAD = "fixed", "workload"  # a point's mode: a batch of exactly n adapters, or batches drawn from a workload
+# A point's mode: a batch of exactly n adapters; batches drawn from a workload over the slots; or a
+# residency run: a closed loop of c clients over --adapters N adapters held in the slots by LRU,
+# adapters loaded as the steps need them (``lorabench.config.residency``).
+FIXED, WORKLOAD, RESIDENCY = "fixed", "workload", "residency"
 
 
 def auto_key(kernels: str, max_loras: int) -> str:
@@ -64,6 +68,13 @@ class Job:
     fully_sharded: bool = False  # --fully-sharded-loras (tp > 1)
     ranks: str | None = None  # --ranks: the adapters' own ranks and shares, padded to ``rank``
     slot_ranks: tuple[int, ...] = ()  # each slot's adapter's own rank (empty: all at ``rank``)
+    adapters: int | None = None  # --adapters: residency points serve this many adapters from the slots
+    max_cpu_loras: int | None = None  # --max-cpu-loras (None: every adapter in the CPU cache)
+    output_tokens: int = OUTPUT_TOKENS  # --output-tokens: decode steps per request of a residency run
+
+    @property
+    def residency(self) -> Adapters | None:
+        return None if self.adapters is None else Adapters(self.adapters, self.max_cpu_loras, self.output_tokens)
 
     @property
     def label(self) -> KernelsLabel:
@@ -93,8 +104,10 @@ class Job:
 
 def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = "") -> list[Job]:
     """The workers' jobs, each with its points: for every concurrency c, every n in
-    0..min(c, max_loras) in fixed mode, then one workload run per workload. vLLM's kernels skip
-    strategies vLLM has no grid for."""
+    0..min(c, max_loras) in fixed mode, then one workload run per workload. With --adapters the
+    workload runs are residency runs, of the largest concurrency's clients only (the smaller
+    concurrencies are the batch sizes its steps take). vLLM's kernels skip strategies vLLM has no
+    grid for."""
     jobs, index = [], 0
     for kernels in spec.labels:
         for max_loras in spec.max_loras:
@@ -107,9 +120,14 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                     for n in range(min(c, max_loras) + 1):
                         points.append(Point(index, FIXED, c, n_active=n))
                         index += 1
-                    for w in spec.workload:
-                        points.append(Point(index, WORKLOAD, c, workload=w))
-                        index += 1
+                    if spec.adapters is None:
+                        for w in spec.workload:
+                            points.append(Point(index, WORKLOAD, c, workload=w))
+                            index += 1
+                    elif c == max(spec.concurrency):
+                        for w in spec.workload:
+                            points.append(Point(index, RESIDENCY, c, workload=w))
+                            index += 1
                 predicted: tuple = ()
                 if s.name == AUTO:
                     chosen = spec.auto_sets[auto_key(str(kernels), max_loras)]
@@ -125,7 +143,8 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                     iters=spec.iters, warmup=spec.warmup, seed=spec.seed, check=spec.check,
                     tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
                     ci_target=spec.ci_target, ranks=spec.ranks, fully_sharded=spec.fully_sharded_loras,
-                    slot_ranks=parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks else ()))
+                    slot_ranks=parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks else (),
+                    adapters=spec.adapters, max_cpu_loras=spec.max_cpu_loras, output_tokens=spec.output_tokens))
     return jobs
 
 

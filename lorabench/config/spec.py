@@ -22,6 +22,7 @@ from lorabench.config.flags import (
 from lorabench.config.limits import Shape, culprit, estimate, graph_count, size
 from lorabench.config.models import ModelConfig, resolve, shard, shortened
 from lorabench.config.ranks import parse_ranks
+from lorabench.config.residency import OUTPUT_TOKENS, check_residency
 from lorabench.config.strategies import AUTO, Vllm, strategy
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
@@ -31,6 +32,7 @@ from lorabench.storage.tune_files import tuned_file, tuned_table, vllm_folder
 MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
 MAX_SEED = 2**32 - 1  # numpy's generators take seeds below 2**32 (torch's below 2**64)
 MAX_STEPS = 100_000  # --iters, --warmup: a worker draws every timed step's batch up front
+MAX_ADAPTERS = 1_000_000  # --adapters, --max-cpu-loras: the residency loop keeps one entry per adapter
 
 
 @dataclass
@@ -62,6 +64,9 @@ class SweepSpec:
     tuned: str | None = None  # `lorabench tune`'s output folder: adds a "+tuned" run of each tunable backend
     ci_target: float | None = None  # stop timing a point once its median's 95 % interval is within ± this % (at most iters steps)
     model_config: ModelConfig | None = None  # --model resolved when planned (the whole model, --layers applied)
+    adapters: int | None = None  # --adapters N: the workload runs are residency runs over N adapters (LRU slots, loads timed)
+    max_cpu_loras: int | None = None  # --max-cpu-loras: vLLM's CPU cache of adapters (default: all of them)
+    output_tokens: int = OUTPUT_TOKENS  # --output-tokens: decode steps per request of a residency run
 
     @property
     def rank_model(self) -> ModelConfig:
@@ -82,7 +87,7 @@ class SweepSpec:
 
 LIST_INT = {"max_loras", "concurrency", "capture_sizes"}
 LIST_STR = {"strategy", "kernels", "workload"}
-INTS = {"layers", "tp", "rank", "context_len", "iters", "warmup", "seed"}
+INTS = {"layers", "tp", "rank", "context_len", "iters", "warmup", "seed", "adapters", "max_cpu_loras", "output_tokens"}
 STRS = {"model", "dtype", "device", "out", "auto_from", "tuned", "ranks"}
 BOOLS = {"check", "fully_sharded_loras"}
 FLOATS = {"graph_memory_budget", "startup_budget", "ci_target"}
@@ -97,7 +102,8 @@ def coerce(name: str, value):
     if name in LIST_STR:
         return to_strs(name, value)
     if name in INTS:
-        maximum = {"seed": MAX_SEED, "iters": MAX_STEPS, "warmup": MAX_STEPS}.get(name)
+        maximum = {"seed": MAX_SEED, "iters": MAX_STEPS, "warmup": MAX_STEPS, "adapters": MAX_ADAPTERS,
+                   "max_cpu_loras": MAX_ADAPTERS, "output_tokens": MAX_STEPS}.get(name)
         return to_int(name, value, 0 if name in ("warmup", "seed") else 1, maximum)
     if name in FLOATS:
         return to_positive(name, value)
@@ -233,6 +239,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         except ValueError as e:
             raise UserError(f"{names('workload')}: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
+    _check_adapters(spec, names)
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
     if spec.fully_sharded_loras:
         _check_fully_sharded(spec, names)
@@ -308,6 +315,24 @@ def check_memory(spec: SweepSpec, machine: Machine, graphs: Callable[[KernelsLab
             need = estimate(shape, count, cuda)
             if need.total > free:
                 raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}")
+
+
+def _check_adapters(spec: SweepSpec, names: Names) -> None:
+    """--adapters N makes the workload runs residency runs; --max-cpu-loras and --output-tokens
+    only mean something with it."""
+    if spec.adapters is None:
+        given = [n for n in ("max_cpu_loras", "output_tokens") if getattr(spec, n) != getattr(SweepSpec, n)]
+        if given:
+            raise UserError(f"{names(given[0])}: goes with --adapters N (the residency runs it sets up)")
+        return
+    if spec.ranks is not None:
+        raise UserError(f"{names('adapters')}: not with --ranks (each slot's rank is fixed; a residency run moves "
+                        "adapters between slots)")
+    for w in spec.workload:
+        try:
+            check_residency(parse_workload(w), spec.adapters, spec.max_cpu_loras, spec.max_loras)
+        except ValueError as e:
+            raise UserError(f"{names('adapters')}: {e}") from None
 
 
 def _check_fully_sharded(spec: SweepSpec, names: Names) -> None:

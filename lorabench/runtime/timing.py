@@ -11,6 +11,10 @@ device time including its graph launch latency. Host time, per step, in three pa
 building the batch metadata and choosing the graph; ``copy`` = the call that queues the
 metadata's copy to the device; ``launch`` = the graph replay call. On the CPU the step time is
 the eager step's wall time.
+
+Residency steps (``loads`` given) load adapters into slots first, as vLLM does before a step that
+needs them: their CUDA events enclose the loads, the metadata's copy and the replay, so each sample
+is the whole step a request waits for; ``copy`` then includes queueing the loads.
 """
 
 import time
@@ -74,42 +78,55 @@ class StepSamples:
     launch_us: np.ndarray
     n_active: np.ndarray
     launch_counts: np.ndarray
+    tokens: np.ndarray
+    loads: np.ndarray
 
 
-def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0) -> StepSamples:
+def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0,
+               loads: list[list[tuple[int, int]]] | None = None, loader=None) -> StepSamples:
     """Run ``warmup`` untimed steps, then ``iters`` timed ones over ``batches[first:]``, cycling
-    (``first``: where a strategy's previous turn at this point left off)."""
+    (``first``: where a strategy's previous turn at this point left off). ``loads``: per batch,
+    the (slot, adapter) pairs ``loader`` (``lorabench.runtime.adapters.AdapterLoader``) loads
+    within that step, before its metadata and replay."""
     cuda = d.use_graphs
     for i in range(warmup):
-        d.launch(d.prepare(batches[(first + i) % len(batches)]))
+        k = (first + i) % len(batches)
+        for slot, adapter in loads[k] if loads else ():
+            loader.load(slot, adapter)
+        d.launch(d.prepare(batches[k]))
     if cuda:
         torch.cuda.synchronize()
         events = Events(iters)
     step_ms, host_us, copy_us, launch_us = (np.empty(iters) for _ in range(4))
-    n_active, launches = np.empty(iters, dtype=np.int64), np.empty(iters, dtype=np.int64)
+    n_active, launches, tokens, loaded = (np.zeros(iters, dtype=np.int64) for _ in range(4))
     clock = time.perf_counter_ns
     for i in range(iters):
-        slots = batches[(first + i) % len(batches)]
+        k = (first + i) % len(batches)
         t0 = clock()
-        prep = d.prepare(slots)
+        prep = d.prepare(batches[k])
         tc = clock()
+        if cuda and loads:  # the loads are the step's: inside its events, as the step waits for them
+            events.start(i)
+        for slot, adapter in loads[k] if loads else ():
+            loader.load(slot, adapter)
         d.load(prep)
         t1 = clock()
-        if cuda:
+        if cuda and not loads:
             events.start(i)
-            d.run(prep.route)
+        d.run(prep.route)
+        if cuda:
             events.stop(i)
-            t2 = clock()
+        t2 = clock()
+        if cuda:
             events.wait(i)
         else:
-            d.run(prep.route)
-            t2 = clock()
-            step_ms[i] = (t2 - t1) / 1e6
+            step_ms[i] = (t2 - (tc if loads else t1)) / 1e6
         host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
-        n_active[i], launches[i] = prep.n_active, d.grid_of(prep.route)
+        n_active[i], launches[i], tokens[i] = prep.n_active, d.grid_of(prep.route), prep.batch_tokens
+        loaded[i] = len(loads[k]) if loads else 0
     if cuda and iters:
         step_ms[:] = events.ms()
-    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches)
+    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded)
 
 
 def summarize(step_ms: np.ndarray) -> dict:

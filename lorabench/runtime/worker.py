@@ -24,18 +24,20 @@ import torch
 
 from lorabench.config.batches import fixed_batch
 from lorabench.config.models import shard
-from lorabench.config.plan import FIXED, WORKLOAD, Job, Point
+from lorabench.config.plan import FIXED, RESIDENCY, WORKLOAD, Job, Point
+from lorabench.config.residency import simulate
 from lorabench.config.strategies import strategy
 from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env, telemetry
+from lorabench.runtime.adapters import AdapterLoader, time_loads
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
 from lorabench.runtime.timing import StepSamples, summarize, time_steps
 from lorabench.runtime.vllm_rules import VllmRules, vllm_counts
-from lorabench.stats import half_width_pct
+from lorabench.stats import half_width_pct, median_interval
 from lorabench.storage.tune_files import tuned_table
 
 FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
@@ -118,6 +120,8 @@ class Worker:
             # one rank is timed alone: the collectives a TP step adds are not in its step_ms
             "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded, "rank": job.rank, "dtype": job.dtype,
             "ranks": job.ranks, "slot_ranks": list(job.slot_ranks) or None,
+            "adapters": job.adapters, "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
+            "output_tokens": job.output_tokens if job.residency else None,
             "capture_sizes": list(job.capture_sizes), "context_len": job.context_len, "iters": job.iters,
             "warmup": job.warmup, "ci_target": job.ci_target, "timing": "cuda_events" if self.cuda else "cpu_wall",
             "vllm": self.backend.version() if job.label.vllm else None, "tuned": job.tuned,
@@ -126,6 +130,7 @@ class Worker:
         }
         self.shared: dict = {}  # startup columns every strategy shares: the process, the model, the probe
         self.refs = References() if len(jobs) > 1 else None  # the check's reference answers, once for every strategy
+        self.loader: AdapterLoader | None = None  # after the check: loads overwrite slots
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -217,6 +222,24 @@ class Worker:
             except Exception:  # noqa: BLE001 - no probe, no roofline; the points still count
                 traceback.print_exc()
 
+    def time_loads(self, model: LlamaLoRA) -> None:
+        """What loading one adapter into a slot costs here (``lorabench.runtime.adapters``): every
+        row's ``load_*`` columns, and the timed loads themselves (``@@loads``). A worker that cannot
+        load still times its points; its residency points then fail."""
+        try:
+            self.loader = AdapterLoader(model)
+            ms, host = time_loads(self.loader)
+        except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
+            traceback.print_exc()
+            self.loader = None
+            return
+        interval = median_interval(ms)
+        self.shared.update(load_ms_median=float(np.median(ms)), load_host_us_median=float(np.median(host)),
+                           load_ops=self.loader.ops, load_ms_ci_low=interval.low if interval else None,
+                           load_ms_ci_high=interval.high if interval else None)
+        emit("loads", {"kernels": self.lead.kernels, "max_loras": self.lead.max_loras,
+                       "load_ms": ms.tolist(), "host_us": host.tolist()})
+
     def check(self, arm: Arm) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
         d = arm.dispatcher
@@ -231,16 +254,22 @@ class Worker:
             emit("check", {**arm.job.config, "correct": None, "detail": verdict["check_detail"]})
         arm.startup.update(verdict)
 
-    def batches(self, point: Point) -> list[list[int]]:
-        """The point's batches, the same for every strategy (seeded by the point, not the strategy)."""
+    def batches(self, point: Point) -> tuple[list[list[int]], list[list[tuple[int, int]]] | None]:
+        """The point's batches, the same for every strategy (seeded by the point, not the
+        strategy), and for a residency point the loads each step makes (else None)."""
         job, c = self.lead, point.concurrency
         rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}")
         if point.mode == FIXED:
             n = point.n_active
             return [fixed_batch(c, n, job.max_loras, rng, base_tokens=c if n == 0 else 0)
-                    for _ in range(FIXED_BATCH_VARIANTS)]
+                    for _ in range(FIXED_BATCH_VARIANTS)], None
         wl = parse_workload(point.workload)
-        return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)]
+        if point.mode == RESIDENCY:
+            if self.loader is None:
+                raise RuntimeError("this worker could not load adapters (its log says why)")
+            steps = simulate(wl, job.residency, c, job.max_loras, job.iters, job.seed)
+            return steps.batches, steps.loads
+        return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)], None
 
     def measure(self, entries: list[tuple[Arm, Point]]) -> list[dict]:
         """One point, timed for every strategy that has it, in alternating turns: ``TURN`` steps
@@ -249,7 +278,8 @@ class Worker:
         ``MIN_STEPS``). Returns each strategy's row (its samples under ``samples``), or a failed
         row for a strategy whose steps raised: the others go on."""
         job = self.lead
-        batches = self.batches(entries[0][1])
+        batches, loads = self.batches(entries[0][1])
+        ci_target = None if loads else job.ci_target  # a residency run's mean needs all its steps: rare loads are its point
         timed = [Timed() for _ in entries]
         failed: dict[int, BaseException] = {}
         todo = list(range(len(entries)))
@@ -260,23 +290,25 @@ class Worker:
             for i in order:
                 arm, point = entries[i]
                 try:
-                    self.turn(arm, point, batches, timed[i], rnd, alone=len(entries) == 1)
+                    self.turn(arm, point, batches, loads, timed[i], rnd, alone=len(entries) == 1)
                 except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
                     traceback.print_exc()
                     failed[i] = e
-            todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, job.ci_target, len(entries))]
+            todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, ci_target, len(entries))]
             rnd += 1
         arms = ",".join(arm.job.strategy for arm, _ in entries)  # timed together at this point
         return [{**self.point_row(arm, p), "status": "failed", "error": _error(failed[i])} if i in failed
                 else {**self.row(arm, p, timed[i]), "arms": arms} for i, (arm, p) in enumerate(entries)]
 
-    def turn(self, arm: Arm, point: Point, batches: list[list[int]], timed: "Timed", rnd: int, alone: bool) -> None:
+    def turn(self, arm: Arm, point: Point, batches: list[list[int]], loads, timed: "Timed", rnd: int,
+             alone: bool) -> None:
         """One strategy's turn at a point: ``TURN`` more timed steps, after the spec's warm-up on
         its first turn and ``SWITCH_WARMUP`` untimed steps on every later one (none when it is
-        timed alone)."""
+        timed alone); a residency point's steps make their loads."""
         steps = min(TURN, self.lead.iters - timed.steps)
         warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
-        timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps), rnd)
+        timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps, loads=loads,
+                             loader=self.loader), rnd)
 
     def row(self, arm: Arm, point: Point, t: "Timed") -> dict:
         d, c = arm.dispatcher, point.concurrency
@@ -292,12 +324,16 @@ class Worker:
                "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean()),
                "samples": {"turn": t.turns(), "step_ms": s.step_ms.tolist(), "host_us": s.host_us.tolist(),
                            "copy_us": s.copy_us.tolist(), "launch_us": s.launch_us.tolist(),
-                           "n_active": s.n_active.tolist(), "launches": s.launch_counts.tolist()}}
+                           "n_active": s.n_active.tolist(), "launches": s.launch_counts.tolist(),
+                           "tokens": s.tokens.tolist(), "loads": s.loads.tolist()}}
         if arm.predicted and point.mode == WORKLOAD:
             row["predicted_ms"] = arm.predicted.get((point.workload, c))
         if point.mode == FIXED:
             row["base_tokens"] = c if point.n_active == 0 else 0
             row["graph_loras"] = int(s.launch_counts[0])
+        if point.mode == RESIDENCY:  # tokens per second over the whole run: a step of few tokens counts as few
+            row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
+                       loads_per_step=float(s.loads.mean()))
         return row
 
     def run(self) -> None:
@@ -327,6 +363,8 @@ class Worker:
             for arm in live:
                 self.check(arm)
             self.refs = None
+        if any(a.job.points for a in live):  # `lorabench check` times nothing
+            self.time_loads(model)
         for _, entries in self.schedule(live):
             self.run_point(entries)
 

@@ -86,6 +86,15 @@ SCHEMA = pa.schema(
         ("slot_ranks", pa.list_(I64)),  # each resident slot's adapter's own rank
         ("fully_sharded_loras", BOOL),  # vLLM's --fully-sharded-loras: LoRA A (qkv, gate_up) or B (o, down) cut over the ranks too
         ("allreduce", STR),  # tp > 1: "left out" (one rank timed alone: no all-reduce after o, down and the embedding, no logits all-gather, no LoRA collectives)
+        ("adapters", I64),  # --adapters: residency runs serve this many adapters from the slots
+        ("max_cpu_loras", I64),  # vLLM's CPU cache of adapters the residency runs assume
+        ("output_tokens", I64),  # decode steps per request of a residency run
+        ("tokens_per_step", F64),  # residency runs: mean running requests per step
+        ("loads_per_step", F64),  # residency runs: mean adapters loaded into slots per step
+        ("load_ms_median", F64),  # one adapter loaded into a slot from pinned host memory, blocking (the worker's, timed after its check)
+        ("load_ms_ci_low", F64), ("load_ms_ci_high", F64),  # 95 % bootstrap interval of that median
+        ("load_host_us_median", F64),  # host time of queueing one load's copies
+        ("load_ops", I64),  # device operations of one load (a zeroing and a copy of A and of B per slice)
     ]
 )
 COLUMNS = SCHEMA.names

@@ -11,7 +11,12 @@ Columns: ``point`` (the row's ``point``), ``step`` (0, 1, ... in the order timed
 round of the interleaving the step was timed in: configurations compared with each other are
 timed in alternating turns), ``step_ms`` (GPU time of the step from CUDA events, or the CPU's wall
 time), ``host_us``, ``copy_us``, ``launch_us`` (the host's parts of the step), ``n_active`` (the
-step's active adapters) and ``launches`` (the launch count its LoRA kernels ran with).
+step's active adapters), ``launches`` (the launch count its LoRA kernels ran with), ``tokens``
+(the batch's requests) and ``loads`` (adapters loaded into slots within the step: residency runs);
+files written before the last two have them null.
+
+``loads-<group>.parquet``: each worker group's timed adapter loads (``kernels``, ``max_loras``,
+``load``, ``load_ms``, ``host_us``): one adapter copied from pinned host memory into a slot.
 """
 
 import os
@@ -25,7 +30,9 @@ import pyarrow.parquet as pq
 FOLDER = "samples"
 I64, F64 = pa.int64(), pa.float64()
 SCHEMA = pa.schema([("point", I64), ("step", I64), ("turn", I64), ("step_ms", F64), ("host_us", F64),
-                    ("copy_us", F64), ("launch_us", F64), ("n_active", I64), ("launches", I64)])
+                    ("copy_us", F64), ("launch_us", F64), ("n_active", I64), ("launches", I64),
+                    ("tokens", I64), ("loads", I64)])
+LOADS = pa.schema([("kernels", pa.string()), ("max_loras", I64), ("load", I64), ("load_ms", F64), ("host_us", F64)])
 PER_STEP = [n for n in SCHEMA.names if n not in ("point", "step")]  # what a worker sends per step
 
 
@@ -34,10 +41,11 @@ def path(run_dir: Path, point: int) -> Path:
 
 
 def write_samples(run_dir: Path, point: int, per_step: dict[str, list]) -> None:
-    """One point's steps (``per_step``: every PER_STEP column, equally long) into its file."""
+    """One point's steps (``per_step``: the PER_STEP columns, equally long; one it lacks is null)
+    into its file."""
     n = len(per_step["step_ms"])
     columns = {"point": np.full(n, point, dtype=np.int64), "step": np.arange(n, dtype=np.int64)}
-    columns.update({name: per_step[name] for name in PER_STEP})
+    columns.update({name: per_step.get(name, [None] * n) for name in PER_STEP})
     target = path(run_dir, point)
     target.parent.mkdir(exist_ok=True)
     tmp = target.with_suffix(".parquet.tmp")
@@ -55,7 +63,38 @@ def read_samples(run_dir: Path, points=None) -> pd.DataFrame:
         files = [f for f in files if int(f.stem.split("-")[1]) in wanted]
     if not files:
         return SCHEMA.empty_table().to_pandas()
-    return pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files]).to_pandas()
+    return pa.concat_tables([_with_schema(pq.read_table(f)) for f in files]).to_pandas()
+
+
+def _with_schema(table: pa.Table) -> pa.Table:
+    """A file's table in today's schema: columns added since it was written are null."""
+    for field in SCHEMA:
+        if field.name not in table.column_names:
+            table = table.append_column(field, pa.nulls(len(table), field.type))
+    return table.select(SCHEMA.names).cast(SCHEMA)
+
+
+def write_loads(run_dir: Path, group: int, kernels: str, max_loras: int, per_load: dict[str, list]) -> None:
+    """A group's timed adapter loads (``per_load``: ``load_ms`` and ``host_us``) into its file."""
+    n = len(per_load["load_ms"])
+    table = pa.table({"kernels": [kernels] * n, "max_loras": np.full(n, max_loras, dtype=np.int64),
+                      "load": np.arange(n, dtype=np.int64), "load_ms": per_load["load_ms"],
+                      "host_us": per_load["host_us"]}, schema=LOADS)
+    target = Path(run_dir) / FOLDER / f"loads-{group:04d}.parquet"
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, target)
+
+
+def read_loads(run_dir: Path) -> dict[tuple[str, int], np.ndarray]:
+    """(kernels, max_loras) -> its timed adapter loads (ms); empty for a run that timed none."""
+    folder = Path(run_dir) / FOLDER
+    files = sorted(folder.glob("loads-*.parquet")) if folder.is_dir() else []
+    if not files:
+        return {}
+    df = pa.concat_tables([pq.read_table(f, schema=LOADS) for f in files]).to_pandas()
+    return {(k, int(m)): g.sort_values("load").load_ms.to_numpy() for (k, m), g in df.groupby(["kernels", "max_loras"])}
 
 
 def step_times(samples: pd.DataFrame) -> dict[int, np.ndarray]:

@@ -1,0 +1,88 @@
+"""Loading an adapter into a slot as vLLM activates one (``LoRAModelManager.activate_adapter``):
+for every LoRA linear of every layer and every slice of it, the slot's A and B are zeroed
+(``reset_lora``) and the adapter's copied in from pinned host memory (``set_lora``:
+``copy_(..., non_blocking=True)``), on the step's own stream, so the step that needs the adapter
+waits for the copies. Host time of issuing them counts too: a step's CUDA events enclose both.
+
+The host holds a small bank of adapters in pinned memory, each with one slot's shapes (the
+adapter at the slots' rank, as the model pads it), copied from the model's own slots; adapter
+``a`` is copied from ``bank[a % BANK]``. A copy's time does not depend on which pinned buffer it
+reads, and the bank keeps a residency run over 200 adapters from pinning 200 adapters of host
+memory. Loads overwrite slots, so they run after the check: what a slot holds then is another
+slot's adapter, the same sizes and distribution.
+"""
+
+import time
+
+import numpy as np
+import torch
+
+from lorabench.runtime.model import LlamaLoRA, LoRALinear
+from lorabench.runtime.timing import Events
+
+BANK = 2  # adapters held in pinned host memory
+LOADS = 30  # timed loads per worker (its load cost: the ``load_ms_*`` columns)
+WARMUP = 3
+
+
+class AdapterLoader:
+    """Copies adapters from the pinned host bank into the model's slots."""
+
+    def __init__(self, model: LlamaLoRA, bank: int = BANK):
+        self.cuda = model.embed.is_cuda
+        self.max_loras = model.slot_rank.shape[0]
+        self.parts: list[tuple[torch.Tensor, slice, torch.Tensor, slice]] = []  # A, its rows; B, its rows: one per slice
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                slices = len(m.slice_starts) - 1
+                rows = m.lora_a.shape[1] // slices
+                for s in range(slices):
+                    self.parts.append((m.lora_a, slice(s * rows, (s + 1) * rows),
+                                       m.lora_b, slice(m.slice_starts[s], m.slice_starts[s + 1])))
+        pin = self.cuda
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = t.detach().to("cpu", copy=True)
+            return out.pin_memory() if pin else out
+
+        self.bank = [[(host(a[k % self.max_loras, ar]), host(b[k % self.max_loras, br])) for a, ar, b, br in self.parts]
+                     for k in range(bank)]
+
+    @property
+    def ops(self) -> int:
+        """Device operations of one load: a zeroing and a copy for A and for B of every slice."""
+        return 4 * len(self.parts)
+
+    def load(self, slot: int, adapter: int) -> None:
+        """Adapter ``adapter`` into ``slot``, queued on the current stream."""
+        for (a, ar, b, br), (ha, hb) in zip(self.parts, self.bank[adapter % len(self.bank)]):
+            a[slot, ar].zero_()
+            b[slot, br].zero_()
+            a[slot, ar].copy_(ha, non_blocking=True)
+            b[slot, br].copy_(hb, non_blocking=True)
+
+
+def time_loads(loader: AdapterLoader, loads: int = LOADS, warmup: int = WARMUP) -> tuple[np.ndarray, np.ndarray]:
+    """(ms, host us) of ``loads`` loads into slots 0, 1, ..., each alone: CUDA events around its
+    copies, waited for before the next (on the CPU, its wall time)."""
+    for i in range(warmup):
+        loader.load(i % loader.max_loras, i)
+    if loader.cuda:
+        torch.cuda.synchronize()
+        events = Events(loads)
+    ms, host = np.empty(loads), np.empty(loads)
+    for i in range(loads):
+        t0 = time.perf_counter_ns()
+        if loader.cuda:
+            events.start(i)
+        loader.load(i % loader.max_loras, i)
+        if loader.cuda:
+            events.stop(i)
+        host[i] = (time.perf_counter_ns() - t0) / 1e3
+        if loader.cuda:
+            events.wait(i)
+        else:
+            ms[i] = host[i] / 1e3
+    if loader.cuda:
+        ms[:] = events.ms()
+    return ms, host
