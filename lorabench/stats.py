@@ -305,20 +305,21 @@ def _pct(value: float, decimals: int) -> str:
     return text[1:] if float(text) == 0 and text.startswith("-") else text  # no "-0.0"
 
 
-def describe(diff_pct: Interval | None, margin_pct: float) -> str:
+def describe(diff_pct: Interval | None, margin_pct: float, words: tuple[str, str] = ("faster", "slower")) -> str:
     """The verdict in a user's words: "faster by 3.1 % (95 % CI 2.5…3.8)" (magnitudes: the step
     time fell), "slower by 0.8 % (95 % CI 0.6…1.0)", "no difference detected (-0.1 %, 95 % CI
-    -0.3…0.2)" (signed), or "not enough samples"."""
+    -0.3…0.2)" (signed), or "not enough samples". ``words``: what a fall and a rise are called
+    (a throughput's: ("more tokens/s", "fewer tokens/s"), its ``diff_pct`` negated)."""
     v = verdict(diff_pct, margin_pct)
     if v is None:
         return "not enough samples"
     d = _decimals(diff_pct.half_width)
     ci = f"{diff_pct.level * 100:g} % CI"
     if v is Verdict.FASTER:
-        return (f"faster by {_pct(-diff_pct.estimate, d)} % "
+        return (f"{words[0]} by {_pct(-diff_pct.estimate, d)} % "
                 f"({ci} {_pct(-diff_pct.high, d)}…{_pct(-diff_pct.low, d)})")
     if v is Verdict.SLOWER:
-        return (f"slower by {_pct(diff_pct.estimate, d)} % "
+        return (f"{words[1]} by {_pct(diff_pct.estimate, d)} % "
                 f"({ci} {_pct(diff_pct.low, d)}…{_pct(diff_pct.high, d)})")
     return (f"{v.value} ({_pct(diff_pct.estimate, d)} %, "
             f"{ci} {_pct(diff_pct.low, d)}…{_pct(diff_pct.high, d)})")

@@ -81,13 +81,21 @@ class Plan:
 
 
 class Optimiser:
-    def __init__(self, model: CostModel, pmf: dict[int, np.ndarray]):
-        """pmf: P(n | c) for each swept concurrency c, n = 0..min(c, max_loras)."""
+    def __init__(self, model: CostModel, pmf: dict[int, np.ndarray], weights: dict[int, float] | None = None):
+        """pmf: P(n | c) for each swept concurrency c, n = 0..min(c, max_loras). weights: how much
+        each concurrency counts in the mean (a residency run's share of steps at each batch size,
+        ``lorabench.analysis.residency``); default: every concurrency alike."""
         self.m, self.pmf = model, pmf
         self.L = model.max_loras
-        self.conc = [c for c in model.concurrency if c in pmf]
+        self.conc = [c for c in model.concurrency if c in pmf and (weights is None or weights.get(c, 0) > 0)]
         if not self.conc:
             raise ValueError("no concurrency has both measured points and a workload distribution")
+        total = sum(weights[c] for c in self.conc) if weights else len(self.conc)
+        self.weight = {c: (weights[c] if weights else 1.0) / total for c in self.conc}
+
+    def mean(self, by_c: dict[int, float]):
+        """The mean over the concurrencies, each by its weight."""
+        return sum(self.weight[c] * v for c, v in by_c.items())
 
     def _launch(self, c: int, n: int, k: int) -> int:
         """The launch count a step of (c, n) runs with when k is its count in the set: past the
@@ -112,7 +120,7 @@ class Optimiser:
 
     def _seg(self, prev: int, k: int) -> tuple[float, dict[str, int]] | None:
         by_c, sources = self._by_c(prev, k)
-        return None if by_c is None else (sum(by_c.values()) / len(self.conc), sources)
+        return None if by_c is None else (self.mean(by_c), sources)
 
     def _base_by_c(self) -> dict[int, float]:
         out = {}
@@ -124,7 +132,7 @@ class Optimiser:
         return out
 
     def _base(self) -> float:
-        return sum(self._base_by_c().values()) / len(self.conc)
+        return self.mean(self._base_by_c())
 
     def evaluate(self, counts: list[int]) -> Plan | None:
         """What the model predicts for a set; None when it cannot price a step (``unpriced``)."""
@@ -139,7 +147,7 @@ class Optimiser:
             for s_, v in src.items():
                 sources[s_] = sources.get(s_, 0) + v
             prev = k
-        return Plan(counts, sum(by_c.values()) / len(self.conc), by_c, lora_graphs(counts, self.m.capture_sizes, self.L),
+        return Plan(counts, self.mean(by_c), by_c, lora_graphs(counts, self.m.capture_sizes, self.L),
                     self.m.graph_memory(counts), self.m.startup(counts), sources)
 
     def unpriced(self, counts: list[int]) -> str | None:
@@ -300,8 +308,8 @@ class PricedGain:
                     if p[n] > 0:
                         e = e + p[n] * self._step(m, memo, c, n, o._launch(c, n, k))
                 prev = k
-            total = total + e
-        return total / len(o.conc)
+            total = total + o.weight[c] * e
+        return total
 
     def statistic(self, counts: list[int]):
         def gain(m):

@@ -10,6 +10,7 @@ one line on stderr and nothing written, when none gets a set.
 """
 
 import json
+import math
 from pathlib import Path
 
 from rich import box
@@ -18,11 +19,16 @@ from rich.table import Table
 
 from lorabench.analysis.optimise import PLAIN, auto_recommendations
 from lorabench.analysis.points import run_samples
-from lorabench.config.spec import coerce
+from lorabench.analysis.residency import CARD, residency_recommendations
+from lorabench.config.flags import to_int, to_positive
+from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
+from lorabench.config.spec import MAX_ADAPTERS, MAX_STEPS, coerce
+from lorabench.config.workload import parse_workload
 from lorabench.config.strategies import STRATEGIES
 from lorabench.errors import UserError
 from lorabench.storage.results import load_run
 from lorabench.storage.runs import Coverage, coverage
+from lorabench.storage.samples import read_loads
 
 
 def auto_table(recs: list[dict]) -> Table:
@@ -99,4 +105,86 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
         console.print(f"  validate with  {r['validate']}")
         console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
     console.print(f"-> {write_auto(run_dir, recs, cov)}")
+    return 0
+
+
+def _mib(b) -> str:
+    return "-" if b is None or (isinstance(b, float) and math.isnan(b)) else f"{b / 2**20:.0f}"
+
+
+def residency_table(entry: dict) -> Table:
+    """One row per (max_loras, capture set) priced under the residency workload."""
+    table = Table(title=(f"{entry['kernels']}: {entry['adapters']} adapters under {entry['workload']}, {entry['clients']} clients, "
+                         f"{entry['output_tokens']} tokens per request (expected, from the run's points)"),
+                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
+    for col in ["L", "set", "step ms", "tokens/s", "tok/step", "waiting", "loads/1k", "graph MiB", "slot MiB", "KV tokens"]:
+        table.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
+    chosen = entry["chosen"] or {}
+    for c in entry["configs"]:
+        mark = " *" if (c["max_loras"], c["counts"]) == (chosen.get("max_loras"), chosen.get("counts")) else ""
+        name = c["strategy"] if c["strategy"] != "auto" else "[" + ",".join(map(str, c["counts"])) + "]"
+        kv = "-" if c["kv_tokens_given_up"] is None else f"{c['kv_tokens_given_up']:,}"
+        table.add_row(str(c["max_loras"]), name + mark, f"{c['expected_step_ms']:.3f}", f"{c['tokens_per_s']:,.0f}",
+                      f"{c['tokens_per_step']:.1f}", f"{c['waiting_per_step']:.1f}", f"{1000 * c['loads_per_step']:.1f}",
+                      _mib(c["graph_mem_bytes"]), _mib(c["slot_bytes"]), kv)
+    return table
+
+
+def write_residency(run_dir: Path, entries: list[dict]) -> Path:
+    """Into the run's recommendation.json, under "residency" keyed by workload and adapters."""
+    path = Path(run_dir) / "recommendation.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    key = f"{entries[0]['workload']} over {entries[0]['adapters']} adapters"
+    data.setdefault("residency", {})[key] = entries
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    return path
+
+
+def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: str | None, output_tokens: str | None,
+                        max_cpu_loras: str | None, gpu_memory_budget: str | None, kernels: str | None,
+                        max_loras: str | None, console: Console) -> int:
+    """``lorabench recommend RUN --adapters N``: max_loras, capture set and CPU cache for N
+    adapters under a workload (``lorabench.analysis.residency``)."""
+    df = load_run(run_dir)
+    n = to_int("adapters", adapters, 1, MAX_ADAPTERS)
+    out = to_int("output_tokens", output_tokens, 1, MAX_STEPS) if output_tokens is not None else OUTPUT_TOKENS
+    cpu = to_int("max_cpu_loras", max_cpu_loras, 1, MAX_ADAPTERS) if max_cpu_loras is not None else None
+    c = to_int("concurrency", clients, 1) if clients is not None else None
+    budget = to_positive("gpu_memory_budget", gpu_memory_budget) * 2**30 if gpu_memory_budget is not None else None
+    slots = coerce("max_loras", max_loras) if max_loras else None
+    try:
+        wl = parse_workload(workload)
+        check_residency(wl, n, None, [1])  # a max_loras above the CPU cache is left out, and says so
+        recs = residency_recommendations(df, workload, Adapters(n, cpu, out), c, budget,
+                                         kernels=coerce("kernels", kernels) if kernels else None, max_loras=slots,
+                                         samples=run_samples(run_dir), loads=read_loads(run_dir))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not recs:
+        raise UserError(f"{run_dir}: nothing to price (no fixed points of lorabench's kernels matching --kernels/--max-loras)")
+    if all(r["chosen"] is None for r in recs):
+        raise UserError(f"{run_dir}: nothing to recommend: " + "; ".join(f"{r['kernels']}: {r['reason']}" for r in recs))
+    for r in recs:
+        console.print(residency_table(r))
+        where = f"{r['kernels']}"
+        c = r["chosen"]
+        if c is None:
+            console.print(f"{where}: nothing to recommend: {r['reason']}")
+            continue
+        name = c["strategy"] if c["strategy"] != "auto" else "[" + ",".join(map(str, c["counts"])) + "]"
+        console.print(f"{where}: max_loras {c['max_loras']}, {name} {c['counts']}: {c['expected_step_ms']:.3f} ms per step, "
+                      f"{c['tokens_per_s']:,.0f} tokens/s, {1000 * c['loads_per_step']:.1f} loads per 1000 steps; {r['reason']}")
+        if r["versus_card"]:
+            v = r["versus_card"]
+            console.print(f"  against the card's max_loras {CARD} (max): {v['tokens_per_s']:,.0f} tokens/s; "
+                          f"the choice: {v['verdict']}")
+        gpu = c["graph_mem_bytes"]
+        console.print(f"  memory: graphs {_mib(gpu)} MiB + {c['max_loras']} adapter slots {_mib(c['slot_bytes'])} MiB"
+                      + (f" = {c['kv_tokens_given_up']:,} KV-cache tokens given up" if c["kv_tokens_given_up"] is not None else "")
+                      + f"; CPU cache {r['max_cpu_loras']} adapters = {r['max_cpu_loras'] * c['slot_bytes'] / c['max_loras'] / 2**30:.1f} GiB of host memory")
+        for note in r["notes"]:
+            console.print(f"  note: {note}")
+        console.print(f"  vLLM: {r['vllm']['flags']}  ({r['vllm']['note']})")
+        console.print(f"  validate with  {r['validate']}")
+    console.print(f"-> {write_residency(run_dir, recs)}")
     return 0

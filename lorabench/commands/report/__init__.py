@@ -17,6 +17,8 @@ from lorabench.analysis.points import (
 from lorabench.analysis.recommend import recommend
 from lorabench.analysis.roofline import floors
 from lorabench.commands.report import plots as p
+from lorabench.commands.report import residency
+from lorabench.commands.report.labels import unit
 from lorabench.commands.report.markdown import render_markdown
 from lorabench.storage.results import load_run
 from lorabench.storage.runs import Coverage, coverage, read_info, run_status
@@ -64,6 +66,10 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     fl = floors(same)
     if not fl.empty:
         plots["roofline"] = p.roofline(df, fl, run_dir / "roofline.png")
+    res = residency.build(same, run_dir, run_samples(run_dir))
+    if res is not None and res.recommendations:
+        runs = ok_points(same)[lambda d: d["mode"] == "residency"]
+        plots["residency"] = p.residency(df, res.recommendations, runs, run_dir / "residency.png")
     rec = recommend(df, planned=planned, samples=rs)
     rec = {**{k: v for k, v in rec.items() if k != "recommendations"}, "coverage": cov.to_dict() if cov else None,
            "recommendations": rec["recommendations"]}
@@ -77,7 +83,8 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
             rec["auto"] = auto
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
-    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete, samples=rs, gpus=gpus)
+    extra = residency.markdown(res, plots.get("residency"), unit(df)) if res is not None else []
+    md = render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete, samples=rs, gpus=gpus, extra=extra)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")
         md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"

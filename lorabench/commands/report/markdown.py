@@ -419,10 +419,11 @@ def gpu_md(gpus: dict) -> list[str]:
 
 
 def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: str | None = None,
-                    samples=None, gpus: dict | None = None) -> str:
+                    samples=None, gpus: dict | None = None, extra: list[str] | None = None) -> str:
     """The whole report: configurations, expected steps, LoRA overhead, roofline floors (``fl``),
     the recommendation and the figures already written (``plots``: name -> path); ``incomplete``:
-    the line saying how the run is incomplete (``lorabench.commands.report.incomplete_line``), if it is."""
+    the line saying how the run is incomplete (``lorabench.commands.report.incomplete_line``), if it
+    is; ``extra``: a section of its own (the residency runs'), before the recommendation."""
     r = ok_points(df).iloc[0]
     where = f"{r.gpu_name} (driver {r.driver}, CUDA {r.cuda})" if r.device == "cuda" else "CPU: figures are CPU wall times, not GPU results"
     u = unit(df)
@@ -499,6 +500,7 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
                      [[k, int(c), h["host"], h["copy"], h["launch"]] for (k, c), h in host.iterrows()]), ""]
     if "latency_vs_memory" in plots:
         out += [f"![latency vs memory]({plots['latency_vs_memory'].name})", ""]
+    out += extra or []
     out += recommendation_md(rec, incomplete)
     bad = df[(df.status == "failed") | df.noisy.fillna(False).astype(bool)]
     if len(bad):

@@ -178,3 +178,35 @@ def roofline(df: pd.DataFrame, fl: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel("measured LoRA overhead over n = 0 (ms)")
     ax.legend(fontsize=7)
     return _save(fig, df, "LoRA overhead vs its floor", path)
+
+
+def residency(df: pd.DataFrame, recs: list[dict], measured: pd.DataFrame, path: Path) -> Path:
+    """Per workload: tokens per second and expected step against max_loras, each (kernels,
+    capture set) as the run prices it under residency (lines), the residency runs measured
+    (crosses)."""
+    workloads = sorted({r["workload"] for r in recs if r.get("configs")})
+    fig, axes = _grid(2, max(1, len(workloads)))
+    for j, w in enumerate(workloads):
+        top, bottom = axes[0][j], axes[1][j]
+        slots: set[int] = set()
+        for rec in (r for r in recs if r["workload"] == w and r.get("configs")):
+            priced = pd.DataFrame(rec["configs"])
+            runs = measured[(measured.workload == w) & (measured.kernels == rec["kernels"])]
+            slots |= set(int(m) for m in priced.max_loras)
+            for s, g in priced.groupby("strategy"):
+                g, name = g.sort_values("max_loras"), label(df, rec["kernels"], s)
+                (line,) = top.plot(g.max_loras, g.tokens_per_s, marker="o", ms=3, label=f"{name} (predicted)")
+                bottom.plot(g.max_loras, g.expected_step_ms, marker="o", ms=3, color=line.get_color())
+                m = runs[runs.strategy == s]
+                if len(m):
+                    top.scatter(m.max_loras, m.tokens_per_s, marker="x", s=40, color=line.get_color(), label=f"{name} (measured)")
+                    bottom.scatter(m.max_loras, m.step_ms_mean, marker="x", s=40, color=line.get_color())
+            top.set_title(f"{rec['adapters']} adapters, {w}, {rec['clients']} clients", fontsize=9)
+        for ax, what in ((top, "tokens/s"), (bottom, f"expected step ({unit(df)}), loads included")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(slots), [str(m) for m in sorted(slots)])
+            ax.minorticks_off()
+            ax.set_xlabel("max_loras")
+            ax.set_ylabel(what)
+        top.legend(fontsize=7)
+    return _save(fig, df, "Adapter residency: throughput and step vs slots", path)

@@ -1,0 +1,108 @@
+"""The report's residency section, for runs with residency points (``sweep --adapters N``): what
+loading an adapter costs, each residency run against its prediction, and the configuration
+``lorabench recommend --adapters`` would choose for the run's own adapters and clients."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from lorabench.analysis.points import ok_points
+from lorabench.analysis.residency import CARD, residency_recommendations, validation
+from lorabench.commands.tables import markdown_table
+from lorabench.config.residency import Adapters
+from lorabench.storage.samples import read_loads, read_samples
+
+
+@dataclass
+class ResidencyReport:
+    loads: pd.DataFrame  # per (kernels, max_loras): the timed load's median, interval, ops, bytes
+    validation: pd.DataFrame  # per residency row: measured against predicted (lorabench.analysis.residency.validation)
+    recommendations: list[dict]  # per (workload, kernels): residency_recommendations' entries
+
+
+def build(df: pd.DataFrame, run_dir: Path, samples: dict) -> ResidencyReport | None:
+    """The section's figures for a run (its same-GPU rows), or None without residency points."""
+    ok = ok_points(df)
+    runs = ok[ok["mode"] == "residency"]
+    if runs.empty:
+        return None
+    loads = (ok.dropna(subset=["load_ms_median"]).drop_duplicates(["kernels", "max_loras"])
+             [["kernels", "max_loras", "load_ms_median", "load_ms_ci_low", "load_ms_ci_high", "load_host_us_median",
+               "load_ops", "lora_bytes_per_slot"]].sort_values(["kernels", "max_loras"]))
+    timed = read_loads(run_dir)
+    recs = []
+    for (w, n, cpu, out, c), _ in runs.groupby(["workload", "adapters", "max_cpu_loras", "output_tokens", "concurrency"]):
+        try:
+            recs += residency_recommendations(df, w, Adapters(int(n), int(cpu), int(out)), int(c), samples=samples,
+                                              loads=timed)
+        except ValueError as e:
+            recs.append({"workload": w, "adapters": int(n), "clients": int(c), "chosen": None, "reason": str(e),
+                         "kernels": "-", "configs": []})
+    return ResidencyReport(loads, validation(df, read_samples(run_dir)), recs)
+
+
+def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
+    out = ["## Adapters: residency, loads and memory", "",
+           "A residency run is a closed loop of clients (the run's largest concurrency), each keeping one request in "
+           "flight; requests choose among the run's adapters by the workload; vLLM's scheduler rules admit them "
+           "(a request waits while the batch holds max_loras other adapters) and its LRU keeps adapters in the slots. "
+           "Each step's time includes the loads it makes (one adapter copied from pinned host memory into a slot, "
+           "blocking, as vLLM activates one). Predicted = the fixed points' medians for each step's batch size and "
+           "active count, plus the loads at the timed load's median: on the very steps the run made, and on a long "
+           "simulation of the same loop (what `lorabench recommend --adapters` uses). Prefill is not modelled.", ""]
+    if plot is not None:
+        out += [f"![residency]({plot.name})", ""]
+    out += [f"**Loading one adapter into a slot ({u})**", "",
+            markdown_table(["kernels", "max_loras", "load ms", "95 % CI", "host us", "device ops", "MiB", "GB/s"],
+                           [[r.kernels, int(r.max_loras), r.load_ms_median, _ci(r.load_ms_ci_low, r.load_ms_ci_high),
+                             r.load_host_us_median, _int(r.load_ops), r.lora_bytes_per_slot / 2**20,
+                             r.lora_bytes_per_slot / (r.load_ms_median * 1e-3) / 1e9] for r in rep.loads.itertuples()]), ""]
+    v = rep.validation
+    if len(v):
+        rows = [[r.kernels, r.max_loras, r.strategy, r.workload, r.clients, r.tokens_per_step, 1000 * r.loads_per_step,
+                 r.measured_ms, getattr(r, "predicted_ms", None), getattr(r, "error_pct", None),
+                 r.measured_tokens_per_s, getattr(r, "long_run_tokens_per_s", None), getattr(r, "long_run_error_pct", None)]
+                for r in v.sort_values(["kernels", "workload", "max_loras", "strategy"]).itertuples()]
+        out += [f"**Residency runs: measured against predicted ({u}, mean step)**", "",
+                markdown_table(["kernels", "max_loras", "strategy", "workload", "clients", "tokens/step", "loads/1k steps",
+                                "measured ms", "predicted ms (same steps)", "error %", "measured tokens/s",
+                                "predicted tokens/s (long run)", "error %"], rows), ""]
+        why = v[v.get("why", pd.Series(dtype=object)).notna()] if "why" in v else v.iloc[:0]
+        out += [f"- point {int(r.point)}: not predicted: {r.why}" for r in why.itertuples()]
+    for rec in rep.recommendations:
+        out += [f"**{rec['adapters']} adapters under {rec['workload']}, {rec['clients']} clients ({rec['kernels']})**", ""]
+        c = rec["chosen"]
+        if c is None:
+            out += [f"- nothing to recommend: {rec['reason']}", ""]
+            continue
+        if rec["configs"]:
+            out += [markdown_table(["max_loras", "set", "expected step ms", "tokens/s", "tokens/step", "waiting", "loads/1k steps",
+                                    "graph MiB", "slot MiB", "KV tokens given up"],
+                                   [[x["max_loras"], _set(x), x["expected_step_ms"], x["tokens_per_s"], x["tokens_per_step"],
+                                     x["waiting_per_step"], 1000 * x["loads_per_step"], _mib(x["graph_mem_bytes"]),
+                                     _mib(x["slot_bytes"]), x["kv_tokens_given_up"]] for x in rec["configs"]]), ""]
+        out += [f"- recommended: max_loras {c['max_loras']}, {_set(c)}: {c['tokens_per_s']:.0f} tokens/s, "
+                f"{c['expected_step_ms']:.3f} ms per step; {rec['reason']}"]
+        if rec.get("versus_card"):
+            out.append(f"- against the card's max_loras {CARD} (max): {rec['versus_card']['verdict']}")
+        out += [f"- note: {x}" for x in rec.get("notes", [])]
+        out += [f"- vLLM: `{rec['vllm']['flags']}` ({rec['vllm']['note']})", f"- validate: `{rec['validate']}`", ""]
+    return out
+
+
+def _set(x: dict) -> str:
+    counts = "[" + ",".join(map(str, x["counts"])) + "]"
+    return counts if x["strategy"] == "auto" else f"{x['strategy']} {counts}"
+
+
+def _ci(lo, hi):
+    return None if pd.isna(lo) or pd.isna(hi) else f"{lo:.3f}…{hi:.3f}"
+
+
+def _int(v):
+    return None if pd.isna(v) else int(v)
+
+
+def _mib(v):
+    return None if v is None or pd.isna(v) else v / 2**20
