@@ -8,10 +8,14 @@
 # makes it; without it the vllm backend's tests skip), runs pytest, and ends with one line:
 # "gpu tests: N passed, N failed, N skipped, N errors (GPU name)". Exit status: pytest's.
 # LOG=path keeps pytest's whole output (default: gpu-tests.log).
+# SHARDS=N runs the test files in N pytest processes at once on the same GPU (files dealt out
+# largest first, round robin; each shard's output in LOG.<i>), and adds up their counts: the
+# suite's tests share no state across files, and a GPU has room for several.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 log=${LOG:-gpu-tests.log}
+shards=${SHARDS:-1}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$log.install" 2>&1 \
   || { echo "install failed:"; tail -5 "$log.install"; exit 1; }
@@ -21,9 +25,32 @@ if [ -d .vllm-bundle ]; then
     && python3 -m pip install -q --no-index --no-deps --target "$site" .vllm-bundle/*.whl >>"$log.install" 2>&1
   export PYTHONPATH=$site:$PWD/.vllm-bundle${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 tests "$@" 2>&1 | tee "$log"
-rc=${PIPESTATUS[0]}
-summary=$(tail -n 1 "$log")
-count() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE "[0-9]+" || echo 0; }
-echo "gpu tests: $(count passed) passed, $(count failed) failed, $(count skipped) skipped, $(count error) errors (${gpu:-no GPU found})"
+count() { grep -oE "[0-9]+ $1" <<<"$2" | grep -oE "[0-9]+" || echo 0; }
+if [ "$shards" -le 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 tests "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  summary=$(tail -n 1 "$log")
+  echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found})"
+  exit "$rc"
+fi
+mapfile -t files < <(ls -S tests/test_*.py)
+pids=()
+for ((i = 0; i < shards; i++)); do
+  mine=()
+  for ((j = i; j < ${#files[@]}; j += shards)); do mine+=("${files[j]}"); done
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=5 "${mine[@]}" "$@" >"$log.$i" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+passed=0 failed=0 skipped=0 errors=0
+for ((i = 0; i < shards; i++)); do
+  summary=$(tail -n 1 "$log.$i")
+  echo "shard $i: $summary"
+  passed=$((passed + $(count passed "$summary"))); failed=$((failed + $(count failed "$summary")))
+  skipped=$((skipped + $(count skipped "$summary"))); errors=$((errors + $(count error "$summary")))
+done
+cat "$log".[0-9]* >"$log"
+grep -E "^(FAILED|ERROR) " "$log" | head -n 40
+echo "gpu tests: $passed passed, $failed failed, $skipped skipped, $errors errors (${gpu:-no GPU found}; $shards shards)"
 exit "$rc"

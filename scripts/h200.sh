@@ -43,6 +43,10 @@
 #   gpus   - sweeps/backends.toml on GPU 0 alone, then over GPUs 0,1 (--executor local, and --executor dask on a
 #            LocalCluster of the two), each timed from process start; the two-GPU runs' winners per (kernels, max_loras, c)
 #            compared with the one-GPU run's, and lorabench compare on the points both measured on one GPU: results/gpus/
+#   adapters - sweeps/adapters.toml (200 adapters, max_loras 4..64, residency runs under uniform, zipf:1, zipf:1.2),
+#            then lorabench recommend --adapters 200 per workload: results/adapters/
+#   loads  - what loading one adapter costs: llama-2-7b and llama-3.1-8b at ranks 16 and 64 (small sweeps whose
+#            workers time 30 loads each): results/loads/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 # Dask's wheels: .dask-wheels/ beside this checkout (scripts/dask-wheels.sh downloads them), installed here when present.
@@ -182,7 +186,31 @@ PY
         lorabench compare "$one" "$two" 2>&1 | tail -n 6 | tee -a "$OUT/stages.log"
       done
       tar czf "$OUT/gpus.tgz" results/gpus ;;
-    report) for r in results/2*/ results/models/2*/ results/padding/2*/; do [ -d "$r" ] || continue; lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
+    adapters)
+      /usr/bin/time -f "adapters wall %e s" lorabench sweep --spec sweeps/adapters.toml --out results/adapters 2>&1 | tail -n 4 | tee -a "$OUT/stages.log"; pack
+      run=$(ls -td results/adapters/2*/ | head -1)
+      for w in uniform zipf:1 zipf:1.2; do
+        lorabench recommend "$run" --adapters 200 --workload "$w" 2>&1 | tee -a "$OUT/recommend.log" | tail -n 12 | tee -a "$OUT/stages.log"
+      done
+      tar czf "$OUT/adapters.tgz" results/adapters ;;
+    loads)
+      for model in llama-2-7b llama-3.1-8b; do
+        for rank in 16 64; do
+          lorabench sweep --model $model --rank $rank --max-loras 4 --concurrency 1 --strategy max --iters 20 --no-check \
+            --out results/loads 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"
+        done
+      done
+      python3 - <<'PY' 2>&1 | tee -a "$OUT/stages.log"
+import glob
+import pandas as pd
+for run in sorted(glob.glob("results/loads/2*/")):
+    r = pd.read_parquet(run + "points.parquet").iloc[0]
+    print(f"{run}: {r.model} rank {r['rank']}: load {r.load_ms_median:.3f} ms ({r.load_ms_ci_low:.3f}..{r.load_ms_ci_high:.3f}), "
+          f"{r.lora_bytes_per_slot / 2**20:.0f} MiB, {r.lora_bytes_per_slot / r.load_ms_median / 1e6:.1f} GB/s, "
+          f"host {r.load_host_us_median:.0f} us, {r.load_ops} ops")
+PY
+      tar czf "$OUT/loads.tgz" results/loads ;;
+    report) for r in results/2*/ results/models/2*/ results/padding/2*/ results/adapters/2*/; do [ -d "$r" ] || continue; lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
   log "$stage: rc=${PIPESTATUS[0]} wall $((SECONDS - t0)) s"
