@@ -187,7 +187,8 @@ PY
       done
       tar czf "$OUT/gpus.tgz" results/gpus ;;
     adapters)
-      /usr/bin/time -f "adapters wall %e s" lorabench sweep --spec sweeps/adapters.toml --out results/adapters 2>&1 | tail -n 4 | tee -a "$OUT/stages.log"; pack
+      /usr/bin/time -f "adapters wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec sweeps/adapters.toml \
+        --out results/adapters 2>&1 | tail -n 12 | tee -a "$OUT/stages.log"; pack
       run=$(ls -td results/adapters/2*/ | head -1)
       for w in uniform zipf:1 zipf:1.2; do
         lorabench recommend "$run" --adapters 200 --workload "$w" 2>&1 | tee -a "$OUT/recommend.log" | tail -n 12 | tee -a "$OUT/stages.log"
