@@ -206,9 +206,9 @@ import glob
 import pandas as pd
 for run in sorted(glob.glob("results/loads/2*/")):
     r = pd.read_parquet(run + "points.parquet").iloc[0]
-    print(f"{run}: {r.model} rank {r['rank']}: load {r.load_ms_median:.3f} ms ({r.load_ms_ci_low:.3f}..{r.load_ms_ci_high:.3f}), "
-          f"{r.lora_bytes_per_slot / 2**20:.0f} MiB, {r.lora_bytes_per_slot / r.load_ms_median / 1e6:.1f} GB/s, "
-          f"host {r.load_host_us_median:.0f} us, {r.load_ops} ops")
+    print(f"{run}: {r.model} rank {r['rank']}: load in a step {r.load_ms_median:.3f} ms ({r.load_ms_ci_low:.3f}..{r.load_ms_ci_high:.3f}), "
+          f"alone {r.load_alone_ms_median:.3f} ms, {r.lora_bytes_per_slot / 2**20:.0f} MiB, "
+          f"{r.lora_bytes_per_slot / r.load_alone_ms_median / 1e6:.1f} GB/s, host {r.load_host_us_median:.0f} us, {r.load_ops} ops")
 PY
       tar czf "$OUT/loads.tgz" results/loads ;;
     report) for r in results/2*/ results/models/2*/ results/padding/2*/ results/adapters/2*/; do [ -d "$r" ] || continue; lorabench report "$r" 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"; done ;;

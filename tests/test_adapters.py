@@ -47,9 +47,15 @@ def test_a_load_copies_every_slice_of_every_linear_into_the_slot():
         assert all(h.is_pinned() for part in loader.bank for pair in part for h in pair)
 
 
-def test_loads_are_timed_one_by_one():
-    ms, host = time_loads(AdapterLoader(model()))
-    assert len(ms) == len(host) == LOADS and (ms > 0).all() and (host > 0).all()
+def test_loads_are_timed_in_a_step_and_alone():
+    m = model()
+    d = Dispatcher(m, get_backend("torch"), max_loras=4, capture_sizes=[1, 2], counts=[4], use_graphs=HAS_CUDA)
+    d.warm_up()
+    d.capture()
+    t = time_loads(AdapterLoader(m), d)
+    assert all(len(v) == LOADS for v in t.values())
+    assert (t["alone_ms"] > 0).all() and (t["host_us"] > 0).all()
+    assert abs(float(pd.Series(t["load_ms"]).median())) < 100 * float(pd.Series(t["alone_ms"]).median())
 
 
 def test_a_captured_graph_replays_with_the_adapter_loaded_after_capture():
@@ -104,7 +110,7 @@ def test_a_sweep_with_adapters_runs_residency_points_at_its_largest_concurrency(
     assert (runs.timed_steps == 30).all() and (runs.loads_per_step > 0).all()
     assert (runs[runs.max_loras == 2].tokens_per_step < 4).all()  # two slots: requests wait
     assert ((runs.tokens_per_s - 1e3 * runs.tokens_per_step / runs.step_ms_mean).abs() < 1e-6 * runs.tokens_per_s).all()
-    assert df.load_ms_median.notna().all() and (df.load_ops == 56).all()
+    assert df.load_ms_median.notna().all() and df.load_alone_ms_median.notna().all() and (df.load_ops == 56).all()
     samples = read_samples(residency_run)
     mine = samples[samples.point.isin(runs.point)]
     assert mine.tokens.notna().all() and mine.groupby("point").loads.mean().round(6).tolist() == \

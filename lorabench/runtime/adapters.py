@@ -17,11 +17,12 @@ import time
 import numpy as np
 import torch
 
+from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA, LoRALinear
-from lorabench.runtime.timing import Events
+from lorabench.runtime.timing import Events, time_steps
 
 BANK = 2  # adapters held in pinned host memory
-LOADS = 30  # timed loads per worker (its load cost: the ``load_ms_*`` columns)
+LOADS = 30  # timed loads per worker, each way (its load cost: the ``load_*`` columns)
 WARMUP = 3
 
 
@@ -62,15 +63,25 @@ class AdapterLoader:
             b[slot, br].copy_(hb, non_blocking=True)
 
 
-def time_loads(loader: AdapterLoader, loads: int = LOADS, warmup: int = WARMUP) -> tuple[np.ndarray, np.ndarray]:
-    """(ms, host us) of ``loads`` loads into slots 0, 1, ..., each alone: CUDA events around its
-    copies, waited for before the next (on the CPU, its wall time)."""
+def time_loads(loader: AdapterLoader, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP) -> dict[str, np.ndarray]:
+    """What loading one adapter costs, ``loads`` times each way (ms, and host us):
+
+    - ``load_ms``: what it adds to the step that waits for it, as a residency step makes it: decode
+      steps of one adapter token, every other one loading an adapter (into slots 0, 1, ...) before
+      its replay (``time_steps``); each loading step less the mean of the steps either side of it;
+    - ``alone_ms``: the load by itself, CUDA events around its copies, waited for (on the CPU, wall
+      time), with ``host_us``, the host's time of queueing them."""
+    k = 2 * loads  # steps: load, none, load, none, ...
+    steps = [[(i // 2 % loader.max_loras, i // 2)] if i % 2 == 0 else [] for i in range(k)]
+    s = time_steps(d, [[0]] * k, k, warmup, loads=steps, loader=loader)
+    with_load, plain = s.step_ms[0::2], s.step_ms[1::2]
+    neighbours = (plain + np.concatenate([plain[:1], plain[:-1]])) / 2  # the steps after and before each loading one
     for i in range(warmup):
         loader.load(i % loader.max_loras, i)
     if loader.cuda:
         torch.cuda.synchronize()
         events = Events(loads)
-    ms, host = np.empty(loads), np.empty(loads)
+    alone, host = np.empty(loads), np.empty(loads)
     for i in range(loads):
         t0 = time.perf_counter_ns()
         if loader.cuda:
@@ -82,7 +93,7 @@ def time_loads(loader: AdapterLoader, loads: int = LOADS, warmup: int = WARMUP) 
         if loader.cuda:
             events.wait(i)
         else:
-            ms[i] = host[i] / 1e3
+            alone[i] = host[i] / 1e3
     if loader.cuda:
-        ms[:] = events.ms()
-    return ms, host
+        alone[:] = events.ms()
+    return {"load_ms": with_load - neighbours, "alone_ms": alone, "host_us": host}

@@ -12,9 +12,10 @@ building the batch metadata and choosing the graph; ``copy`` = the call that que
 metadata's copy to the device; ``launch`` = the graph replay call. On the CPU the step time is
 the eager step's wall time.
 
-Residency steps (``loads`` given) load adapters into slots first, as vLLM does before a step that
-needs them: their CUDA events enclose the loads, the metadata's copy and the replay, so each sample
-is the whole step a request waits for; ``copy`` then includes queueing the loads.
+Residency steps (``loads`` given) load adapters into slots before the replay, as vLLM does before a
+step that needs them: their CUDA events enclose the loads and the replay (the metadata's copy is
+queued before, as for every step), so each sample is the whole step a request waits for; ``copy``
+then includes queueing the loads.
 """
 
 import time
@@ -87,7 +88,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
     """Run ``warmup`` untimed steps, then ``iters`` timed ones over ``batches[first:]``, cycling
     (``first``: where a strategy's previous turn at this point left off). ``loads``: per batch,
     the (slot, adapter) pairs ``loader`` (``lorabench.runtime.adapters.AdapterLoader``) loads
-    within that step, before its metadata and replay."""
+    within that step, after its metadata's copy and before its replay."""
     cuda = d.use_graphs
     for i in range(warmup):
         k = (first + i) % len(batches)
@@ -105,14 +106,13 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         t0 = clock()
         prep = d.prepare(batches[k])
         tc = clock()
-        if cuda and loads:  # the loads are the step's: inside its events, as the step waits for them
-            events.start(i)
-        for slot, adapter in loads[k] if loads else ():
-            loader.load(slot, adapter)
         d.load(prep)
-        t1 = clock()
-        if cuda and not loads:
+        if cuda:
             events.start(i)
+        t_start = clock()
+        for slot, adapter in loads[k] if loads else ():  # the step's loads: inside its events, as it waits for them
+            loader.load(slot, adapter)
+        t1 = clock()
         d.run(prep.route)
         if cuda:
             events.stop(i)
@@ -120,7 +120,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         if cuda:
             events.wait(i)
         else:
-            step_ms[i] = (t2 - (tc if loads else t1)) / 1e6
+            step_ms[i] = (t2 - t_start) / 1e6
         host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
         n_active[i], launches[i], tokens[i] = prep.n_active, d.grid_of(prep.route), prep.batch_tokens
         loaded[i] = len(loads[k]) if loads else 0

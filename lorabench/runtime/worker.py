@@ -222,23 +222,23 @@ class Worker:
             except Exception:  # noqa: BLE001 - no probe, no roofline; the points still count
                 traceback.print_exc()
 
-    def time_loads(self, model: LlamaLoRA) -> None:
-        """What loading one adapter into a slot costs here (``lorabench.runtime.adapters``): every
-        row's ``load_*`` columns, and the timed loads themselves (``@@loads``). A worker that cannot
-        load still times its points; its residency points then fail."""
+    def time_loads(self, model: LlamaLoRA, d: Dispatcher) -> None:
+        """What loading one adapter into a slot costs here (``lorabench.runtime.adapters``), in a
+        step of ``d`` and alone: every row's ``load_*`` columns, and the timed loads themselves
+        (``@@loads``). A worker that cannot load still times its points; its residency points fail."""
         try:
             self.loader = AdapterLoader(model)
-            ms, host = time_loads(self.loader)
+            t = time_loads(self.loader, d)
         except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
             traceback.print_exc()
             self.loader = None
             return
-        interval = median_interval(ms)
-        self.shared.update(load_ms_median=float(np.median(ms)), load_host_us_median=float(np.median(host)),
-                           load_ops=self.loader.ops, load_ms_ci_low=interval.low if interval else None,
-                           load_ms_ci_high=interval.high if interval else None)
+        interval = median_interval(t["load_ms"])
+        self.shared.update(load_ms_median=float(np.median(t["load_ms"])), load_alone_ms_median=float(np.median(t["alone_ms"])),
+                           load_host_us_median=float(np.median(t["host_us"])), load_ops=self.loader.ops,
+                           load_ms_ci_low=interval.low if interval else None, load_ms_ci_high=interval.high if interval else None)
         emit("loads", {"kernels": self.lead.kernels, "max_loras": self.lead.max_loras,
-                       "load_ms": ms.tolist(), "host_us": host.tolist()})
+                       **{name: v.tolist() for name, v in t.items()}})
 
     def check(self, arm: Arm) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
@@ -364,7 +364,7 @@ class Worker:
                 self.check(arm)
             self.refs = None
         if any(a.job.points for a in live):  # `lorabench check` times nothing
-            self.time_loads(model)
+            self.time_loads(model, live[0].dispatcher)
         for _, entries in self.schedule(live):
             self.run_point(entries)
 

@@ -91,8 +91,9 @@ SCHEMA = pa.schema(
         ("output_tokens", I64),  # decode steps per request of a residency run
         ("tokens_per_step", F64),  # residency runs: mean running requests per step
         ("loads_per_step", F64),  # residency runs: mean adapters loaded into slots per step
-        ("load_ms_median", F64),  # one adapter loaded into a slot from pinned host memory, blocking (the worker's, timed after its check)
+        ("load_ms_median", F64),  # what loading one adapter from pinned host memory adds to the step it blocks (the worker's, after its check)
         ("load_ms_ci_low", F64), ("load_ms_ci_high", F64),  # 95 % bootstrap interval of that median
+        ("load_alone_ms_median", F64),  # the same load by itself, CUDA events around its copies
         ("load_host_us_median", F64),  # host time of queueing one load's copies
         ("load_ops", I64),  # device operations of one load (a zeroing and a copy of A and of B per slice)
     ]

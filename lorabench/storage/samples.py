@@ -16,7 +16,8 @@ step's active adapters), ``launches`` (the launch count its LoRA kernels ran wit
 files written before the last two have them null.
 
 ``loads-<group>.parquet``: each worker group's timed adapter loads (``kernels``, ``max_loras``,
-``load``, ``load_ms``, ``host_us``): one adapter copied from pinned host memory into a slot.
+``load``, ``load_ms``: what one load adds to the step it blocks, ``alone_ms`` and ``host_us``: the
+load by itself and the host's time of queueing it; ``lorabench.runtime.adapters.time_loads``).
 """
 
 import os
@@ -32,7 +33,8 @@ I64, F64 = pa.int64(), pa.float64()
 SCHEMA = pa.schema([("point", I64), ("step", I64), ("turn", I64), ("step_ms", F64), ("host_us", F64),
                     ("copy_us", F64), ("launch_us", F64), ("n_active", I64), ("launches", I64),
                     ("tokens", I64), ("loads", I64)])
-LOADS = pa.schema([("kernels", pa.string()), ("max_loras", I64), ("load", I64), ("load_ms", F64), ("host_us", F64)])
+LOADS = pa.schema([("kernels", pa.string()), ("max_loras", I64), ("load", I64), ("load_ms", F64), ("alone_ms", F64),
+                   ("host_us", F64)])
 PER_STEP = [n for n in SCHEMA.names if n not in ("point", "step")]  # what a worker sends per step
 
 
@@ -75,11 +77,11 @@ def _with_schema(table: pa.Table) -> pa.Table:
 
 
 def write_loads(run_dir: Path, group: int, kernels: str, max_loras: int, per_load: dict[str, list]) -> None:
-    """A group's timed adapter loads (``per_load``: ``load_ms`` and ``host_us``) into its file."""
+    """A group's timed adapter loads (``per_load``: ``load_ms``, ``alone_ms``, ``host_us``) into its file."""
     n = len(per_load["load_ms"])
     table = pa.table({"kernels": [kernels] * n, "max_loras": np.full(n, max_loras, dtype=np.int64),
-                      "load": np.arange(n, dtype=np.int64), "load_ms": per_load["load_ms"],
-                      "host_us": per_load["host_us"]}, schema=LOADS)
+                      "load": np.arange(n, dtype=np.int64),
+                      **{name: per_load[name] for name in ("load_ms", "alone_ms", "host_us")}}, schema=LOADS)
     target = Path(run_dir) / FOLDER / f"loads-{group:04d}.parquet"
     target.parent.mkdir(exist_ok=True)
     tmp = target.with_suffix(".parquet.tmp")
@@ -88,7 +90,7 @@ def write_loads(run_dir: Path, group: int, kernels: str, max_loras: int, per_loa
 
 
 def read_loads(run_dir: Path) -> dict[tuple[str, int], np.ndarray]:
-    """(kernels, max_loras) -> its timed adapter loads (ms); empty for a run that timed none."""
+    """(kernels, max_loras) -> what its timed loads added to their steps (ms); empty for a run that timed none."""
     folder = Path(run_dir) / FOLDER
     files = sorted(folder.glob("loads-*.parquet")) if folder.is_dir() else []
     if not files:
