@@ -10,7 +10,9 @@
 # LOG=path keeps pytest's whole output (default: gpu-tests.log).
 # SHARDS=N runs the test files in N pytest processes at once on the same GPU (files dealt out
 # largest first, round robin; each shard's output in LOG.<i>), and adds up their counts: the
-# suite's tests share no state across files, and a GPU has room for several.
+# suite's tests share no state across files, and a GPU has room for several. Each shard's torch
+# gets its share of the host's cores (OMP_NUM_THREADS), so that the shards' CPU sweeps do not
+# oversubscribe them (torch's CPU ops take every core by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -34,6 +36,7 @@ if [ "$shards" -le 1 ]; then
   exit "$rc"
 fi
 mapfile -t files < <(ls -S tests/test_*.py)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))}
 pids=()
 for ((i = 0; i < shards; i++)); do
   mine=()

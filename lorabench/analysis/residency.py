@@ -12,17 +12,18 @@ set) the run measured:
 - the decode step is the cost model's (``lorabench.analysis.optimise.Optimiser``, each batch
   size weighted by its share of the steps), from the run's fixed points; every load adds the
   run's median load time (one adapter copied from pinned host memory into a slot, blocking, timed
-  by each worker: ``load_ms_median``);
+  by every worker, pooled: ``pooled_loads``);
 - tokens per second = tokens per step / expected step;
 - memory: the set's graphs (the cost model's curve through the measured sets), max_loras adapter
   slots (``lora_bytes_per_slot`` each), and the KV-cache tokens the two would hold instead; the
   CPU cache's host memory (``max_cpu_loras`` adapters).
 
-The choice: per max_loras the fastest priced set, kept only if the 95 % interval of its gain over
-max clears ``PAYS`` (else max, the fewest graphs); then, among max_loras that fit the GPU memory
+The choice: per max_loras the fastest measured set, kept only if the 95 % interval of its gain over
+max clears ``PAYS`` (else max, the fewest graphs), and the cost model's own best set only if it
+clears ``PAYS`` over that choice too (measured beats modelled); then, among max_loras that fit the GPU memory
 budget, the one with the most tokens per second, or the smallest max_loras whose shortfall from it
 is not shown to exceed ``PAYS`` (more slots cost KV cache). Intervals resample every fixed point
-and every worker's timed loads independently (``lorabench.stats.Resampler``); different
+and the run's timed loads independently (``lorabench.stats.Resampler``); different
 max_loras ran in different workers, so their comparisons carry ``APART_MARGIN_PCT``.
 
 CPU misses (loads whose adapter is not in the CPU cache) are counted, not priced: lorabench does
@@ -157,23 +158,27 @@ class Pricer:
     """Prices capture sets at one (kernels, max_loras) for an Occupancy, as numbers and as a
     function of the resampled medians (the fixed points' and the timed loads')."""
 
-    def __init__(self, df: pd.DataFrame, kernels: str, max_loras: int, occ: Occupancy, rs: Resampler | None):
-        rows = ok_points(df)
-        rows = rows[(rows.kernels == kernels) & (rows.max_loras == max_loras)]
+    def __init__(self, df: pd.DataFrame, kernels: str, max_loras: int, occ: Occupancy, rs: Resampler | None,
+                 loads: np.ndarray | None = None):
+        """loads: the run's timed loads of these kernels, every worker's (``pooled_loads``); without
+        them, the median of the workers' medians."""
+        ok = ok_points(df)
+        rows = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)]
         self.kernels, self.L, self.occ, self.rs = kernels, max_loras, occ, rs
         self.model = CostModel(df, kernels, max_loras)
         self.opt = Optimiser(self.model, occ.pmf, occ.weights)
         self.priced = PricedGain(df, self.opt, rs)
-        self.load_key = (LOAD, kernels, max_loras)
-        loads = rows.load_ms_median.dropna()
-        self.load_ms = float(loads.median()) if len(loads) else None
+        self.load_key = (LOAD, kernels)
+        medians = ok[ok.kernels == kernels].drop_duplicates("max_loras").load_ms_median.dropna()
+        self.load_ms = (float(np.median(loads)) if loads is not None and len(loads)
+                        else float(medians.median()) if len(medians) else None)
         first = rows.iloc[0]
         self.slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
         self.kv_token_bytes = kv_bytes_per_token(first)
 
     def unpriced(self, counts: list[int]) -> str | None:
         if self.load_ms is None and self.occ.loads > 0:
-            return f"the run timed no adapter loads at max_loras {self.L} (made before lorabench timed them)"
+            return f"the run timed no adapter loads of {self.kernels} (made before lorabench timed them)"
         return self.opt.unpriced(counts)
 
     def price(self, name: str, counts: list[int]) -> Priced | None:
@@ -203,6 +208,16 @@ def describe_more(gain: Interval | None, why: str | None = None, margin_pct: flo
     return describe(as_slower(gain), margin_pct, MORE) if gain is not None else f"no interval: {why or NO_SAMPLES}"
 
 
+def pooled_loads(loads: dict | None) -> dict[str, np.ndarray]:
+    """kernels -> every worker's timed loads: a load copies the same bytes in the same operations
+    whatever max_loras, and it is host-bound (hundreds of small copies queued one by one), so what
+    varies between workers is the host's speed at the moment, not the load: every sample counts."""
+    out: dict[str, list] = {}
+    for (k, _), v in sorted((loads or {}).items()):
+        out.setdefault(k, []).append(np.asarray(v, dtype=float))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
 def throughput_gain(a: tuple[Pricer, list[int]], b: tuple[Pricer, list[int]]):
     """Statistic: A's tokens per second over B's, in % (positive: A serves more)."""
     (pa, ca), (pb, cb) = a, b
@@ -216,10 +231,25 @@ def gain_interval(rs: Resampler | None, a: tuple[Pricer, list[int]], b: tuple[Pr
     return interval_of(rs, stat, points_read(stat, {**a[0].medians(), **b[0].medians()}))
 
 
+def _pays(rs, pricer: Pricer, a: Priced, b: Priced) -> tuple[bool, str, Interval | None]:
+    """Does A serve at least PAYS more tokens per second than B (the low end of the interval of
+    its gain; the medians alone when there is none)? With the words that say so."""
+    iv, why = gain_interval(rs, (pricer, a.counts), (pricer, b.counts))
+    if iv is None:
+        gain = 100 * (a.tokens_per_s / b.tokens_per_s - 1)
+        return gain >= 100 * PAYS, f"{gain:.1f} % more tokens/s (medians alone: {why})", None
+    return iv.low >= 100 * PAYS, describe_more(iv), iv
+
+
+def _name(p: Priced) -> str:
+    return f"{p.strategy} {p.counts}" if p.strategy != AUTO_SET else f"the cost model's set {p.counts}"
+
+
 def _set_at(pricer: Pricer, measured: dict[str, list[int]], memory_bytes: float | None, rs) -> dict:
-    """The capture set at one max_loras: the fastest priced of the measured sets and the cost
-    model's best within the graph-memory budget, kept over max only when the interval of its gain
-    clears PAYS."""
+    """The capture set at one max_loras, by the report's rules: the fastest measured set is kept
+    over max only when the interval of its gain clears PAYS (else max, the fewest graphs), and the
+    cost model's best set within the graph-memory budget, which the run did not measure, only when
+    it clears PAYS over that choice too (measured beats modelled)."""
     sets = dict(measured)
     try:
         best = pricer.opt.best(memory_bytes)
@@ -232,22 +262,29 @@ def _set_at(pricer: Pricer, measured: dict[str, list[int]], memory_bytes: float 
         why = pricer.unpriced(sets.get(BASELINE, [pricer.L]))
         return {"chosen": None, "priced": priced, "reason": f"max cannot be priced: {why}"}
     fits = {n: p for n, p in priced.items() if memory_bytes is None or (p.graph_mem_bytes or 0) <= memory_bytes + 1}
-    fastest = min(fits.values(), key=lambda p: p.step_ms) if fits else priced[BASELINE]
     base = priced[BASELINE]
-    if fastest is base:
-        return {"chosen": base, "priced": priced, "reason": "max is the fastest set priced", "gain_interval_pct": None}
-    iv, why = gain_interval(rs, (pricer, fastest.counts), (pricer, base.counts))
-    if iv is None:
-        ok = fastest.tokens_per_s >= base.tokens_per_s * (1 + PAYS)
-        reason = (f"{fastest.strategy} {fastest.counts} {100 * (fastest.tokens_per_s / base.tokens_per_s - 1):.1f} % "
-                  f"more tokens/s than max (medians alone: {why})")
-    else:
-        ok = iv.low >= 100 * PAYS
-        reason = f"{fastest.strategy} {fastest.counts} vs max: {describe_more(iv)}"
-    if not ok:
-        reason += f"; not shown to clear {100 * PAYS:g} %, so max, the fewest graphs"
-    return {"chosen": fastest if ok else base, "priced": priced, "reason": reason,
-            "gain_interval_pct": None if iv is None else iv.to_dict()}
+    chosen, reason, gain = base, "max is the fastest measured set", None
+    known = [p for n, p in fits.items() if n != AUTO_SET]
+    fastest = min(known, key=lambda p: p.step_ms) if known else base
+    if fastest is not base:
+        ok, words, gain = _pays(rs, pricer, fastest, base)
+        reason = f"{_name(fastest)} vs max: {words}"
+        if ok:
+            chosen = fastest
+        else:
+            reason += f"; not shown to clear {100 * PAYS:g} %, so max, the fewest graphs"
+    model = fits.get(AUTO_SET)
+    if model is not None and model.step_ms < chosen.step_ms:
+        ok, words, iv = _pays(rs, pricer, model, chosen)
+        if ok:
+            chosen, gain = model, iv
+            reason += f"; {_name(model)} vs {_name(fastest if fastest is not base else base)}: {words}, so the model's set (measure it)"
+        else:
+            reason += (f"; {_name(model)} vs it: {words}, not shown to clear {100 * PAYS:g} %: measured beats modelled")
+    if chosen is model and fastest is not base:
+        gain = _pays(rs, pricer, chosen, base)[2]  # the choice's gain over max, as every other choice's
+    return {"chosen": chosen, "priced": priced, "reason": reason,
+            "gain_interval_pct": None if gain is None else gain.to_dict()}
 
 
 def residency_recommendations(df: pd.DataFrame, workload: str, adapters: Adapters, clients: int | None = None,
@@ -264,8 +301,9 @@ def residency_recommendations(df: pd.DataFrame, workload: str, adapters: Adapter
     if "correct" in ok:
         ok = ok[~ok.correct.eq(False)]
     fixed = ok[ok["mode"] == "fixed"]
+    pooled = pooled_loads(loads)
     keyed = dict(samples or {})
-    keyed.update({(LOAD, k, m): v for (k, m), v in (loads or {}).items()})
+    keyed.update({(LOAD, k): v for k, v in pooled.items()})
     rs = Resampler(keyed) if keyed else None
     measured_sets: dict[tuple[str, int], dict[str, list[int]]] = {}
     for r in configs(df).itertuples():
@@ -292,7 +330,7 @@ def residency_recommendations(df: pd.DataFrame, workload: str, adapters: Adapter
                 continue
             sizes = [int(b) for b in g[g.max_loras == m].capture_sizes.iloc[0]]
             occ = simulated(workload, adapters, c, m, sizes, steps)
-            pricers[m] = p = Pricer(df, k, m, occ, rs)
+            pricers[m] = p = Pricer(df, k, m, occ, rs, pooled.get(k))
             slots = p.slot_bytes
             graph_budget = None if gpu_memory_bytes is None else gpu_memory_bytes - slots
             if graph_budget is not None and graph_budget < 0:
@@ -385,12 +423,14 @@ def _describe(entry: dict, ok: pd.DataFrame, checked: pd.DataFrame) -> None:
                          f"--model {first.model} --rank {int(first['rank'])} --iters 1000 --ci-target 0.5")
 
 
-def validation(df: pd.DataFrame, samples: pd.DataFrame, steps: int = STEPS) -> pd.DataFrame:
+def validation(df: pd.DataFrame, samples: pd.DataFrame, loads: dict | None = None, steps: int = STEPS) -> pd.DataFrame:
     """Each residency row against its prediction: priced on the very steps it ran (their batch
     sizes, active counts and loads, from its samples: what the cost model gets wrong) and on the
     long simulation (what the recommendation says: adds the load rate's and the waiting's
-    sampling). The measured figures are the row's mean step and tokens per second."""
+    sampling). The measured figures are the row's mean step and tokens per second; the loads are
+    priced as the recommendation prices them (``pooled_loads``)."""
     df = with_columns(df)
+    pooled = pooled_loads(loads)
     rows = ok_points(df)
     rows = rows[(rows["mode"] == "residency") & (rows.kernels.map(backend_of) != "vllm")]
     out = []
@@ -406,10 +446,10 @@ def validation(df: pd.DataFrame, samples: pd.DataFrame, steps: int = STEPS) -> p
             if own.tokens.isna().any() or own.empty:
                 raise ValueError("its samples lack the steps' tokens and loads")
             same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras))
-            p = Pricer(df, r.kernels, int(r.max_loras), same, None).price(r.strategy, counts)
+            p = Pricer(df, r.kernels, int(r.max_loras), same, None, pooled.get(r.kernels)).price(r.strategy, counts)
             adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens))
             long = Pricer(df, r.kernels, int(r.max_loras), simulated(r.workload, adapters, int(r.concurrency),
-                                                                     int(r.max_loras), sizes, steps), None)
+                                                                     int(r.max_loras), sizes, steps), None, pooled.get(r.kernels))
             q = long.price(r.strategy, counts)
         except ValueError as e:
             p = q = None

@@ -39,7 +39,7 @@ def build(df: pd.DataFrame, run_dir: Path, samples: dict) -> ResidencyReport | N
         except ValueError as e:
             recs.append({"workload": w, "adapters": int(n), "clients": int(c), "chosen": None, "reason": str(e),
                          "kernels": "-", "configs": []})
-    return ResidencyReport(loads, validation(df, read_samples(run_dir)), recs)
+    return ResidencyReport(loads, validation(df, read_samples(run_dir), timed), recs)
 
 
 def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
