@@ -113,12 +113,15 @@ def _mib(b) -> str:
 
 
 def residency_table(entry: dict) -> Table:
-    """One row per (max_loras, capture set) priced under the residency workload."""
+    """One row per (max_loras, capture set) priced under the residency workload: expected step
+    (ms), tokens/s, tokens per step, requests waiting, loads per 1000 steps, graph and slot memory,
+    and the KV-cache tokens they take."""
     table = Table(title=(f"{entry['kernels']}: {entry['adapters']} adapters under {entry['workload']}, {entry['clients']} clients, "
                          f"{entry['output_tokens']} tokens per request (expected, from the run's points)"),
                   box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
-    for col in ["L", "set", "step ms", "tokens/s", "tok/step", "waiting", "loads/1k", "graph MiB", "slot MiB", "KV tokens"]:
-        table.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
+    for col in ["L", "set", "ms", "tok/s", "tok/step", "wait", "loads/1k", "graph MiB", "slot MiB", "KV tok"]:
+        table.add_column(col, justify="left" if col == "set" else "right", no_wrap=col != "set",
+                         overflow="fold" if col == "set" else "ellipsis", min_width=len(col) if col != "set" else 4)
     chosen = entry["chosen"] or {}
     for c in entry["configs"]:
         mark = " *" if (c["max_loras"], c["counts"]) == (chosen.get("max_loras"), chosen.get("counts")) else ""
