@@ -216,13 +216,18 @@ def tune(
     resume: bool = typer.Option(True, "--resume/--fresh", help="Reuse OUT/cache.jsonl (skip what it has measured), or start over."),
     device: Device = None,
     seed: Seed = None,
+    executor: str = typer.Option(None, "--executor", help="Where the shapes are tuned: local (this process; with --gpus, one worker per chosen GPU of this host) or dask (the GPU workers of a Dask cluster: pip install 'lorabench[dask]') [default: local, this process]."),
+    gpus: Gpus = None,
+    scheduler: Scheduler = None,
 ):
     """Search kernel configs per shape within a time budget; write lorabench's tuned table and
-    vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume."""
+    vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume. With several GPUs
+    (--gpus 0,1, or --executor dask), the shapes are dealt out to one worker per GPU and their
+    measurements merged into the one folder."""
     from lorabench.commands.tune import tune as run
 
     flags = dict(kernels=kernels, model=model, tp=tp, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
-                 budget_s=budget_s, out=out, device=device, seed=seed)
+                 budget_s=budget_s, out=out, device=device, seed=seed, executor=executor, gpus=gpus, scheduler=scheduler)
     return run(flags, resume, console)
 
 

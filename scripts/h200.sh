@@ -47,6 +47,9 @@
 #            then lorabench recommend --adapters 200 per workload: results/adapters/
 #   loads  - what loading one adapter costs: llama-2-7b and llama-3.1-8b at ranks 16 and 64 (small sweeps whose
 #            workers time 30 loads each): results/loads/
+#   tune-gpus - the same tune (TUNE_KERNELS, default triton,fused) on GPU 0 alone, then over GPUs 0,1 (--gpus 0,1) and on a
+#            Dask LocalCluster of the two, each timed from process start, into results/tune-gpus/{one,local,dask};
+#            the shapes each tuned, and how many of them chose one GPU's config
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 # Dask's wheels: .dask-wheels/ beside this checkout (scripts/dask-wheels.sh downloads them), installed here when present.
@@ -186,6 +189,22 @@ PY
         lorabench compare "$one" "$two" 2>&1 | tail -n 6 | tee -a "$OUT/stages.log"
       done
       tar czf "$OUT/gpus.tgz" results/gpus ;;
+    tune-gpus)
+      for how in "one:--gpus 0" "local:--gpus 0,1" "dask:--executor dask --gpus 0,1"; do
+        name=${how%%:*}
+        # shellcheck disable=SC2086
+        /usr/bin/time -f "tune on $name wall %e s" lorabench tune --kernels "${TUNE_KERNELS:-triton,fused}" --tokens 1,8,32 \
+          --max-loras 4,32 --budget-s "${TUNE_BUDGET_S:-120}" --fresh ${how#*:} --out "results/tune-gpus/$name" 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+      done
+      python3 - <<'PY' 2>&1 | tee -a "$OUT/stages.log"
+import json
+tables = {n: {(e["kernel"], e["op"], tuple(e["shape"])): e["config"]
+              for e in json.load(open(f"results/tune-gpus/{n}/lorabench_tuned.json"))["entries"]} for n in ("one", "local", "dask")}
+for n, t in tables.items():
+    same = sum(t.get(k) == c for k, c in tables["one"].items())
+    print(f"{n}: {len(t)} tuned shapes; {same} of one GPU's {len(tables['one'])} with the same config")
+PY
+      tar czf "$OUT/tune-gpus.tgz" results/tune-gpus ;;
     adapters)
       /usr/bin/time -f "adapters wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec sweeps/adapters.toml \
         --out results/adapters 2>&1 | tail -n 12 | tee -a "$OUT/stages.log"; pack

@@ -59,6 +59,19 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def workers(pid: int) -> list[int]:
+    """The lorabench workers among ``pid``'s children (not, say, the resource tracker a Dask
+    LocalCluster started earlier in this process leaves behind)."""
+    out = []
+    for c in children(pid):
+        try:
+            if b"lorabench.runtime.lifeline" in Path(f"/proc/{c}/cmdline").read_bytes():
+                out.append(c)
+        except OSError:
+            pass
+    return out
+
+
 def wait_for(condition, what: str, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -98,7 +111,7 @@ def test_local_executor_pins_each_group_to_one_gpu(tmp_path, monkeypatch):
                                                                  "--out", str(tmp_path)])))
     sweep.start()
     while sweep.is_alive():
-        most = max(most, len(children(os.getpid())))
+        most = max(most, len(workers(os.getpid())))
         time.sleep(0.02)
     assert result == [0] and most == 2  # never more workers at once than GPUs
     run = run_dir(tmp_path)

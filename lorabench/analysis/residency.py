@@ -65,7 +65,7 @@ from lorabench.stats import Interval, Resampler, describe
 STEPS = 20_000  # simulated steps per (workload, max_loras): the load rate's sampling error is about 1 %
 CARD = 4  # the card's max_loras (sweeps/card.toml): what a recommendation is compared with
 AUTO_SET = "auto"  # the cost model's best set within the budget (lorabench.analysis.optimise)
-LOAD = "load"  # a worker's timed loads, keyed (LOAD, kernels, max_loras) among the resampled points
+LOAD = "load"  # the run's timed loads of a kernels label, keyed (LOAD, kernels) among the resampled points
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from lorabench.analysis.residency import CARD, residency_recommendations
 from lorabench.config.flags import to_int, to_positive
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
 from lorabench.config.spec import MAX_ADAPTERS, MAX_STEPS, coerce
-from lorabench.config.workload import parse_workload
 from lorabench.config.strategies import STRATEGIES
+from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
 from lorabench.storage.results import load_run
 from lorabench.storage.runs import Coverage, coverage

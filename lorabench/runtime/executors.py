@@ -73,6 +73,11 @@ class LocalExecutor:
     def describe(self) -> str:
         return f"local: {', '.join(where(slot) for slot in self.slots)}"
 
+    @property
+    def width(self) -> int:
+        """Workers that run at once."""
+        return len(self.slots)
+
     def start(self, tasks: list[Task], events: queue.Queue, log_path: Callable[[int], Path]) -> None:
         self.log_path = log_path
         self.free: queue.Queue = queue.Queue()
@@ -147,6 +152,7 @@ class DaskExecutor:
             self.close()
             raise UserError(f"--scheduler {scheduler}: no Dask worker holds a GPU resource "
                             "(start them with: dask worker ADDRESS --resources GPU=1 --nworkers <GPUs per host>)")
+        self.width = int(sum(w.get("resources", {}).get("GPU", 0) for w in workers.values()))  # tasks at once
         self.futures: list = []
         self.stop_name = f"lorabench-stop-{uuid4().hex}"
 

@@ -15,6 +15,9 @@ from rich.console import Console
 
 from lorabench.commands.tune.output import skipped_line, sweep_hint, tune_table
 from lorabench.commands.tune.search import Tuner
+from lorabench.commands.tune.spread import spread
+from lorabench.runtime.executors import ExecutorKind
+from lorabench.runtime.executors import make as make_executor
 from lorabench.config.tune_spec import build_tune_spec
 from lorabench.errors import UserError
 from lorabench.kernels import triton_lora, vllm_lora
@@ -33,26 +36,40 @@ def interpreter_child(flags: dict, resume: bool, cuda: bool) -> int | None:
 
 
 def tune(flags: dict, resume: bool, console: Console) -> int:
+    """``flags``: the tune's, and ``executor``, ``gpus``, ``scheduler``: where its shapes run (one
+    process by default; over several GPUs, ``lorabench.commands.tune.spread``)."""
     machine = env.machine()
     child = interpreter_child(flags, resume, machine.cuda)
     if child is not None:  # on the CPU the whole tune runs in a child with Triton's interpreter on
         return child
+    kind = ExecutorKind.parse(flags.get("executor"))
     spec, notice = build_tune_spec(flags, machine, vllm_available=vllm_lora.available)
     if spec.device == "cpu" and not triton_lora.INTERPRET:
         raise UserError("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1 before lorabench's kernels are imported")
     if "vllm" in spec.kernels:
         env.require_vllm()
-    tuner = Tuner(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, fresh=not resume)
-    for line in (notice, tuner.cache.notice, skipped_line(tuner.cache)):
-        if line:
-            console.print(line, highlight=False, markup=False, soft_wrap=True)
-    console.print(f"tune: {len(tuner.shapes)} shapes, {spec.budget_s:g} s -> {tuner.out}")
+    executor = None  # this process tunes every shape: the default, and with one GPU of this host
+    if kind is ExecutorKind.DASK or flags.get("gpus") or flags.get("scheduler"):
+        executor = make_executor(kind, flags.get("gpus"), flags.get("scheduler"), spec.device)  # bad input: one line, nothing written
+        if kind is ExecutorKind.LOCAL and executor.width == 1:
+            executor.close()
+            executor = None
     try:
-        results = tuner.run()
-    except KeyboardInterrupt:
-        tuner.write()
-        print(f"interrupted: measurements kept in {tuner.cache.path}; rerun the same command to resume", file=sys.stderr)
-        return 130
+        tuner = Tuner(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, fresh=not resume)
+        for line in (notice, tuner.cache.notice, skipped_line(tuner.cache)):
+            if line:
+                console.print(line, highlight=False, markup=False, soft_wrap=True)
+        console.print(f"tune: {len(tuner.shapes)} shapes, {spec.budget_s:g} s -> {tuner.out}"
+                      + (f", on {executor.describe()}" if executor is not None else ""))
+        try:
+            results = spread(tuner, executor, console) if executor is not None else tuner.run()
+        except KeyboardInterrupt:
+            tuner.write()
+            print(f"interrupted: measurements kept in {tuner.cache.path}; rerun the same command to resume", file=sys.stderr)
+            return 130
+    finally:
+        if executor is not None:
+            executor.close()
     mine = set(tuner.shapes)
     console.print(tune_table([r for r in results if r["shape"] in mine], tuner.meta))
     earlier = sum(r["shape"] not in mine for r in results)

@@ -116,23 +116,32 @@ class Cache:
     """OUT/cache.jsonl: one line per measured (shape, config), appended the moment it exists, by
     every tune into OUT. Rows of another device, GPU or dtype, and rows of lorabench's kernels
     timed from other kernel sources (``revs``: kernel -> its backend's ``revision``), are kept in
-    the file and ignored (``skipped`` counts them). ``notice``: what reading the file repaired."""
+    the file and ignored (``skipped`` counts them). ``notice``: what reading the file repaired.
 
-    def __init__(self, path: Path, identity: dict, fresh: bool, revs: dict[str, str | None] | None = None):
-        self.path, self.identity, self.revs = path, identity, revs or {}
-        if fresh and path.exists():
+    A tune spread over GPUs (``lorabench.commands.tune.spread``) gives each of its workers the
+    rows of its shapes (``rows``) and a ``sink`` that sends each new row to the tune, which
+    writes it (``take``): the folder has one writer, wherever the workers run."""
+
+    def __init__(self, path: Path, identity: dict, fresh: bool, revs: dict[str, str | None] | None = None,
+                 rows: list[dict] | None = None, sink=None):
+        self.path, self.identity, self.revs, self.sink = path, identity, revs or {}, sink
+        if rows is None and fresh and path.exists():
             path.replace(path.with_name(path.name + ".prev"))
-        every, self.notice = read_cache(path)
+        every, self.notice = (rows, None) if rows is not None else read_cache(path)
         self.rows: list[dict] = []
         self._of: dict[tuple, list[dict]] = {}
         self.skipped = {"identity": Counter(), "revision": 0}
         for r in every:
-            if not all(r.get(k) == v for k, v in identity.items()):
-                self.skipped["identity"][" ".join(str(r.get(k)) for k in ("device", "gpu", "dtype") if r.get(k))] += 1
-            elif r.get("kernels_rev") != self.revs.get(r["kernel"]):
-                self.skipped["revision"] += 1
-            else:
-                self._keep(r)
+            self._sort(r)
+
+    def _sort(self, r: dict) -> None:
+        """Keep a row this tune can use, or count why not."""
+        if not all(r.get(k) == v for k, v in self.identity.items()):
+            self.skipped["identity"][" ".join(str(r.get(k)) for k in ("device", "gpu", "dtype") if r.get(k))] += 1
+        elif r.get("kernels_rev") != self.revs.get(r["kernel"]):
+            self.skipped["revision"] += 1
+        else:
+            self._keep(r)
 
     @staticmethod
     def key(kernel: str, op: str, shape) -> tuple:
@@ -153,7 +162,15 @@ class Cache:
 
     def append(self, row: dict) -> None:
         row = {**row, **self.identity, "kernels_rev": self.revs.get(row["kernel"])}
-        self._keep(row)
+        if self.sink is not None:
+            self._keep(row)
+            self.sink(row)
+        else:
+            self.take(row)
+
+    def take(self, row: dict) -> None:
+        """A row as a worker measured and stamped it: into the file, and kept if it is usable."""
+        self._sort(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -161,22 +178,26 @@ class Cache:
 class Tuner:
     """Runs the search over a spec's shapes and keeps the outputs current."""
 
-    def __init__(self, spec: TuneSpec, command: str, console, fresh: bool = False):
-        self.spec, self.console = spec, console
+    def __init__(self, spec: TuneSpec, command: str, console, fresh: bool = False, rows: list[dict] | None = None,
+                 sink=None, where: str | None = None):
+        """rows, sink: a spread tune's worker (``Cache``): it starts from its shapes' rows and sends
+        each new one, writing nothing itself; ``where`` (its host and GPU) goes into its rows."""
+        self.spec, self.console, self.where = spec, console, where
         self.cuda = spec.device == "cuda"
         self.dtype = getattr(torch, spec.dtype)
         self.sm90 = self.cuda and torch.cuda.get_device_capability() == (9, 0)
         self.out = Path(spec.out)
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out: cannot make the folder {self.out}: {e.strerror}") from None
+        if sink is None:
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"--out: cannot make the folder {self.out}: {e.strerror}") from None
         gpu = torch.cuda.get_device_name() if self.cuda else None
         identity = {"device": spec.device, "gpu": gpu, "dtype": spec.dtype,  # timings of one kind only
                     "timing": "cuda_graph" if self.cuda else "cpu_wall", "launches_per_graph": LAUNCHES if self.cuda else 1}
         self.backends = {name: TUNERS[name]() for name in TUNERS if name in spec.kernels}
         revs = {name: (self.backends.get(name) or cls()).revision for name, cls in TUNERS.items()}  # every kernel's rows count
-        self.cache = Cache(self.out / CACHE_FILE, identity, fresh, revs)
+        self.cache = Cache(self.out / CACHE_FILE, identity, fresh, revs, rows, sink)
         self.shapes = build_shapes(spec, self.backends)
         self.share = spec.budget_s / len(self.shapes)
         self.session = f"{time.strftime('%Y%m%dT%H%M%S')}-{id(self):x}"
@@ -238,7 +259,7 @@ class Tuner:
         result, out = measure(self.backends[shape.kernel], problem, cfg, ref, TOLERANCE[self.spec.dtype].kernel, self.timer)
         row = {"kernel": shape.kernel, "op": shape.op, "linear": shape.linear, "shape": list(shape.key), "config": cfg,
                "default": is_default, **result, "spent_s": time.perf_counter() - t0, "session": self.session,
-               "command": self.meta["command"]}
+               "command": self.meta["command"], **({"where": self.where} if self.where else {})}
         self.cache.append(row)
         self._timed(len(self.cache.of(shape)))
         return {**row, "_out": out}
