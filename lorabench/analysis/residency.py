@@ -33,6 +33,7 @@ price: they are shown as measured only.
 """
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
@@ -99,8 +100,15 @@ def occupancy(tokens, n_active, loads, capture_sizes: list[int], max_loras: int,
 
 def simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, capture_sizes: list[int],
               steps: int = STEPS, seed: int = 0) -> Occupancy:
+    """The loop's Occupancy, simulated once per setting (the report and its validation ask again)."""
+    return _simulated(workload, adapters, clients, max_loras, tuple(capture_sizes), steps, seed)
+
+
+@lru_cache(maxsize=256)
+def _simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, capture_sizes: tuple[int, ...],
+               steps: int, seed: int) -> Occupancy:
     s = simulate(parse_workload(workload), adapters, clients, max_loras, steps, seed)
-    return occupancy(s.tokens, s.n_active, s.n_loads, capture_sizes, max_loras, s.cpu_misses, s.waiting)
+    return occupancy(s.tokens, s.n_active, s.n_loads, list(capture_sizes), max_loras, s.cpu_misses, s.waiting)
 
 
 def kv_bytes_per_token(row) -> int:

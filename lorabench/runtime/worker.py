@@ -33,6 +33,7 @@ from lorabench.runtime import env, telemetry
 from lorabench.runtime.adapters import AdapterLoader, time_loads
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.launch import emit
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
 from lorabench.runtime.timing import StepSamples, summarize, time_steps
@@ -42,12 +43,6 @@ from lorabench.storage.tune_files import tuned_table
 
 FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
 
-_STDOUT = sys.stdout
-
-
-def emit(kind: str, payload: dict) -> None:
-    _STDOUT.write(f"@@{kind} {json.dumps(payload)}\n")
-    _STDOUT.flush()
 
 
 def _error(e: BaseException) -> str:

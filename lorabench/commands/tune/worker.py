@@ -17,13 +17,7 @@ from lorabench.commands.tune.search import Tuner, pdl_off
 from lorabench.commands.tune.shapes import Shape
 from lorabench.config.tune_spec import TuneSpec
 from lorabench.runtime import env
-
-_STDOUT = sys.stdout
-
-
-def emit(kind: str, payload: dict) -> None:
-    _STDOUT.write(f"@@{kind} {json.dumps(payload)}\n")
-    _STDOUT.flush()
+from lorabench.runtime.launch import emit
 
 
 def shape_of(raw: dict) -> Shape:
