@@ -271,11 +271,11 @@ def _set_at(pricer: Pricer, measured: dict[str, list[int]], memory_bytes: float 
         return {"chosen": None, "priced": priced, "reason": f"max cannot be priced: {why}"}
     fits = {n: p for n, p in priced.items() if memory_bytes is None or (p.graph_mem_bytes or 0) <= memory_bytes + 1}
     base = priced[BASELINE]
-    chosen, reason, gain = base, "max is the fastest measured set", None
+    chosen, reason = base, "max is the fastest measured set"
     known = [p for n, p in fits.items() if n != AUTO_SET]
     fastest = min(known, key=lambda p: p.step_ms) if known else base
     if fastest is not base:
-        ok, words, gain = _pays(rs, pricer, fastest, base)
+        ok, words, _ = _pays(rs, pricer, fastest, base)
         reason = f"{_name(fastest)} vs max: {words}"
         if ok:
             chosen = fastest
@@ -283,14 +283,13 @@ def _set_at(pricer: Pricer, measured: dict[str, list[int]], memory_bytes: float 
             reason += f"; not shown to clear {100 * PAYS:g} %, so max, the fewest graphs"
     model = fits.get(AUTO_SET)
     if model is not None and model.step_ms < chosen.step_ms:
-        ok, words, iv = _pays(rs, pricer, model, chosen)
+        ok, words, _ = _pays(rs, pricer, model, chosen)
         if ok:
-            chosen, gain = model, iv
-            reason += f"; {_name(model)} vs {_name(fastest if fastest is not base else base)}: {words}, so the model's set (measure it)"
+            reason += f"; {_name(model)} vs {_name(chosen)}: {words}, so the model's set (measure it)"
+            chosen = model
         else:
-            reason += (f"; {_name(model)} vs it: {words}, not shown to clear {100 * PAYS:g} %: measured beats modelled")
-    if chosen is model and fastest is not base:
-        gain = _pays(rs, pricer, chosen, base)[2]  # the choice's gain over max, as every other choice's
+            reason += f"; {_name(model)} vs it: {words}, not shown to clear {100 * PAYS:g} %: measured beats modelled"
+    gain = None if chosen is base else _pays(rs, pricer, chosen, base)[2]  # the choice's gain over max
     return {"chosen": chosen, "priced": priced, "reason": reason,
             "gain_interval_pct": None if gain is None else gain.to_dict()}
 
