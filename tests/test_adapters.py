@@ -131,3 +131,5 @@ def test_the_report_and_recommend_read_the_residency_run(residency_run, capsys):
     (entry,) = rec["residency"]["zipf:1.2 over 12 adapters"]
     assert entry["chosen"]["max_loras"] in (2, 4) and entry["clients"] == 4
     assert "recommendations" in rec  # the report's own entries stay
+    assert main(["report", str(residency_run)]) == 0  # and the report keeps recommend's
+    assert json.loads((residency_run / "recommendation.json").read_text())["residency"] == rec["residency"]

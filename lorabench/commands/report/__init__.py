@@ -74,13 +74,14 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     rec = {**{k: v for k, v in rec.items() if k != "recommendations"}, "coverage": cov.to_dict() if cov else None,
            "recommendations": rec["recommendations"]}
     rec_path = run_dir / "recommendation.json"
-    if rec_path.is_file():  # keep what `lorabench recommend` added (strategy auto per workload)
+    if rec_path.is_file():  # keep what `lorabench recommend` added (strategy auto, residency: per workload)
         try:
-            auto = json.loads(rec_path.read_text()).get("auto")
-        except (ValueError, AttributeError):
-            auto = None
-        if auto:
-            rec["auto"] = auto
+            added = json.loads(rec_path.read_text())
+        except ValueError:
+            added = {}
+        for section in ("auto", "residency"):
+            if isinstance(added, dict) and added.get(section):
+                rec[section] = added[section]
     rec_path.write_text(json.dumps(rec, indent=2) + "\n")
     md_path = run_dir / "report.md"
     extra = residency.markdown(res, plots.get("residency"), unit(df)) if res is not None else []
