@@ -9,6 +9,7 @@ import pandas as pd
 
 from lorabench.analysis.points import ok_points
 from lorabench.analysis.residency import CARD, residency_recommendations, validation
+from lorabench.commands.report.markdown import _mib
 from lorabench.commands.tables import markdown_table
 from lorabench.config.residency import Adapters
 from lorabench.storage.samples import read_loads, read_samples
@@ -104,6 +105,3 @@ def _ci(lo, hi):
 def _int(v):
     return None if pd.isna(v) else int(v)
 
-
-def _mib(v):
-    return None if v is None or pd.isna(v) else v / 2**20

@@ -8,8 +8,6 @@ different models are refused (vLLM's config files are named per GPU)."""
 
 import json
 import queue
-import shlex
-import sys
 from dataclasses import asdict
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -41,10 +39,9 @@ def spread(tuner: Tuner, executor: Executor, console) -> list[dict]:
     rerun of the same command resumes them); KeyboardInterrupt stops every worker, the folder
     written from what arrived."""
     shares = deal(tuner.shapes, executor.width)
-    command = shlex.join(["lorabench"] + sys.argv[1:])
     tasks = []
     for g, share in enumerate(shares):
-        message = {"spec": asdict(tuner.spec), "shapes": [asdict(s) for s in share], "command": command,
+        message = {"spec": asdict(tuner.spec), "shapes": [asdict(s) for s in share], "command": tuner.meta["command"],
                    "session": tuner.session, "rows": [r for s in share for r in tuner.cache.of(s)]}
         env = {"TRITON_INTERPRET": "1"} if tuner.spec.device == "cpu" else {}  # as the in-process tune on the CPU
         tasks.append(Task(g, WORKER, json.dumps(message), env, len(share)))
@@ -56,7 +53,8 @@ def spread(tuner: Tuner, executor: Executor, console) -> list[dict]:
 
     def take(group: int, attempt: str, seq: int, line: str, progress, bar) -> None:
         """A worker's line, once (a Dask task's lines come back streamed and again when it ends)."""
-        if last.get(group, (attempt, -1))[0] == attempt and seq <= last.get(group, (attempt, -1))[1]:
+        seen_attempt, seen_seq = last.get(group, (attempt, -1))
+        if seen_attempt == attempt and seq <= seen_seq:
             return
         last[group] = (attempt, seq)
         kind, _, body = line.partition(" ")
@@ -89,9 +87,8 @@ def spread(tuner: Tuner, executor: Executor, console) -> list[dict]:
                         how = f"exit status {event.status}" if event.status is not None else event.text[:300]
                         failed.append(f"worker {event.group} ({len(shares[event.group])} shapes) ended with {how}; "
                                       f"its log: {tuner.out / f'tune-worker-{event.group}.log'}")
-    except BaseException:
+    except BaseException:  # Ctrl-C: no worker left running; the tune writes the folder from what arrived
         executor.cancel()
-        tuner.write()
         raise
     results = tuner.write()
     for line in failed:
