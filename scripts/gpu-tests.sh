@@ -4,8 +4,10 @@
 #   scripts/gpu-tests.sh [PYTEST ARGS...]          (from the repository's root)
 #
 # Installs lorabench from this checkout without fetching anything (torch, Triton, pandas, ... must
-# be there), puts vLLM's files on the path when .vllm-bundle/ is present (scripts/vllm-bundle.sh
-# makes it; without it the vllm backend's tests skip), runs pytest, and ends with one line:
+# be there), with its test extra from .test-wheels/ when present (scripts/test-wheels.sh makes it;
+# without it the notebook's, the layer contracts' and Dask's tests skip), puts vLLM's files on the
+# path when .vllm-bundle/ is present (scripts/vllm-bundle.sh makes it; without it the vllm
+# backend's tests skip), runs pytest, and ends with one line:
 # "gpu tests: N passed, N failed, N skipped, N errors (GPU name)". Exit status: pytest's.
 # LOG=path keeps pytest's whole output (default: gpu-tests.log).
 # SHARDS=N runs the test files in N pytest processes at once on the same GPU (files dealt out
@@ -19,7 +21,12 @@ export PYTHONUNBUFFERED=1
 log=${LOG:-gpu-tests.log}
 shards=${SHARDS:-1}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$log.install" 2>&1 \
+if [ -d .test-wheels ]; then  # the test extra too, from what the image lacks
+  install=(--find-links .test-wheels -e '.[test]')
+else  # without it, the tests of the notebook, the layer contracts and Dask skip
+  install=(--no-deps -e .)
+fi
+python3 -m pip install -q --no-build-isolation --no-index "${install[@]}" >"$log.install" 2>&1 \
   || { echo "install failed:"; tail -5 "$log.install"; exit 1; }
 if [ -d .vllm-bundle ]; then
   site=${VLLM_SITE:-/tmp/vllm-site}

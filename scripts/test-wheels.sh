@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Downloads the wheels of the test extra (pytest, the notebook's papermill and ipykernel,
+# import-linter, dask[distributed]) and everything they need, for a GPU machine without a package
+# index, so that scripts/gpu-tests.sh runs the whole suite there, not only the tests its image
+# happens to have packages for.
+#
+#   scripts/test-wheels.sh [DEST]      (here, with a package index; DEST defaults to .test-wheels)
+#
+# Keep DEST out of git (.test-wheels/ is ignored) and send it along (about 26 MB); gpu-tests.sh
+# installs lorabench's test extra from it when it finds it, taking from DEST only what the
+# machine's image lacks. Env: PYTHON_TAG of the GPU machine's Python (default 3.12).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python_tag=${PYTHON_TAG:-3.12}
+dest=${1:-.test-wheels}
+extra=$(python3 - <<'PY'
+import tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["test"]))
+PY
+)
+mkdir -p "$dest"
+rm -f "$dest"/*.whl
+mapfile -t requirements <<<"$extra"
+python3 -m pip download -q --only-binary=:all: --python-version "$python_tag" --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+  -d "$dest" "${requirements[@]}"
+echo "$(ls "$dest" | wc -l) wheels, $(du -sh "$dest" | cut -f1) in $dest"
