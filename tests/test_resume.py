@@ -20,6 +20,7 @@ import pytest
 from lorabench.cli import main
 from lorabench.storage.results import read_points
 from lorabench.storage.runs import FINISHED, INTERRUPTED, KILLED, coverage
+from lorabench.storage.samples import read_samples
 
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds worker processes through /proc")
@@ -228,6 +229,8 @@ def test_real_worker_dies_with_its_sweep_and_the_run_resumes(tmp_path, monkeypat
     planned = {(p["index"], j["strategy"]) for j in info["jobs"] for p in j["points"]}
     assert (df.status == "ok").all() and set(zip(df.point, df.strategy)) == planned
     assert df.git_sha.notna().all() and (df.device == "cpu").all() and df.step_ms_median.gt(0).all()
+    assert read_samples(run).groupby("point").size().to_dict() == dict(zip(df.point, df.timed_steps))
+    assert not list((run / "samples").glob("point-*.parquet")), "the finished run packs its samples"
 
 
 def test_resume_of_a_finished_run_measures_nothing(finished_run, capsys):

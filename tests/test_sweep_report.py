@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from conftest import H200_CARD, fault_injected, with_schema
 
 from lorabench.cli import main
@@ -22,6 +23,7 @@ from lorabench.commands.report.markdown import hypothesis_verdict
 from lorabench.config.strategies import capture_counts
 from lorabench.runtime.dispatch import choose_launch
 from lorabench.storage.results import SCHEMA
+from lorabench.storage.samples import PACKED, read_samples
 
 SMALL = ["--max-loras", "4", "--concurrency", "1,4", "--strategy", "max,pow2", "--iters", "5", "--warmup", "1",
          "--context-len", "16", "--workload", "uniform,base:0.5", "--device", "cpu"]
@@ -74,6 +76,13 @@ def test_run_json(run_dir):
     assert info["status"] == "finished" and info["wall_s"] > 0
     assert info["spec"]["concurrency"] == [1, 4] and info["spec"]["device"] == "cpu"
     assert len(info["jobs"]) == 2
+
+
+def test_a_finished_sweep_packs_every_points_samples(run_dir):
+    assert (run_dir / PACKED).is_file() and not list((run_dir / "samples").glob("point-*.parquet"))
+    df = pd.read_parquet(run_dir / "points.parquet")
+    per_point = read_samples(run_dir).groupby("point").size()
+    assert per_point.to_dict() == dict(zip(df.point, df.timed_steps))
 
 
 def test_a_failing_point_becomes_a_failed_row(tmp_path):
@@ -139,6 +148,8 @@ def test_report_writes_plots_markdown_and_recommendation(run_dir, capsys):
     for name in ["latency_vs_active.png", "latency_vs_concurrency.png", "speedup_vs_max.png", "memory_startup.png",
                  "latency_vs_memory.png", "report.md", "recommendation.json"]:
         assert (run_dir / name).stat().st_size > 0, name
+    with Image.open(run_dir / "latency_vs_active.png") as png:  # palettised: a third of full colour
+        assert png.format == "PNG" and png.mode == "P" and png.size[0] > 400
     md = (run_dir / "report.md").read_text()
     assert "CPU wall" in md and "not GPU results" in md
     host = section(md, "Host overhead per step (us, median over points)")

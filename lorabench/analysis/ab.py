@@ -37,7 +37,7 @@ from lorabench.stats import (
     verdict,
 )
 from lorabench.storage.results import load_run
-from lorabench.storage.samples import FOLDER, read_samples, step_times
+from lorabench.storage.samples import has_samples, read_samples, step_times
 
 KEY = ("model", "rank", "dtype", "kernels", "max_loras", "strategy", "mode", "concurrency", "n_active", "workload")
 INT_KEYS = frozenset({"rank", "max_loras", "concurrency", "n_active"})
@@ -187,11 +187,6 @@ def _finite(x: float) -> float | None:
     return round(float(x), 6) if math.isfinite(x) else None
 
 
-def _has_samples(run_dir: Path) -> bool:
-    folder = Path(run_dir) / FOLDER
-    return folder.is_dir() and any(folder.glob("point-*.parquet"))
-
-
 def run_settings(df: pd.DataFrame) -> dict[str, set]:
     """Each of ``RUN_SETTINGS``'s values over a run's ok points."""
     ok = df[df.status == "ok"].to_dict("records")
@@ -237,7 +232,7 @@ def compare_runs(run_a: Path, run_b: Path, margin_pct: float = DEFAULT_MARGIN, n
         raise UserError(f"the margin must be a percentage >= 0, not {margin_pct}")
     df_a, df_b = load_run(run_a), load_run(run_b)
     for run in (run_a, run_b):
-        if not _has_samples(run):
+        if not has_samples(run):
             raise UserError(f"{run} has no samples/ (measured before lorabench kept raw samples): re-run it")
     info_a, info_b = _info(run_a, df_a), _info(run_b, df_b)
     across = settings_across(df_a, df_b)

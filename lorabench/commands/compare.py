@@ -30,6 +30,7 @@ from rich.table import Table  # noqa: E402
 from lorabench.analysis.ab import DEFAULT_MARGIN, Comparison, compare_runs, label  # noqa: E402
 from lorabench.errors import UserError  # noqa: E402
 from lorabench.stats import Verdict, describe  # noqa: E402
+from lorabench.storage.figures import save_png  # noqa: E402
 
 MAX_ROWS = 40  # more compared points than this: the table shows the changed ones, the JSON all
 LISTED = 4  # points named on the "only in A/B" lines
@@ -130,7 +131,7 @@ def plot(c: Comparison, path: Path) -> Path:
     fig.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        save_png(fig, path)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot write the plot {path}: {e}") from None
     finally:

@@ -53,7 +53,7 @@ from lorabench.storage.runs import (
     read_info,
     run_status,
 )
-from lorabench.storage.samples import write_loads, write_samples
+from lorabench.storage.samples import pack_samples, write_loads, write_samples
 from lorabench.storage.tune_files import vllm_folder
 
 WORKER = "lorabench.runtime.worker"  # the module each worker process runs
@@ -277,6 +277,7 @@ class Sweep:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+        pack_samples(self.run_dir)
         self.info.update(status=FINISHED, wall_s=self.wall_before + time.perf_counter() - t0, finished_at=now())
         self.info.pop("signal", None)
         self.write_info()

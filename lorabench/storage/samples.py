@@ -3,9 +3,13 @@ point, written when the point's row is (before it), so that any statistic (an in
 test, another percentile) can be computed again later. Read back as one table with
 ``read_samples`` (pyarrow reads the folder as a dataset).
 
-A file per point rather than one growing file: a point's samples are written once, atomically (a
-temporary file renamed), a resumed sweep that re-measures a point replaces its file, and nothing
-already written is rewritten as a run grows.
+A file per point rather than one growing file while the sweep runs: a point's samples are written
+once, atomically (a temporary file renamed), a resumed sweep that re-measures a point replaces its
+file, and nothing already written is rewritten as a run grows. A finished sweep packs them into
+``samples/points.parquet`` (``pack_samples``): a Parquet file's schema and footer cost more than a
+point's few hundred steps, so the pack is about five times smaller than its files. A point's own
+file, written after the pack (a resumed run's re-measured point), is read in place of its rows in
+the pack; a pack interrupted before its files were removed reads the same as before it.
 
 Columns: ``point`` (the row's ``point``), ``step`` (0, 1, ... in the order timed), ``turn`` (the
 round of the interleaving the step was timed in: configurations compared with each other are
@@ -26,9 +30,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 FOLDER = "samples"
+PACKED = f"{FOLDER}/points.parquet"  # a finished sweep's samples, packed (``pack_samples``)
 I64, F64 = pa.int64(), pa.float64()
 SCHEMA = pa.schema([("point", I64), ("step", I64), ("turn", I64), ("step_ms", F64), ("host_us", F64),
                     ("copy_us", F64), ("launch_us", F64), ("n_active", I64), ("launches", I64),
@@ -55,17 +61,51 @@ def write_samples(run_dir: Path, point: int, per_step: dict[str, list]) -> None:
     os.replace(tmp, target)
 
 
-def read_samples(run_dir: Path, points=None) -> pd.DataFrame:
-    """A run's samples (of ``points`` only, when given), one row per timed step; empty (with the
-    columns) for a run that kept none."""
+def _point_files(run_dir: Path) -> dict[int, Path]:
     folder = Path(run_dir) / FOLDER
-    files = sorted(folder.glob("point-*.parquet")) if folder.is_dir() else []
-    if points is not None:
-        wanted = {int(p) for p in points}
-        files = [f for f in files if int(f.stem.split("-")[1]) in wanted]
+    files = folder.glob("point-*.parquet") if folder.is_dir() else ()
+    return {int(f.stem.split("-")[1]): f for f in files}
+
+
+def has_samples(run_dir: Path) -> bool:
+    """Whether the run kept any samples (files of points or a pack)."""
+    return bool(_point_files(run_dir)) or (Path(run_dir) / PACKED).is_file()
+
+
+def _read_table(run_dir: Path, points=None) -> pa.Table:
+    files = _point_files(run_dir)
+    wanted = None if points is None else {int(p) for p in points}
+    tables = []
+    packed = Path(run_dir) / PACKED
+    if packed.is_file():
+        table = _with_schema(pq.read_table(packed))
+        keep = pc.invert(pc.is_in(table["point"], pa.array(sorted(files), type=I64)))  # a point's own file wins
+        if wanted is not None:
+            keep = pc.and_(keep, pc.is_in(table["point"], pa.array(sorted(wanted), type=I64)))
+        tables.append(table.filter(keep))
+    tables += [_with_schema(pq.read_table(files[p])) for p in sorted(files) if wanted is None or p in wanted]
+    tables = [t for t in tables if len(t)]
+    return pa.concat_tables(tables).sort_by([("point", "ascending"), ("step", "ascending")]) if tables \
+        else SCHEMA.empty_table()
+
+
+def read_samples(run_dir: Path, points=None) -> pd.DataFrame:
+    """A run's samples (of ``points`` only, when given), one row per timed step, by point and step;
+    empty (with the columns) for a run that kept none."""
+    return _read_table(run_dir, points).to_pandas()
+
+
+def pack_samples(run_dir: Path) -> None:
+    """The run's point files into its pack, and then removed: the sweep calls it when it finishes."""
+    files = _point_files(run_dir)
     if not files:
-        return SCHEMA.empty_table().to_pandas()
-    return pa.concat_tables([_with_schema(pq.read_table(f)) for f in files]).to_pandas()
+        return
+    packed = Path(run_dir) / PACKED
+    tmp = packed.with_suffix(".parquet.tmp")
+    pq.write_table(_read_table(run_dir), tmp, compression="zstd")
+    os.replace(tmp, packed)
+    for f in files.values():
+        f.unlink()
 
 
 def _with_schema(table: pa.Table) -> pa.Table:

@@ -13,6 +13,7 @@ from lorabench.analysis.points import ok_points  # noqa: E402
 from lorabench.commands.report.labels import label, unit  # noqa: E402
 from lorabench.config.backends import TUNED_SUFFIX, UNPADDED_SUFFIX, label_order  # noqa: E402
 from lorabench.config.strategies import BASELINE  # noqa: E402
+from lorabench.storage.figures import save_png  # noqa: E402
 
 
 def _grid(nrows, ncols, w=4.2, h=3.2):
@@ -26,7 +27,7 @@ def _save(fig, df, what, path: Path) -> Path:
     where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
     fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)
     return path
 
