@@ -1,7 +1,7 @@
 """Every timed step of every point, kept: ``<run>/samples/point-<index>.parquet``, one file per
 point, written when the point's row is (before it), so that any statistic (an interval, a rank
 test, another percentile) can be computed again later. Read back as one table with
-``read_samples`` (pyarrow reads the folder as a dataset).
+``read_samples``.
 
 A file per point rather than one growing file while the sweep runs: a point's samples are written
 once, atomically (a temporary file renamed), a resumed sweep that re-measures a point replaces its
