@@ -3,7 +3,6 @@ what was loaded, residency steps record their loads, and a sweep with --adapters
 points end to end (rows, samples, timed loads, the report's section, recommend --adapters)."""
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest

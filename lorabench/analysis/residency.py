@@ -167,13 +167,14 @@ class Pricer:
     function of the resampled medians (the fixed points' and the timed loads')."""
 
     def __init__(self, df: pd.DataFrame, kernels: str, max_loras: int, occ: Occupancy, rs: Resampler | None,
-                 loads: np.ndarray | None = None):
+                 loads: np.ndarray | None = None, model: CostModel | None = None):
         """loads: the run's timed loads of these kernels, every worker's (``pooled_loads``); without
-        them, the median of the workers' medians."""
+        them, the median of the workers' medians. model: the run's CostModel of (kernels,
+        max_loras), when the caller prices several occupancies with it."""
         ok = ok_points(df)
         rows = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)]
         self.kernels, self.L, self.occ, self.rs = kernels, max_loras, occ, rs
-        self.model = CostModel(df, kernels, max_loras)
+        self.model = model if model is not None else CostModel(df, kernels, max_loras)
         self.opt = Optimiser(self.model, occ.pmf, occ.weights)
         self.priced = PricedGain(df, self.opt, rs)
         self.load_key = (LOAD, kernels)
@@ -247,6 +248,12 @@ def _pays(rs, pricer: Pricer, a: Priced, b: Priced) -> tuple[bool, str, Interval
         gain = 100 * (a.tokens_per_s / b.tokens_per_s - 1)
         return gain >= 100 * PAYS, f"{gain:.1f} % more tokens/s (medians alone: {why})", None
     return iv.low >= 100 * PAYS, describe_more(iv), iv
+
+
+def set_name(config: dict) -> str:
+    """A priced configuration's (``Priced.to_dict``) capture set as ``--strategy`` takes it: its
+    strategy's name, or the cost model's own set as a list, "[24,32,64]"."""
+    return config["strategy"] if config["strategy"] != AUTO_SET else "[" + ",".join(map(str, config["counts"])) + "]"
 
 
 def _name(p: Priced) -> str:
@@ -420,8 +427,7 @@ def _describe(entry: dict, ok: pd.DataFrame, checked: pd.DataFrame) -> None:
         note += "; " + UNVERIFIED_POW2
     entry["vllm"] = {"flags": flags, "note": note}
     slots = sorted({m} | ({CARD} & set(entry["at"]) if CARD <= entry["max_cpu_loras"] else set()))
-    strategies = sorted({c["strategy"] if c["strategy"] != AUTO_SET else "[" + ",".join(map(str, c["counts"])) + "]",
-                         BASELINE})
+    strategies = sorted({set_name(c), BASELINE})
     sizes = sorted({int(b) for b in first.capture_sizes if int(b) <= entry["clients"]} | {entry["clients"]})
     entry["validate"] = (f"lorabench sweep --max-loras {','.join(map(str, slots))} --strategy '{','.join(strategies)}' "
                          f"--concurrency {','.join(map(str, sizes))} --kernels {entry['kernels']} "
@@ -440,6 +446,7 @@ def validation(df: pd.DataFrame, samples: pd.DataFrame, loads: dict | None = Non
     pooled = pooled_loads(loads)
     rows = ok_points(df)
     rows = rows[(rows["mode"] == "residency") & (rows.kernels.map(backend_of) != "vllm")]
+    models: dict[tuple[str, int], CostModel] = {}  # one per (kernels, max_loras): every row of it prices twice
     out = []
     for r in rows.itertuples():
         own = samples[samples.point == r.point]
@@ -453,11 +460,13 @@ def validation(df: pd.DataFrame, samples: pd.DataFrame, loads: dict | None = Non
             if own.tokens.isna().any() or own.empty:
                 raise ValueError("its samples lack the steps' tokens and loads")
             same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras))
-            p = Pricer(df, r.kernels, int(r.max_loras), same, None, pooled.get(r.kernels)).price(r.strategy, counts)
+            key = (r.kernels, int(r.max_loras))
+            if key not in models:
+                models[key] = CostModel(df, *key)
+            p = Pricer(df, *key, same, None, pooled.get(r.kernels), models[key]).price(r.strategy, counts)
             adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens))
-            long = Pricer(df, r.kernels, int(r.max_loras), simulated(r.workload, adapters, int(r.concurrency),
-                                                                     int(r.max_loras), sizes, steps), None, pooled.get(r.kernels))
-            q = long.price(r.strategy, counts)
+            long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
+            q = Pricer(df, *key, long, None, pooled.get(r.kernels), models[key]).price(r.strategy, counts)
         except ValueError as e:
             p = q = None
             entry["why"] = str(e)

@@ -10,7 +10,6 @@ one line on stderr and nothing written, when none gets a set.
 """
 
 import json
-import math
 from pathlib import Path
 
 from rich import box
@@ -19,10 +18,11 @@ from rich.table import Table
 
 from lorabench.analysis.optimise import PLAIN, auto_recommendations
 from lorabench.analysis.points import run_samples
-from lorabench.analysis.residency import CARD, residency_recommendations
+from lorabench.analysis.residency import CARD, residency_recommendations, set_name
+from lorabench.commands.tables import mib
 from lorabench.config.flags import to_int, to_positive
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
-from lorabench.config.spec import MAX_ADAPTERS, MAX_STEPS, coerce
+from lorabench.config.spec import coerce
 from lorabench.config.strategies import STRATEGIES
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
@@ -109,7 +109,7 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
 
 
 def _mib(b) -> str:
-    return "-" if b is None or (isinstance(b, float) and math.isnan(b)) else f"{b / 2**20:.0f}"
+    return mib(b) or "-"
 
 
 def residency_table(entry: dict) -> Table:
@@ -125,7 +125,7 @@ def residency_table(entry: dict) -> Table:
     chosen = entry["chosen"] or {}
     for c in entry["configs"]:
         mark = " *" if (c["max_loras"], c["counts"]) == (chosen.get("max_loras"), chosen.get("counts")) else ""
-        name = c["strategy"] if c["strategy"] != "auto" else "[" + ",".join(map(str, c["counts"])) + "]"
+        name = set_name(c)
         kv = "-" if c["kv_tokens_given_up"] is None else f"{c['kv_tokens_given_up']:,}"
         table.add_row(str(c["max_loras"]), name + mark, f"{c['expected_step_ms']:.3f}", f"{c['tokens_per_s']:,.0f}",
                       f"{c['tokens_per_step']:.1f}", f"{c['waiting_per_step']:.1f}", f"{1000 * c['loads_per_step']:.1f}",
@@ -149,9 +149,9 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
     """``lorabench recommend RUN --adapters N``: max_loras, capture set and CPU cache for N
     adapters under a workload (``lorabench.analysis.residency``)."""
     df = load_run(run_dir)
-    n = to_int("adapters", adapters, 1, MAX_ADAPTERS)
-    out = to_int("output_tokens", output_tokens, 1, MAX_STEPS) if output_tokens is not None else OUTPUT_TOKENS
-    cpu = to_int("max_cpu_loras", max_cpu_loras, 1, MAX_ADAPTERS) if max_cpu_loras is not None else None
+    n = coerce("adapters", adapters)  # the sweep's bounds
+    out = coerce("output_tokens", output_tokens) if output_tokens is not None else OUTPUT_TOKENS
+    cpu = coerce("max_cpu_loras", max_cpu_loras) if max_cpu_loras is not None else None
     c = to_int("concurrency", clients, 1) if clients is not None else None
     budget = to_positive("gpu_memory_budget", gpu_memory_budget) * 2**30 if gpu_memory_budget is not None else None
     slots = coerce("max_loras", max_loras) if max_loras else None
@@ -174,7 +174,7 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
         if c is None:
             console.print(f"{where}: nothing to recommend: {r['reason']}")
             continue
-        name = c["strategy"] if c["strategy"] != "auto" else "[" + ",".join(map(str, c["counts"])) + "]"
+        name = set_name(c)
         console.print(f"{where}: max_loras {c['max_loras']}, {name} {c['counts']}: {c['expected_step_ms']:.3f} ms per step, "
                       f"{c['tokens_per_s']:,.0f} tokens/s, {1000 * c['loads_per_step']:.1f} loads per 1000 steps; {r['reason']}")
         if r["versus_card"]:

@@ -40,7 +40,7 @@ from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS
 from lorabench.runtime import env
-from lorabench.runtime.executors import Event, Executor, ExecutorKind, Kind
+from lorabench.runtime.executors import Event, Executor, ExecutorKind, Kind, Lines
 from lorabench.runtime.executors import make as make_executor
 from lorabench.runtime.launch import Task
 from lorabench.stats import median_interval
@@ -316,24 +316,20 @@ class Sweep:
     def handle(self, event: Event, states: "dict[int, GroupRun]", advance) -> None:
         state = states[event.group]
         if event.kind is Kind.START:
-            if state.attempt:
+            if state.lines.attempt:
                 self.console.print(f"worker-{event.group}: its Dask worker was lost; its group runs again, whole, "
                                    f"on {event.text}")
                 state.done.clear()  # the group's rows all come from one GPU: the rerun's
-            state.attempt, state.seen = event.attempt, -1
+            state.lines.fresh(event)
             lead = state.jobs[0]
             self.progress(f"{lead.kernels} max_loras={lead.max_loras} {','.join(j.strategy for j in state.jobs)}"
                           f" on {event.text}")
         elif event.kind is Kind.LINE:
-            if event.attempt == state.attempt and event.seq > state.seen:
-                state.seen = event.seq
-                self.take_line(event.text, state, advance)
+            for line in state.lines.fresh(event):
+                self.take_line(line, state, advance)
         elif event.kind is Kind.END and not state.ended:
-            if event.attempt and event.attempt == state.attempt:
-                for seq, line in enumerate(event.lines):  # what the stream has not brought yet
-                    if seq > state.seen:
-                        state.seen = seq
-                        self.take_line(line, state, advance)
+            for line in state.lines.fresh(event):  # what the stream has not brought yet
+                self.take_line(line, state, advance)
             if event.lines or (event.text and event.status is not None):  # a Dask task's log comes back with it
                 with open(self.worker_log(event.group), "a") as log:
                     log.write(event.text)
@@ -427,8 +423,7 @@ class GroupRun:
 
     group: int  # its place among the run's groups (worker-<group>.log)
     jobs: list[Job]
-    attempt: str = ""
-    seen: int = -1  # the attempt's last line taken
+    lines: Lines = field(default_factory=Lines)  # the attempt listened to, and its lines taken
     done: set[int] = field(default_factory=set)
     counted: set[int] = field(default_factory=set)  # points the progress bar has counted (once, whatever reruns)
     verdicts: set[str] = field(default_factory=set)

@@ -1,6 +1,12 @@
 """Tables as text: the markdown tables ``report.md`` and ``tune.md`` are made of."""
 
 import numpy as np
+import pandas as pd
+
+
+def mib(v) -> str | None:
+    """Bytes as whole MiB; None for a missing value (a table shows it as "-")."""
+    return None if v is None or pd.isna(v) else f"{float(v) / 2**20:.0f}"
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

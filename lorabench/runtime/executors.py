@@ -56,6 +56,31 @@ class Event:
     lines: tuple[str, ...] = ()  # END (Dask): the attempt's every line, those the stream has not brought yet
 
 
+@dataclass
+class Lines:
+    """One task's protocol lines as its events bring them, each handed on once: a Dask task's come
+    streamed and again, whole, with its END; a START (a rerun elsewhere: another attempt) starts
+    over, and lines of any other attempt are dropped."""
+
+    attempt: str = ""  # the attempt listened to: the last START's
+    seen: int = -1  # its last line handed on
+
+    def fresh(self, event: Event) -> list[str]:
+        """The event's lines not handed on yet (a START's: none, and it starts over)."""
+        if event.kind is Kind.START:
+            self.attempt, self.seen = event.attempt, -1
+            return []
+        if not event.attempt or event.attempt != self.attempt:
+            return []
+        numbered = [(event.seq, event.text)] if event.kind is Kind.LINE else list(enumerate(event.lines))
+        out = []
+        for seq, line in numbered:
+            if seq > self.seen:
+                self.seen = seq
+                out.append(line)
+        return out
+
+
 def where(device: Device | None) -> str:
     return f"{socket.gethostname()} {device.uuid if device else 'cpu'}"
 

@@ -11,7 +11,6 @@ from lorabench.analysis.points import (
     expected_steps,
     lora_overhead,
     ok_points,
-    run_samples,
     same_gpu,
 )
 from lorabench.analysis.recommend import recommend
@@ -22,6 +21,7 @@ from lorabench.commands.report.labels import unit
 from lorabench.commands.report.markdown import render_markdown
 from lorabench.storage.results import load_run
 from lorabench.storage.runs import Coverage, coverage, read_info, run_status
+from lorabench.storage.samples import read_samples, step_times
 
 
 def incomplete_line(run_info: dict, cov: Coverage | None) -> str | None:
@@ -42,7 +42,9 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     intervals from the run's samples when it kept them."""
     run_dir = Path(run_dir)
     df = load_run(run_dir)
-    rs = resampler(run_samples(run_dir))
+    steps = read_samples(run_dir)  # every timed step, read once: the intervals' and the residency section's
+    times = step_times(steps)
+    rs = resampler(times)
     same, gpus = same_gpu(df)
     run_info = read_info(run_dir)
     cov = coverage(run_dir, df)
@@ -66,7 +68,7 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     fl = floors(same)
     if not fl.empty:
         plots["roofline"] = p.roofline(df, fl, run_dir / "roofline.png")
-    res = residency.build(same, run_dir, run_samples(run_dir))
+    res = residency.build(same, run_dir, times, steps)
     if res is not None and res.recommendations:
         runs = ok_points(same)[lambda d: d["mode"] == "residency"]
         plots["residency"] = p.residency(df, res.recommendations, runs, run_dir / "residency.png")

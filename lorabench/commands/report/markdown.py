@@ -15,7 +15,7 @@ from lorabench.analysis.compare import (
 from lorabench.analysis.points import majority_gpu, ok_points, short_uuid, verdicts
 from lorabench.analysis.recommend import PAYS, VLLM_NOTE, vllm_specialised
 from lorabench.commands.report.labels import backends, in_order, strategies, unit
-from lorabench.commands.tables import markdown_table
+from lorabench.commands.tables import markdown_table, mib
 from lorabench.config.backends import UNPADDED_SUFFIX, label_order
 from lorabench.config.strategies import AUTO, BASELINE, STRATEGIES, report_order
 from lorabench.stats import describe, geomean_ratio_pct, ratio_pct
@@ -40,10 +40,6 @@ def _steps(df: pd.DataFrame, r) -> str:
     lo, hi = int(steps.min()), int(steps.max())
     target = r.get("ci_target")
     return (f"{lo}" if lo == hi else f"{lo}–{hi}") + (f" (--ci-target {target:g})" if pd.notna(target) else "")
-
-
-def _mib(v):
-    return None if v is None or pd.isna(v) else f"{float(v) / 2**20:.0f}"
 
 
 def hypothesis_verdict(pow2: pd.DataFrame) -> str:
@@ -183,7 +179,7 @@ def backends_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str, plot: Path, sampl
         out += [f"no interval: {', '.join(sorted(no_interval)) or NO_SAMPLES}", ""]
     cost = in_order(cfg, by=("max_loras", "strategy", "kernels"))
     out += [markdown_table(["max_loras", "strategy", "kernels", "graph MiB", "graphs", "startup s"],
-                     [[int(c.max_loras), c.strategy, c.kernels, _mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
+                     [[int(c.max_loras), c.strategy, c.kernels, mib(c.graph_mem_bytes), int(c.num_graphs), c.startup_s]
                       for c in cost.itertuples()]), ""]
     return out
 
@@ -278,8 +274,8 @@ def agnostic_md(over: pd.DataFrame, cfg: pd.DataFrame, u: str) -> list[str]:
         out += [f"**{k}, max_loras = {m}**\n", markdown_table(["c", "n", "agnostic [grid]", "best other", "agnostic vs best"], rows), ""]
         c_ag = cfg[(cfg.kernels == k) & (cfg.max_loras == m) & cfg.strategy.isin(BUCKET_GRID)].iloc[0]
         c_max = cfg[(cfg.kernels == k) & (cfg.max_loras == m) & (cfg.strategy == BASELINE)]
-        cost = (f"{int(c_ag.num_graphs)} graphs / {_mib(c_ag.graph_mem_bytes)} MiB / {c_ag.startup_s:.2f} s startup"
-                + (f" (max: {int(c_max.num_graphs.iloc[0])} / {_mib(c_max.graph_mem_bytes.iloc[0])} MiB / "
+        cost = (f"{int(c_ag.num_graphs)} graphs / {mib(c_ag.graph_mem_bytes)} MiB / {c_ag.startup_s:.2f} s startup"
+                + (f" (max: {int(c_max.num_graphs.iloc[0])} / {mib(c_max.graph_mem_bytes.iloc[0])} MiB / "
                    f"{c_max.startup_s.iloc[0]:.2f} s)" if len(c_max) else ""))
         verdict = "yes" if worst <= AGNOSTIC_WITHIN else "no"
         summary.append([k, int(m), f"{100 * worst:+.1f} %", verdict, cost])
@@ -452,8 +448,8 @@ def render_markdown(df, run_info, cfg, exp, over, fl, rec, plots, incomplete: st
         "",
         markdown_table(
             ["kernels", "max_loras", "strategy", "launch counts", "graphs", "graph MiB", "pool MiB", "build s", "compile s", "capture s", "startup s"],
-            [[c.kernels, int(c.max_loras), c.strategy, "[" + ",".join(map(str, c.captured_counts)) + "]", int(c.num_graphs), _mib(c.graph_mem_bytes),
-              _mib(c.pool_bytes), c.build_s, c.compile_s, c.capture_s, c.startup_s] for c in cfg.itertuples()],
+            [[c.kernels, int(c.max_loras), c.strategy, "[" + ",".join(map(str, c.captured_counts)) + "]", int(c.num_graphs), mib(c.graph_mem_bytes),
+              mib(c.pool_bytes), c.build_s, c.compile_s, c.capture_s, c.startup_s] for c in cfg.itertuples()],
         ),
         "",
         f"![memory and startup]({plots['memory_startup'].name})",

@@ -9,10 +9,9 @@ import pandas as pd
 
 from lorabench.analysis.points import ok_points
 from lorabench.analysis.residency import CARD, residency_recommendations, validation
-from lorabench.commands.report.markdown import _mib
-from lorabench.commands.tables import markdown_table
+from lorabench.commands.tables import markdown_table, mib
 from lorabench.config.residency import Adapters
-from lorabench.storage.samples import read_loads, read_samples
+from lorabench.storage.samples import read_loads
 
 
 @dataclass
@@ -22,8 +21,9 @@ class ResidencyReport:
     recommendations: list[dict]  # per (workload, kernels): residency_recommendations' entries
 
 
-def build(df: pd.DataFrame, run_dir: Path, samples: dict) -> ResidencyReport | None:
-    """The section's figures for a run (its same-GPU rows), or None without residency points."""
+def build(df: pd.DataFrame, run_dir: Path, samples: dict, steps: pd.DataFrame) -> ResidencyReport | None:
+    """The section's figures for a run (its same-GPU rows), or None without residency points;
+    ``steps``: the run's samples (``read_samples``), ``samples``: their step times by point."""
     ok = ok_points(df)
     runs = ok[ok["mode"] == "residency"]
     if runs.empty:
@@ -40,7 +40,7 @@ def build(df: pd.DataFrame, run_dir: Path, samples: dict) -> ResidencyReport | N
         except ValueError as e:
             recs.append({"workload": w, "adapters": int(n), "clients": int(c), "chosen": None, "reason": str(e),
                          "kernels": "-", "configs": []})
-    return ResidencyReport(loads, validation(df, read_samples(run_dir), timed), recs)
+    return ResidencyReport(loads, validation(df, steps, timed), recs)
 
 
 def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
@@ -82,8 +82,8 @@ def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
             out += [markdown_table(["max_loras", "set", "expected step ms", "tokens/s", "tokens/step", "waiting", "loads/1k steps",
                                     "graph MiB", "slot MiB", "KV tokens given up"],
                                    [[x["max_loras"], _set(x), x["expected_step_ms"], x["tokens_per_s"], x["tokens_per_step"],
-                                     x["waiting_per_step"], 1000 * x["loads_per_step"], _mib(x["graph_mem_bytes"]),
-                                     _mib(x["slot_bytes"]), x["kv_tokens_given_up"]] for x in rec["configs"]]), ""]
+                                     x["waiting_per_step"], 1000 * x["loads_per_step"], mib(x["graph_mem_bytes"]),
+                                     mib(x["slot_bytes"]), x["kv_tokens_given_up"]] for x in rec["configs"]]), ""]
         out += [f"- recommended: max_loras {c['max_loras']}, {_set(c)}: {c['tokens_per_s']:.0f} tokens/s, "
                 f"{c['expected_step_ms']:.3f} ms per step; {rec['reason']}"]
         if rec.get("versus_card"):

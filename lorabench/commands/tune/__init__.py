@@ -16,12 +16,12 @@ from rich.console import Console
 from lorabench.commands.tune.output import skipped_line, sweep_hint, tune_table
 from lorabench.commands.tune.search import Tuner
 from lorabench.commands.tune.spread import spread
-from lorabench.runtime.executors import ExecutorKind
-from lorabench.runtime.executors import make as make_executor
 from lorabench.config.tune_spec import build_tune_spec
 from lorabench.errors import UserError
 from lorabench.kernels import triton_lora, vllm_lora
 from lorabench.runtime import env
+from lorabench.runtime.executors import ExecutorKind
+from lorabench.runtime.executors import make as make_executor
 
 
 def interpreter_child(flags: dict, resume: bool, cuda: bool) -> int | None:

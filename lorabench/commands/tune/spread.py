@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lorabench.commands.tune.search import Tuner
 from lorabench.errors import UserError
-from lorabench.runtime.executors import Executor, Kind
+from lorabench.runtime.executors import Executor, Kind, Lines
 from lorabench.runtime.launch import Task
 
 WORKER = "lorabench.commands.tune.worker"
@@ -47,16 +47,12 @@ def spread(tuner: Tuner, executor: Executor, console) -> list[dict]:
         tasks.append(Task(g, WORKER, json.dumps(message), env, len(share)))
     events: queue.Queue = queue.Queue()
     seen: dict[int, str | None] = {-1: tuner.cache.identity.get("gpu")}  # -1: this process's GPU, whose rows the tables take
-    last: dict[int, tuple[str, int]] = {}  # group -> (attempt, its last line taken)
+    lines = {g: Lines() for g in range(len(tasks))}  # each worker's lines, taken once
     failed: list[str] = []
     ended: set[int] = set()
 
-    def take(group: int, attempt: str, seq: int, line: str, progress, bar) -> None:
-        """A worker's line, once (a Dask task's lines come back streamed and again when it ends)."""
-        seen_attempt, seen_seq = last.get(group, (attempt, -1))
-        if seen_attempt == attempt and seq <= seen_seq:
-            return
-        last[group] = (attempt, seq)
+    def take(group: int, line: str, progress, bar) -> None:
+        """A worker's line."""
         kind, _, body = line.partition(" ")
         if kind == "@@cache":
             tuner.cache.take(json.loads(body))
@@ -77,11 +73,11 @@ def spread(tuner: Tuner, executor: Executor, console) -> list[dict]:
                     event = events.get(timeout=0.5)
                 except queue.Empty:
                     continue
-                if event.kind is Kind.LINE:
-                    take(event.group, event.attempt, event.seq, event.text, progress, bar)
-                elif event.kind is Kind.END and event.group not in ended:
-                    for seq, line in enumerate(event.lines):  # what the stream has not brought yet (Dask)
-                        take(event.group, event.attempt, seq, line, progress, bar)
+                if event.kind is Kind.END and event.group in ended:
+                    continue
+                for line in lines[event.group].fresh(event):  # at END: what the stream has not brought yet (Dask)
+                    take(event.group, line, progress, bar)
+                if event.kind is Kind.END:
                     ended.add(event.group)
                     if event.status != 0:
                         how = f"exit status {event.status}" if event.status is not None else event.text[:300]
