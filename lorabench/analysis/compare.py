@@ -38,10 +38,11 @@ from lorabench.analysis.intervals import (
     APART_MARGIN_PCT,
     MARGIN_PCT,
     NO_SAMPLES,
-    describe_gain,
+    Gain,
     interval_of,
     most_steps,
     resampler,
+    versus,
 )
 from lorabench.analysis.points import expected_steps, same_gpu, short_uuid
 from lorabench.config.strategies import BASELINE, report_order
@@ -202,9 +203,7 @@ class Comparison:
         if g is None:
             return NOT_COMPARABLE
         iv, why = self._interval(strategy)
-        if iv is not None:
-            return describe_gain(iv, margin_pct=self.margin_pct)
-        return f"{100 * g:+.1f} % by the medians (no interval: {why})"
+        return versus(Gain(100 * g, iv, why), self.margin_pct)
 
     @property
     def margin_pct(self) -> float:

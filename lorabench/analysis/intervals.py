@@ -94,6 +94,14 @@ def describe_gain(gain: Interval | None, why: str | None = None, margin_pct: flo
     return describe(as_slower(gain), margin_pct) if gain is not None else f"no interval: {why or NO_SAMPLES}"
 
 
+def versus(gain: "Gain", margin_pct: float = MARGIN_PCT) -> str:
+    """A step time's gain in words: its interval's verdict ("faster by 3.1 % (95 % CI 2.5…3.8)",
+    "no difference detected (...)"), or its medians' gain and why there is no interval."""
+    if gain.interval is not None:
+        return describe_gain(gain.interval, margin_pct=margin_pct)
+    return f"{gain.pct:+.1f} % by the medians (no interval: {gain.why})"
+
+
 def describe_more(gain: Interval | None, why: str | None = None, margin_pct: float = 0.0) -> str:
     """A throughput gain (%, positive: more tokens/s) in words: "more tokens/s by 6.6 % (95 % CI
     3.7…10.1)", "no difference detected (...)", or "no interval: why"."""

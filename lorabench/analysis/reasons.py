@@ -5,7 +5,7 @@ report.md and the console all take their reasons from here.
 
 from lorabench.analysis.compare import NOT_COMPARABLE, PARTIAL, Comparison, c_list
 from lorabench.analysis.decision import AutoDecision, Basis, MeasuredDecision, ResidencyDecision, SetChoice
-from lorabench.analysis.intervals import APART_MARGIN_PCT, Gain, describe_gain, describe_more
+from lorabench.analysis.intervals import APART_MARGIN_PCT, Gain, describe_gain, describe_more, versus
 from lorabench.config.strategies import BASELINE
 
 PLAIN = "the cost model's best set within the budgets"  # auto's reason when no rule of the report's had to step in
@@ -61,7 +61,7 @@ def measured(d: MeasuredDecision) -> str:
     else:
         shown = chosen if chosen != BASELINE else best
         so_max = ", so max, the fewest graphs" if chosen == BASELINE else ""
-        text = f"{shown} vs max {over}: {cmp.versus_max(shown)}" if shown != BASELINE else ""
+        text = f"{shown} vs max {over}: {versus(d.gains[shown], cmp.margin_pct)}" if shown != BASELINE else ""
         if shown in d.cleared:
             text += f"; the interval's low end clears the {pays:g} % that pays for extra graphs"
         elif shown in d.open:
@@ -69,7 +69,7 @@ def measured(d: MeasuredDecision) -> str:
         elif shown != BASELINE:
             text += f"; the whole interval is below the {pays:g} % that pays for extra graphs{so_max}"
         if chosen in d.cleared and best not in (chosen, BASELINE):
-            text += (f"; {best} measured faster ({cmp.versus_max(best)}) but its interval's low end "
+            text += (f"; {best} measured faster ({versus(d.gains[best], cmp.margin_pct)}) but its interval's low end "
                      f"does not clear {pays:g} %")
     if best == BASELINE:
         text = "max is the fastest" + (" strategy that passed its correctness check" if d.rejected else "")
@@ -77,7 +77,7 @@ def measured(d: MeasuredDecision) -> str:
             text = "max is kept: no other strategy is measured at every concurrency max covers"
         elif d.basis is Basis.INTERVAL and not d.cleared and d.open:
             top = max(d.open, key=lambda s: d.gains[s].interval.estimate)
-            text += f"; inconclusive: {top} vs max {over}: {cmp.versus_max(top)}, whose interval reaches past {pays:g} %"
+            text += f"; inconclusive: {top} vs max {over}: {versus(d.gains[top], cmp.margin_pct)}, whose interval reaches past {pays:g} %"
     if d.fastest != best:
         text = f"{d.fastest} measured fastest but failed its correctness check, so it is not proposed; " + text
     if chosen != BASELINE and chosen not in d.cleared:

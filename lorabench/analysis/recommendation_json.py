@@ -35,7 +35,7 @@ import pandas as pd
 
 from lorabench.analysis.costmodel import Plan
 from lorabench.analysis.decision import PAYS_PCT, AutoDecision, MeasuredDecision, ResidencyDecision, SetChoice
-from lorabench.analysis.intervals import Gain
+from lorabench.analysis.intervals import Gain, versus
 from lorabench.analysis.reasons import BASIS, MEDIANS_ONLY, decided_on, pays_rule, reason, versus_card
 from lorabench.analysis.residency_price import Priced
 from lorabench.analysis.search import fits
@@ -78,7 +78,7 @@ def measured_json(d: MeasuredDecision) -> dict:
         "gain_over_max_pct": round(d.gains[chosen].pct, 2) if chosen else None,
         "gain_by_strategy_pct": {s: round(g.pct, 2) for s, g in d.gains.items()},
         "gain_interval_pct": _interval(d.gains[chosen]) if chosen not in (None, BASELINE) else None,
-        "versus_max": {s: cmp.versus_max(s) for s in comparable if s != BASELINE},
+        "versus_max": {s: versus(d.gains[s], cmp.margin_pct) for s in comparable if s != BASELINE},
         "inconclusive": d.inconclusive, "more_measuring": d.more_measuring, "decided_on": decided_on(d),
         "graph_mem_bytes": costs.graph_mem_bytes if costs else None,
         "graph_mem_bytes_max": mc.graph_mem_bytes if mc else None,

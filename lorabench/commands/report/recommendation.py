@@ -5,6 +5,7 @@ recommendation.json holds."""
 
 from lorabench.analysis.compare import NOT_COMPARABLE, Comparison, c_list
 from lorabench.analysis.decision import PAYS_PCT, Basis, MeasuredDecision
+from lorabench.analysis.intervals import versus
 from lorabench.analysis.reasons import decided_on, reason
 from lorabench.analysis.vllm import VLLM_NOTE
 from lorabench.config.strategies import BASELINE
@@ -41,7 +42,7 @@ def versus_md(d: MeasuredDecision) -> list[str]:
     """Sub-bullets: each strategy against max in words (with its interval, or why none), the GPU
     the comparison was made on, and what more measuring would take when inconclusive."""
     cmp = d.comparison
-    out = [f"  - `{s}` vs max over {c_list(cv.compared_over)}: {cmp.versus_max(s)}"
+    out = [f"  - `{s}` vs max over {c_list(cv.compared_over)}: {versus(d.gains[s], cmp.margin_pct)}"
            for s, cv in cmp.covers.items() if s != BASELINE and cv.comparable]
     if d.basis is Basis.MEDIANS:
         out.append(f"  - {decided_on(d)}")
