@@ -2,34 +2,31 @@
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from lorabench.analysis.points import ok_points  # noqa: E402
-from lorabench.analysis.recommendation_json import priced_json  # noqa: E402
-from lorabench.commands.report.labels import label, unit  # noqa: E402
-from lorabench.config.backends import TUNED_SUFFIX, UNPADDED_SUFFIX, label_order  # noqa: E402
-from lorabench.config.strategies import BASELINE  # noqa: E402
-from lorabench.storage.figures import save_png  # noqa: E402
+from lorabench.analysis.points import ok_points
+from lorabench.analysis.recommendation_json import priced_json
+from lorabench.commands.report.labels import label, unit
+from lorabench.config.backends import TUNED_SUFFIX, UNPADDED_SUFFIX, label_order
+from lorabench.config.strategies import BASELINE
+from lorabench.storage.figures import save_png
 
 
 def _grid(nrows, ncols, w=4.2, h=3.2):
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False)
-    return fig, axes
+    """A figure of its own (not pyplot's: no backend, nothing to close) and its axes."""
+    fig = Figure(figsize=(w * ncols, h * nrows))
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
 def _save(fig, df, what, path: Path) -> Path:
-    """Title the figure with what was measured where, write it, free it."""
+    """Title the figure with what was measured where, write it."""
     r = ok_points(df).iloc[0]
     where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
     fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
     return path
 
 
