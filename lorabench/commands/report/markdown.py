@@ -152,14 +152,11 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
     strats = strategies(df)
     for (k, m), g in over.groupby(["kernels", "max_loras"]):
         out.append(f"**{k}, max_loras = {m}**\n")
-        rows = []
-        for (c, n), gg in g.groupby(["concurrency", "n_active"]):
-            cells = [int(c), int(n)]
-            for s in strats:
-                p = gg[gg.strategy == s]
-                cells.append(f"{p.step_ms_median.iloc[0]:.3f} [{int(p.graph_loras.iloc[0])}] {p.overhead_pct.iloc[0]:+.1f} %"
-                             if len(p) else "-")
-            rows.append(cells)
+        first = g.drop_duplicates(["concurrency", "n_active", "strategy"])
+        at = {(c, n, s): f"{ms:.3f} [{int(gl)}] {pct:+.1f} %" for c, n, s, ms, gl, pct in
+              zip(first.concurrency, first.n_active, first.strategy, first.step_ms_median, first.graph_loras, first.overhead_pct)}
+        rows = [[int(c), int(n)] + [at.get((c, n, s), "-") for s in strats]
+                for c, n in sorted(set(zip(g.concurrency, g.n_active)))]
         out += [markdown_table(["c", "n"] + strats, rows), ""]
     if "backends" in plots:
         out += backends_md(over, cfg, u, plots["backends"], samples)
