@@ -12,6 +12,7 @@ from lorabench.analysis.view import RunView
 from lorabench.commands import recommendation_file
 from lorabench.commands.report import plots as p
 from lorabench.commands.report import residency
+from lorabench.commands.report.drawing import Drawing
 from lorabench.commands.report.labels import unit
 from lorabench.commands.report.markdown import render_markdown
 from lorabench.storage.runs import Coverage, read_info, run_status
@@ -41,31 +42,34 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
         console.print(f"{run_dir}: incomplete run, {incomplete}")
     df, same, cfg, exp = view.rows, view.kept, view.configs, view.expected()
     over = lora_overhead(same)
+    drawing = Drawing()  # the figures are drawn while the report goes on
     plots = {
-        "latency_vs_active": p.latency_vs_active(df, run_dir / "latency_vs_active.png"),
-        "memory_startup": p.memory_startup(df, cfg, run_dir / "memory_startup.png"),
+        "latency_vs_active": drawing.draw(p.latency_vs_active, df, run_dir / "latency_vs_active.png"),
+        "memory_startup": drawing.draw(p.memory_startup, df, cfg, run_dir / "memory_startup.png"),
     }
     if not exp.empty:
-        plots["latency_vs_concurrency"] = p.latency_vs_concurrency(same, exp, run_dir / "latency_vs_concurrency.png")
-        plots["speedup"] = p.speedup(same, exp, run_dir / "speedup_vs_max.png")
+        plots["latency_vs_concurrency"] = drawing.draw(p.latency_vs_concurrency, same, exp, run_dir / "latency_vs_concurrency.png")
+        plots["speedup"] = drawing.draw(p.speedup, same, exp, run_dir / "speedup_vs_max.png")
         first = min(exp.workload.unique())
-        plots["latency_vs_memory"] = p.latency_vs_memory(same, [c for c in view.comparisons() if c.workload == first],
-                                                         cfg, run_dir / "latency_vs_memory.png")
+        plots["latency_vs_memory"] = drawing.draw(p.latency_vs_memory, same, [c for c in view.comparisons() if c.workload == first],
+                                                  cfg, run_dir / "latency_vs_memory.png")
     if view.ok.kernels.nunique() > 1:
-        plots["backends"] = p.backends(same, over, run_dir / "backends.png")
+        plots["backends"] = drawing.draw(p.backends, same, over, run_dir / "backends.png")
     fl = floors(same)
     if not fl.empty:
-        plots["roofline"] = p.roofline(df, fl, run_dir / "roofline.png")
+        plots["roofline"] = drawing.draw(p.roofline, df, fl, run_dir / "roofline.png")
     res = residency.build(view)
     if res is not None and res.decisions:
-        plots["residency"] = p.residency(df, res.decisions, res.runs, run_dir / "residency.png")
+        plots["residency"] = drawing.draw(p.residency, df, res.decisions, res.runs, run_dir / "residency.png")
     decisions = measured_decisions(view)
-    rec_path = recommendation_file.write_report(run_dir, report_json(view, decisions))
-    md_path = run_dir / "report.md"
+    rec = report_json(view, decisions)
     extra = residency.markdown(res, plots.get("residency"), unit(df)) if res is not None else []
     md = render_markdown(view, run_info, over, fl, decisions, plots, incomplete, extra=extra)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")
         md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"
+    drawing.wait()
+    rec_path = recommendation_file.write_report(run_dir, rec)
+    md_path = run_dir / "report.md"
     md_path.write_text(md)
     return list(plots.values()) + [md_path, rec_path]
