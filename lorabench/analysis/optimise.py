@@ -24,7 +24,7 @@ from lorabench.analysis import search
 from lorabench.analysis.compare import COMPLETE
 from lorabench.analysis.costmodel import Plan, Pricing
 from lorabench.analysis.decision import PAYS, PAYS_PCT, AutoDecision, MeasuredDecision
-from lorabench.analysis.recommend import measured_decisions
+from lorabench.analysis.recommend import config_costs, measured_decision
 from lorabench.analysis.recommendation_json import auto_json
 from lorabench.analysis.view import RunView
 from lorabench.analysis.vllm import (
@@ -58,14 +58,16 @@ def auto_decisions(view: RunView, workload: str, memory_bytes: float | None = No
     workload and budgets, next to ``max``, ``pow2`` and ``dense`` as the same cost model prices
     them, and next to the report's choice among the measured strategies."""
     wl = parse_workload(workload)
-    measured = {(d.kernels, d.max_loras): d for d in measured_decisions(view, [wl.name])}
+    comparisons = {(c.kernels, c.max_loras): c for c in view.comparisons((wl.name,))}
+    costs = config_costs(view)
     out = []
     for (k, m), _ in view.compared.groupby(["kernels", "max_loras"]):
         if (kernels and k not in kernels) or (max_loras and int(m) not in max_loras):
             continue
         if backend_of(k) == "vllm":
             continue  # vLLM captures max or pow2 only; its own rules are not lorabench's dispatch
-        out.append(auto_decision(view, measured[(k, int(m))], wl, memory_bytes, startup_s))
+        measured = measured_decision(view, comparisons[(k, int(m))], costs)  # the report's, on the same comparison
+        out.append(auto_decision(view, measured, wl, memory_bytes, startup_s))
     return out
 
 

@@ -57,10 +57,15 @@ def recommend(df: pd.DataFrame, workloads: list[str] | None = None,
 
 def measured_decisions(view: RunView, workloads: list[str] | None = None) -> list[MeasuredDecision]:
     """One decision per (kernels, max_loras, workload) of the run, each from its ``Comparison``."""
-    costs = {(r.kernels, int(r.max_loras), r.strategy): Costs(list(r.captured_counts), _int(r.num_graphs),
-                                                              _int(r.graph_mem_bytes), float(r.startup_s))
-             for r in view.configs.itertuples()}
+    costs = config_costs(view)
     return [measured_decision(view, cmp, costs) for cmp in view.comparisons(tuple(workloads) if workloads else None)]
+
+
+def config_costs(view: RunView) -> dict[tuple[str, int, str], Costs]:
+    """(kernels, max_loras, strategy) -> what the configuration's graphs cost."""
+    return {(r.kernels, int(r.max_loras), r.strategy): Costs(list(r.captured_counts), _int(r.num_graphs),
+                                                             _int(r.graph_mem_bytes), float(r.startup_s))
+            for r in view.configs.itertuples()}
 
 
 def _gain(cmp: Comparison, strategy: str) -> Gain:
