@@ -81,19 +81,12 @@ class Pricer:
     def __init__(self, view: RunView, kernels: str, max_loras: int, occ: Occupancy):
         """The loads are the run's timed loads of these kernels, every worker's; without them, the
         median of the workers' medians."""
-        ok = view.compared
-        rows = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)]
         self.kernels, self.L, self.occ = kernels, max_loras, occ
         self.model = view.cost_model(kernels, max_loras)
         self.pricing = Pricing(self.model, occ.pmf, occ.weights)
         self.load_key = (LOAD, kernels)
-        loads = view.pooled_loads.get(kernels)
-        medians = ok[ok.kernels == kernels].drop_duplicates("max_loras").load_ms_median.dropna()
-        self.load_ms = (float(np.median(loads)) if loads is not None and len(loads)
-                        else float(medians.median()) if len(medians) else None)
-        first = rows.iloc[0]
-        self.slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
-        self.kv_token_bytes = kv_bytes_per_token(first)
+        self.load_ms, self.slot_bytes, self.kv_token_bytes = view.memo(
+            ("residency", kernels, max_loras), lambda: _costs(view, kernels, max_loras))
 
     def unpriced(self, counts: list[int]) -> str | None:
         if self.load_ms is None and self.occ.loads > 0:
@@ -116,6 +109,17 @@ class Pricer:
 
     def medians(self) -> dict:
         return {**self.model.medians, self.load_key: self.load_ms}
+
+
+def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int]:
+    """(the load's ms, the slots' bytes, a KV-cache token's bytes) at (kernels, max_loras)."""
+    ok = view.compared
+    loads = view.pooled_loads.get(kernels)
+    medians = ok[ok.kernels == kernels].drop_duplicates("max_loras").load_ms_median.dropna()
+    load_ms = float(np.median(loads)) if loads is not None and len(loads) else float(medians.median()) if len(medians) else None
+    first = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)].iloc[0]
+    slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
+    return load_ms, slot_bytes, kv_bytes_per_token(first)
 
 
 def throughput_gain(view: RunView, a: tuple[Pricer, Priced], b: tuple[Pricer, Priced]) -> Gain:

@@ -48,9 +48,10 @@ class RunView:
     planned: dict | None = None  # (kernels, max_loras, strategy) -> the concurrencies planned (None: no plan)
     coverage: Coverage | None = None  # planned against finished points (None: run.json lists no plan)
     steps: pd.DataFrame | None = None  # every timed step with its batch (tokens, loads), as read_samples gives
-    _memo: dict = field(default_factory=dict, init=False, repr=False)  # what the methods below computed
+    _memo: dict = field(default_factory=dict, init=False, repr=False)  # what memo computed
 
-    def _once(self, key, make):
+    def memo(self, key, make):
+        """``make()``, computed once per view and ``key``: what analysis derives from the run."""
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
@@ -136,17 +137,17 @@ class RunView:
     def expected(self, workloads: tuple[str, ...] | None = None) -> pd.DataFrame:
         """``expected_steps`` of the compared rows under ``workloads`` (None: the run's own)."""
         key = tuple(workloads) if workloads else None
-        return self._once(("expected", key), lambda: expected_steps(self.kept, list(key) if key else None))
+        return self.memo(("expected", key), lambda: expected_steps(self.kept, list(key) if key else None))
 
     def comparisons(self, workloads: tuple[str, ...] | None = None) -> list[Comparison]:
         """One Comparison per (kernels, max_loras, workload) (``lorabench.analysis.compare``)."""
         key = tuple(workloads) if workloads else None
-        return self._once(("comparisons", key), lambda: comparisons(
+        return self.memo(("comparisons", key), lambda: comparisons(
             self.rows, self.kept, self.gpus, self.expected(key), list(key) if key else None, self.planned, self.samples))
 
     def cost_model(self, kernels: str, max_loras: int) -> CostModel:
         """The cost model of (kernels, max_loras), from the compared rows (ValueError: no ok point)."""
-        return self._once(("model", kernels, int(max_loras)), lambda: CostModel(self.compared, kernels, int(max_loras)))
+        return self.memo(("model", kernels, int(max_loras)), lambda: CostModel(self.compared, kernels, int(max_loras)))
 
     @cached_property
     def _sets(self) -> dict[tuple[str, int], dict[str, tuple[tuple[int, ...], bool | None]]]:
