@@ -6,7 +6,9 @@ Step times are skewed and carry outliers (a preemption, a clock change), so ever
 summarised by its median and every interval is a percentile bootstrap of medians: it assumes no
 distribution, and a statistic composed from several points' medians (a ratio, a workload's
 weighted sum, a geometric mean) gets its interval the same way, by resampling every point
-independently. Numpy and scipy only: the sweep's workers (its stop rule), the sweep and the analysis all use it.
+independently. Numpy only, and scipy for the rank test alone (imported there: scipy.stats takes
+about a second to import, which every process that imports this module would otherwise pay): the
+sweep's workers (its stop rule), the sweep and the analysis all use it.
 """
 
 import math
@@ -16,7 +18,6 @@ from enum import Enum
 from functools import lru_cache
 
 import numpy as np
-from scipy import stats as _sps
 
 LEVEL = 0.95  # every interval lorabench reports
 N_BOOT = 2000  # bootstrap resamples
@@ -197,9 +198,19 @@ def _order_ranks(n: int, level: float) -> tuple[int, int]:
     """0-based ranks (j, n-1-j) of the distribution-free interval of the median: the number of
     samples below the true median is Binomial(n, 1/2), so [x_(j), x_(n-1-j)] covers it with
     probability 1 - 2 P(B < j+1) >= level."""
-    j = int(_sps.binom.ppf((1 - level) / 2, n, 0.5))  # smallest j with P(B <= j) >= (1-level)/2
+    j = _binomial_half_ppf((1 - level) / 2, n)  # smallest j with P(B <= j) >= (1-level)/2
     j = min(max(j - 1, 0), (n - 1) // 2)  # 0-based: x_(j+1) in 1-based order
     return j, n - 1 - j
+
+
+def _binomial_half_ppf(q: float, n: int) -> int:
+    """The smallest j with P(B <= j) >= q for B ~ Binomial(n, 1/2), q < 1/2 (scipy's
+    ``binom.ppf(q, n, 0.5)``, the same on every n and level tests/test_stats.py tries): the CDF
+    summed in log space, C(n, i) as a running product, over the lower half."""
+    i = np.arange(1, n // 2 + 1)
+    log_comb = np.concatenate([[0.0], np.cumsum(np.log((n - i + 1) / i))])
+    cdf = np.cumsum(np.exp(log_comb - n * math.log(2)))
+    return int(np.searchsorted(cdf, q))
 
 
 def half_width_pct(x: np.ndarray, level: float = LEVEL) -> float | None:
@@ -253,6 +264,8 @@ def rank_test(a: np.ndarray, b: np.ndarray) -> float:
     both = np.concatenate([a, b])
     if np.all(both == both[0]):
         return 1.0
+    from scipy import stats as _sps  # here alone: see the module's docstring
+
     return float(_sps.mannwhitneyu(a, b, alternative="two-sided").pvalue)
 
 

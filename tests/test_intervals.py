@@ -13,7 +13,7 @@ import pytest
 from conftest import H200_CARD, with_schema
 
 from lorabench.analysis.compare import compare
-from lorabench.analysis.optimise import Optimiser, PricedGain, auto_recommendations
+from lorabench.analysis.optimise import auto_recommendations
 from lorabench.analysis.points import run_samples, same_gpu
 from lorabench.analysis.recommend import recommend
 from lorabench.cli import main
@@ -250,20 +250,23 @@ def test_auto_holds_its_unmeasured_set_to_the_interval(tmp_path, noise, proposed
         assert a["inconclusive"] and a["more_measuring"].startswith("about ")
 
 
-def test_priced_gain_is_the_cost_models_prediction():
-    """PricedGain prices any set as Optimiser.evaluate does, from the rows' medians."""
-    from lorabench.analysis.costmodel import CostModel
+def test_the_predicted_gain_is_the_cost_models_prediction():
+    """The gain statistic the intervals resample prices any set as Pricing.plan does, from the
+    rows' medians: one model, on floats or on bootstrap draws."""
+    from lorabench.analysis.costmodel import CostModel, Pricing
     from lorabench.config.workload import parse_workload
 
     df = CARD.copy()
     df.loc[(df.strategy == "dense") & (df.n_active == 1), "step_ms_median"] *= 0.9
     df = df[~((df.strategy == "pow2") & (df.concurrency == 8))]
     model = CostModel(df, "triton", 4)
-    opt = Optimiser(model, {c: parse_workload("zipf:1.2").active_count_pmf(c, 4) for c in model.concurrency})
-    priced = PricedGain(df, opt)
+    pricing = Pricing(model, {c: parse_workload("zipf:1.2").active_count_pmf(c, 4) for c in model.concurrency})
     for counts in ([4], [1, 4], [2, 4], [1, 2, 4], [3, 4], [1, 2, 3, 4]):
-        want = 100 * (1 - opt.evaluate(counts).expected_ms / opt.evaluate([4]).expected_ms)
-        assert priced.statistic(counts)(priced.medians) == pytest.approx(want, abs=1e-9), counts
+        want = 100 * (1 - pricing.plan(counts).expected_ms / pricing.plan([4]).expected_ms)
+        assert pricing.gain_statistic(counts)(model.medians) == pytest.approx(want, abs=1e-9), counts
+        assert pricing.gain(counts, None).pct == pytest.approx(want, abs=1e-9)
+    draws = {k: np.full(7, v) for k, v in model.medians.items()}  # every draw the observed median
+    assert pricing.expected_ms([1, 2, 4], draws) == pytest.approx(np.full(7, pricing.plan([1, 2, 4]).expected_ms))
 
 
 def test_too_few_steps_fall_back_to_medians(tmp_path):

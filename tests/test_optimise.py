@@ -12,15 +12,17 @@ import torch
 from conftest import H200_CARD, H200_SLOTS
 from lorabench.kernels import get_backend
 
-from lorabench.analysis import optimise
+from lorabench.analysis import search
 from lorabench.analysis.costmodel import (
     EXTRAPOLATED,
     INTERPOLATED,
     MEASURED,
     CostModel,
+    Pricing,
     lora_graphs,
 )
-from lorabench.analysis.optimise import Optimiser, auto_recommendations, fits
+from lorabench.analysis.optimise import auto_recommendations
+from lorabench.analysis.search import fits
 from lorabench.cli import main
 from lorabench.config.models import resolve
 from lorabench.config.strategies import capture_counts
@@ -96,11 +98,11 @@ def test_graph_count_is_the_dispatchers(counts):
     assert lora_graphs(counts, [1, 2, 8], 4) == d.num_graphs - 3  # minus one no-LoRA graph per size
 
 
-def brute_force(opt: Optimiser, budget: int):
+def brute_force(pricing: Pricing, budget: int):
     best = None
     for r in range(L):
         for extra in itertools.combinations(range(1, L), r):
-            plan = opt.evaluate(list(extra) + [L])
+            plan = pricing.plan(list(extra) + [L])
             if plan and plan.graphs <= budget and (best is None or plan.expected_ms < best.expected_ms - 1e-12):
                 best = plan
     return best
@@ -109,14 +111,14 @@ def brute_force(opt: Optimiser, budget: int):
 @pytest.mark.parametrize("workload", ["uniform", "zipf:1.5", "base:0.5", "single"])
 @pytest.mark.parametrize("memory_mb", [None, 112, 108, 106])
 def test_dynamic_programme_finds_the_exact_optimum(monkeypatch, workload, memory_mb):
-    monkeypatch.setattr(optimise, "NOISE", 0.0)
+    monkeypatch.setattr(search, "NOISE", 0.0)
     m = CostModel(synthetic_run(), "triton", L)
     wl = parse_workload(workload)
-    opt = Optimiser(m, {c: wl.active_count_pmf(c, L) for c in CONC})
+    pricing = Pricing(m, {c: wl.active_count_pmf(c, L) for c in CONC})
     budget = None if memory_mb is None else memory_mb * MB
-    got = opt.best(budget)
+    got = search.best(pricing, budget)
     limit = 99 if memory_mb is None else (memory_mb - 100) // 2  # the synthetic run's 100 MB + 2 MB per graph
-    want = brute_force(opt, limit)
+    want = brute_force(pricing, limit)
     assert got is not None and want is not None
     assert got.expected_ms == pytest.approx(want.expected_ms, abs=1e-12)
     assert budget is None or got.graph_mem_bytes <= budget + 1
@@ -126,27 +128,27 @@ def test_dynamic_programme_finds_the_exact_optimum(monkeypatch, workload, memory
 def test_under_a_budget_dense_exceeds_auto_beats_what_fits(memory_mb):
     m = CostModel(synthetic_run(), "triton", L)
     wl = parse_workload("uniform")
-    opt = Optimiser(m, {c: wl.active_count_pmf(c, L) for c in CONC})
+    pricing = Pricing(m, {c: wl.active_count_pmf(c, L) for c in CONC})
     budget = memory_mb * MB
-    base = opt.baselines()
+    base = search.baselines(pricing)
     assert not fits(base["dense"], budget, None)
-    got = opt.best(budget)
+    got = search.best(pricing, budget)
     fitting = [p.expected_ms for name, p in base.items() if name in ("max", "pow2") and fits(p, budget, None)]
-    assert fits(got, budget, None) and got.expected_ms <= min(fitting) * (1 + optimise.NOISE) + 1e-12
+    assert fits(got, budget, None) and got.expected_ms <= min(fitting) * (1 + search.NOISE) + 1e-12
 
 
 def test_no_set_fits_a_budget_below_max():
     m = CostModel(synthetic_run(), "triton", L)
-    opt = Optimiser(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
-    assert opt.best(100.5 * MB) is None
+    pricing = Pricing(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    assert search.best(pricing, 100.5 * MB) is None
 
 
 def test_gains_below_noise_do_not_buy_graphs():
     """Where specialisation saves almost nothing, auto keeps max's single set."""
     df = synthetic_run()
     df["step_ms_median"] = 5.0 + 1e-4 * df.graph_loras  # a launched slot costs 0.1 us
-    opt = Optimiser(CostModel(df, "triton", L), {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
-    assert opt.best().counts == [L]
+    pricing = Pricing(CostModel(df, "triton", L), {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    assert search.best(pricing).counts == [L]
 
 
 def test_recommend_command(tmp_path, capsys):
@@ -177,7 +179,7 @@ def test_recommend_on_the_reference_runs(tmp_path):
     r128 = next(r for r in auto_recommendations(slots, "uniform") if r["max_loras"] == 128)
     assert r128["auto"]["lora_graphs"] == r128["baselines"]["max"]["lora_graphs"]
     assert r128["baselines"]["max"]["auto_gain_pct"] > 5
-    assert np.isclose(r128["baselines"]["pow2"]["auto_gain_pct"], 0, atol=100 * optimise.NOISE)
+    assert np.isclose(r128["baselines"]["pow2"]["auto_gain_pct"], 0, atol=100 * search.NOISE)
     assert r128["auto"]["counts"] != capture_counts("pow2", 128)
 
 
@@ -233,9 +235,9 @@ def test_budgets_bind_when_graphs_look_free():
     """A flat fit (more graphs, no more memory) still has its fixed part: a budget below it fits
     nothing, one above it fits every set."""
     m = CostModel(synthetic_run(mem_per_graph=-0.5 * MB, cap_per_graph=-0.001), "triton", L)
-    opt = Optimiser(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
-    assert opt.best(10 * MB) is None and opt.best(None, 0.5) is None
-    assert opt.best(200 * MB) is not None and opt.best(None, 10.0) is not None
+    pricing = Pricing(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    assert search.best(pricing, 10 * MB) is None and search.best(pricing, None, 0.5) is None
+    assert search.best(pricing, 200 * MB) is not None and search.best(pricing, None, 10.0) is not None
 
 
 def test_concurrency_past_every_capture_size_is_priced_eagerly():
@@ -243,20 +245,20 @@ def test_concurrency_past_every_capture_size_is_priced_eagerly():
     same for all of them, and max and pow2 are still priced and fit their budget."""
     df = synthetic_run(conc=CONC + [8])
     m = CostModel(df, "triton", L)
-    opt = Optimiser(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in m.concurrency})
-    base = opt.baselines()
+    pricing = Pricing(m, {c: parse_workload("uniform").active_count_pmf(c, L) for c in m.concurrency})
+    base = search.baselines(pricing)
     assert base["max"] is not None and base["pow2"] is not None
     assert base["max"].expected_ms_by_c[8] == pytest.approx(base["dense"].expected_ms_by_c[8])
     budget = base["pow2"].graph_mem_bytes  # below dense's
-    assert opt.best(budget) is not None
+    assert search.best(pricing, budget) is not None
 
 
 def test_a_missing_point_is_named_not_blamed_on_the_budget():
     df = synthetic_run()
     df = df[~((df.concurrency == 6) & (df.n_active == 3))]
-    opt = Optimiser(CostModel(df, "triton", L), {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
+    pricing = Pricing(CostModel(df, "triton", L), {c: parse_workload("uniform").active_count_pmf(c, L) for c in CONC})
     with pytest.raises(ValueError, match="c=6, n=3"):
-        opt.best()
+        search.best(pricing)
 
 
 def test_configurations_that_failed_their_check_do_not_price_sets():

@@ -8,13 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lorabench.analysis.residency import (
-    CARD,
-    Pricer,
-    kv_bytes_per_token,
-    occupancy,
-    residency_recommendations,
-)
+from lorabench.analysis.occupancy import kv_bytes_per_token, occupancy
+from lorabench.analysis.reasons import reason
+from lorabench.analysis.residency import CARD, residency_decisions
+from lorabench.analysis.residency_price import Pricer
+from lorabench.analysis.view import RunView
 from lorabench.config.models import resolve
 from lorabench.config.residency import Adapters, check_residency, simulate
 from lorabench.config.strategies import capture_counts
@@ -172,7 +170,7 @@ def test_a_step_is_priced_at_its_bucket_with_its_loads():
     df = run(4)
     occ = occupancy([1, 3, 4, 4], [1, 2, 3, 4], [0, 1, 0, 1], SIZES, 4)
     assert occ.weights == {1: 0.25, 4: 0.75} and occ.tokens == 3.0 and occ.loads == 0.5
-    p = Pricer(df, "triton", 4, occ, None)
+    p = Pricer(RunView.of(df), "triton", 4, occ)
     priced = p.price("max", [4])
     by_hand = (t(1, 1, 4) + t(4, 2, 4) + t(4, 3, 4) + t(4, 4, 4)) / 4
     assert priced.decode_ms == pytest.approx(by_hand)
@@ -189,47 +187,48 @@ def test_a_run_without_timed_loads_cannot_price_loads():
     df = run(4)
     df["load_ms_median"] = np.nan
     occ = occupancy([4], [2], [1], SIZES, 4)
-    p = Pricer(df, "triton", 4, occ, None)
+    p = Pricer(RunView.of(df), "triton", 4, occ)
     assert p.price("max", [4]) is None and "timed no adapter loads" in p.unpriced([4])
-    assert Pricer(df, "triton", 4, occupancy([4], [2], [0], SIZES, 4), None).price("max", [4]) is not None
+    assert Pricer(RunView.of(df), "triton", 4, occupancy([4], [2], [0], SIZES, 4)).price("max", [4]) is not None
 
 
 def test_more_slots_win_when_requests_wait_and_the_card_is_the_baseline():
     """Uniform over 200 adapters, 4 clients: one slot makes requests wait, four serve them all."""
     df = run(1, 2, 4)
-    recs = residency_recommendations(df, "uniform", Adapters(200, output_tokens=32), steps=3000)
-    (r,) = recs
-    assert r["clients"] == 4 and r["chosen"]["max_loras"] == CARD
-    tps = {(c["max_loras"], c["strategy"]): c["tokens_per_s"] for c in r["configs"]}
+    (r,) = residency_decisions(RunView.of(df), "uniform", Adapters(200, output_tokens=32), steps=3000)
+    assert r.clients == 4 and r.chosen.max_loras == CARD
+    tps = {(c.max_loras, c.strategy): c.tokens_per_s for c in r.configs}
     assert tps[(1, "max")] < tps[(2, "max")] < tps[(4, "max")]
-    assert r["versus_card"] is None  # the choice is the card's own max_loras and set
-    assert "--max-loras 4" in r["vllm"]["flags"] and "--max-cpu-loras 200" in r["vllm"]["flags"]
-    assert "--adapters 200" in r["validate"] and "--max-loras 4" in r["validate"]
+    assert r.card is None  # the choice is the card's own max_loras and set
+    assert "--max-loras 4" in r.vllm.flags and "--max-cpu-loras 200" in r.vllm.flags
+    assert "--adapters 200" in r.validate and "--max-loras 4" in r.validate
 
 
 def test_fewer_slots_are_kept_when_more_do_not_pay():
     """Every request the same adapter: one slot serves every token, and more slots only launch
     larger grids, so 1 is chosen; the card's 4 is slower by the grid's cost."""
     df = run(1, 2, 4)
-    (r,) = residency_recommendations(df, "single", Adapters(200), steps=2000)
-    assert r["chosen"]["max_loras"] == 1
-    assert r["versus_card"]["gain_pct"] > 0
+    (r,) = residency_decisions(RunView.of(df), "single", Adapters(200), steps=2000)
+    assert r.chosen.max_loras == 1
+    assert r.card.max_loras == CARD and r.card_gain.pct > 0
 
 
 def test_a_gpu_memory_budget_leaves_out_what_does_not_fit():
     df = run(1, 2, 4)
     budget = 2 * BYTES_PER_SLOT + 40 * 2**20  # two slots and their graphs fit, four slots do not
-    (r,) = residency_recommendations(df, "uniform", Adapters(200, output_tokens=32), gpu_memory_bytes=budget, steps=2000)
-    assert r["chosen"]["max_loras"] == 2
-    assert r["at"][4]["chosen"] is None and "slots alone" in r["at"][4]["reason"]
+    (r,) = residency_decisions(RunView.of(df), "uniform", Adapters(200, output_tokens=32), gpu_memory_bytes=budget,
+                               steps=2000)
+    assert r.chosen.max_loras == 2
+    assert r.at[4].chosen is None and "slots alone" in reason(r.at[4])
 
 
 def test_more_clients_than_the_run_has_points_for_are_refused():
     with pytest.raises(ValueError, match="8 clients need fixed points up to concurrency 8"):
-        residency_recommendations(run(4), "uniform", Adapters(10), clients=8, steps=100)
+        residency_decisions(RunView.of(run(4)), "uniform", Adapters(10), clients=8, steps=100)
 
 
 def test_a_max_loras_above_the_cpu_cache_is_left_out():
-    (r,) = residency_recommendations(run(1, 2, 4), "uniform", Adapters(200, max_cpu_loras=2, output_tokens=32), steps=2000)
-    assert r["chosen"]["max_loras"] == 2 and "above --max-cpu-loras 2" in r["at"][4]["reason"]
-    assert r["chosen"]["cpu_misses_per_step"] > 0 and any("lower bound" in n for n in r["notes"])
+    (r,) = residency_decisions(RunView.of(run(1, 2, 4)), "uniform", Adapters(200, max_cpu_loras=2, output_tokens=32),
+                               steps=2000)
+    assert r.chosen.max_loras == 2 and "above --max-cpu-loras 2" in reason(r.at[4])
+    assert r.chosen.occ.cpu_misses > 0 and any("lower bound" in n for n in r.notes)

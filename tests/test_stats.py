@@ -270,6 +270,25 @@ def test_half_width_pct_is_the_binomial_order_statistic_interval():
     assert half_width_pct(np.full(12, 3.0)) == 0.0
 
 
+@pytest.mark.parametrize("level", [0.5, 0.8, 0.9, 0.95, 0.99])
+def test_the_order_statistic_ranks_are_scipys_binomial_quantile(level):
+    """stats computes the binomial quantile itself (no scipy on import): the same j as scipy's."""
+    from scipy import stats as sps
+
+    from lorabench.stats import _binomial_half_ppf
+
+    for n in [*range(1, 400), *range(400, 60_000, 611)]:
+        assert _binomial_half_ppf((1 - level) / 2, n) == int(sps.binom.ppf((1 - level) / 2, n, 0.5)), n
+
+
+def test_importing_stats_does_not_import_scipy():
+    import subprocess
+    import sys
+
+    code = "import sys, lorabench.stats as s; s.half_width_pct([1.0] * 20); print('scipy' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 # the factor stated in half_width_pct's docstring: wider at few samples, where it stays >= 95 %
 @pytest.mark.parametrize("n,upper", [(10, 2.2), (20, 1.6), (50, 1.6), (200, 1.3)])
 @pytest.mark.parametrize("dist", ["normal", "shifted-lognormal"])

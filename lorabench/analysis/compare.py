@@ -28,113 +28,27 @@ strategies in alternating turns on one GPU, so drift cancels and the verdict's m
 that kept no samples (runs from before) has no interval, and says so.
 """
 
-import math
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
+from lorabench.analysis.intervals import (
+    APART_MARGIN_PCT,
+    MARGIN_PCT,
+    NO_SAMPLES,
+    Gain,
+    interval_of,
+    most_steps,
+    resampler,
+    versus,
+)
 from lorabench.analysis.points import expected_steps, same_gpu, short_uuid
 from lorabench.config.strategies import BASELINE, report_order
-from lorabench.stats import MIN_SAMPLES, Interval, Resampler, describe, samples_needed
+from lorabench.stats import Interval, Resampler
 
 COMPLETE, PARTIAL, NOT_COMPARABLE = "complete", "partial", "not comparable"
-MARGIN_PCT = 0.0  # strategies of one (kernels, max_loras) are timed in alternating turns: drift cancels
-# Backends, and auto's measurement against a prediction from another run, were timed in different
-# workers: drift between them is not cancelled. At n = 0 both backends run the same base model and
-# differ by up to 0.6 % on an H200 (results/confidence/backends); `lorabench compare`'s margin.
-APART_MARGIN_PCT = 1.0
-NO_SAMPLES = "the run kept no samples"
-TOO_FEW = f"fewer than {MIN_SAMPLES} timed steps at a point"
-
-
-def resampler(samples: "Mapping[int, np.ndarray] | Resampler | None") -> Resampler | None:
-    """One Resampler for a run's samples (point -> step times), shared so that every point is
-    bootstrapped once; None for a run that kept none."""
-    if samples is None or isinstance(samples, Resampler):
-        return samples
-    return Resampler(samples) if len(samples) else None
-
-
-class _Recorder(Mapping):
-    """What a statistic reads, with the rows' medians as values: to learn which points it needs."""
-
-    def __init__(self, medians: Mapping[Hashable, float]):
-        self._m, self.read = medians, []
-
-    def __getitem__(self, key):
-        self.read.append(key)
-        return self._m[key]
-
-    def __iter__(self) -> Iterator:
-        return iter(self._m)
-
-    def __len__(self) -> int:
-        return len(self._m)
-
-
-def interval_of(rs: Resampler | None, statistic: Callable, points) -> tuple[Interval | None, str | None]:
-    """``rs.interval(statistic)`` when every point in ``points`` (those the statistic reads) has
-    samples, with why not otherwise: NO_SAMPLES (points with none) or TOO_FEW."""
-    points = list(points)
-    if rs is None or not points:
-        return None, NO_SAMPLES
-    have = [p for p in points if _has(rs, p)]
-    if len(have) < len(points):
-        return None, NO_SAMPLES if not have else f"{len(points) - len(have)} of {len(points)} points kept no samples"
-    if any(rs.n(p) < MIN_SAMPLES for p in points):
-        return None, TOO_FEW
-    return rs.interval(statistic), None
-
-
-def _has(rs: Resampler, point) -> bool:
-    try:
-        rs.n(point)
-    except KeyError:
-        return False
-    return True
-
-
-def points_read(statistic: Callable, medians: Mapping[Hashable, float]) -> list:
-    """The keys ``statistic`` reads, running it once on ``medians`` (KeyError: a point without one)."""
-    rec = _Recorder(medians)
-    statistic(rec)
-    return list(dict.fromkeys(rec.read))
-
-
-def as_slower(gain: Interval) -> Interval:
-    """A gain (positive = faster) as ``lorabench.stats``' relative difference (positive = slower)."""
-    return Interval(-gain.estimate, -gain.high, -gain.low, gain.level)
-
-
-def describe_gain(gain: Interval | None, why: str | None = None, margin_pct: float = MARGIN_PCT) -> str:
-    """"faster by 3.1 % (95 % CI 2.5…3.8)", "no difference detected (...)", or "no interval: why"."""
-    return describe(as_slower(gain), margin_pct) if gain is not None else f"no interval: {why or NO_SAMPLES}"
-
-
-def _nice(n: int) -> int:
-    """Up to two significant digits, rounded up: 437 -> 440, 1234 -> 1300."""
-    if n < 100:
-        return int(n)
-    step = 10 ** (len(str(int(n))) - 2)
-    return int(math.ceil(n / step) * step)
-
-
-def steps_hint(gain: Interval, n: int, pays_pct: float) -> str | None:
-    """What more measuring would settle whether ``gain`` (%, positive = faster) clears
-    ``pays_pct``: the steps per point at which its interval would lie on one side of it (the
-    half-width shrinks as 1/sqrt(steps)); None when it already does."""
-    if gain.low >= pays_pct or gain.high < pays_pct:
-        return None
-    if gain.estimate >= pays_pct:  # the estimate clears it, the low end does not
-        half, target = gain.estimate - gain.low, gain.estimate - pays_pct
-    else:  # the estimate does not, the high end does
-        half, target = gain.high - gain.estimate, pays_pct - gain.estimate
-    if target <= 0:
-        return f"the estimate sits on the {pays_pct:g} % line: no number of steps per point would settle it"
-    need = _nice(samples_needed(n, half, target))
-    return f"about {need} steps per point would settle it: --iters {need}"
 
 
 def c_list(cs) -> str:
@@ -280,7 +194,7 @@ class Comparison:
         """Timed steps per point of the points a gain reads (the most of them): what more
         measuring is counted from."""
         stat = self._gain_statistic(strategy)
-        return max(self.samples.n(pt) for pt in stat[1]) if stat and self.samples else 0
+        return most_steps(self.samples, stat[1]) if stat else 0
 
     def versus_max(self, strategy: str) -> str:
         """The gain in words: "faster by 3.1 % (95 % CI 2.5…3.8)", "no difference detected
@@ -289,9 +203,7 @@ class Comparison:
         if g is None:
             return NOT_COMPARABLE
         iv, why = self._interval(strategy)
-        if iv is not None:
-            return describe_gain(iv, margin_pct=self.margin_pct)
-        return f"{100 * g:+.1f} % by the medians (no interval: {why})"
+        return versus(Gain(100 * g, iv, why), self.margin_pct)
 
     @property
     def margin_pct(self) -> float:
@@ -349,17 +261,24 @@ def compare(df: pd.DataFrame, workloads: list[str] | None = None,
     concurrency with no row at all (a sweep stopped before it) still counts; without it, what the
     rows (ok or failed) show. ``exp``: ``expected_steps(same_gpu(df)[0], workloads)`` when the
     caller has it. ``samples``: the run's (``lorabench.analysis.points.run_samples``), or a
-    Resampler over them, for the gains' intervals."""
+    Resampler over them, for the gains' intervals. (``lorabench.analysis.view.RunView.comparisons``
+    is the same over a run read once.)"""
     kept, gpus = same_gpu(df)
     exp = expected_steps(kept, workloads) if exp is None else exp
-    rs = resampler(samples)
+    return comparisons(df, kept, gpus, exp, workloads, planned, resampler(samples))
+
+
+def comparisons(rows: pd.DataFrame, kept: pd.DataFrame, gpus: dict, exp: pd.DataFrame, workloads: list[str] | None,
+                planned: dict | None, rs: Resampler | None) -> list[Comparison]:
+    """``compare`` from its parts: every row, the rows kept by ``same_gpu`` and its GPUs, the kept
+    rows' expected steps."""
     names = list(workloads) if workloads else sorted(exp.workload.unique()) if len(exp) else []
     if not names:
         return []
     exp = exp[exp.expected_ms.notna()]
     conc: dict[tuple[str, int], set[int]] = {}
     strats: dict[tuple[str, int], set[str]] = {}
-    for (k, m, s), g in df.dropna(subset=["concurrency"]).groupby(["kernels", "max_loras", "strategy"]):
+    for (k, m, s), g in rows.dropna(subset=["concurrency"]).groupby(["kernels", "max_loras", "strategy"]):
         conc.setdefault((k, int(m)), set()).update(int(c) for c in g.concurrency)
         strats.setdefault((k, int(m)), set()).add(s)
     for (k, m, s), cs in (planned or {}).items():

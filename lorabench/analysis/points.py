@@ -106,29 +106,35 @@ def expected_steps(df: pd.DataFrame, workloads: list[str] | None = None) -> pd.D
     fixed = ok[ok["mode"] == "fixed"]
     runs = ok[ok["mode"] == "workload"]
     workloads = workloads or sorted(runs.workload.dropna().unique()) or ["uniform"]
+    measured = {}  # (kernels, max_loras, strategy, concurrency, workload) -> the workload run's first row
+    for r in runs.itertuples():
+        measured.setdefault((r.kernels, r.max_loras, r.strategy, r.concurrency, r.workload), r)
+    parsed, pmfs = {}, {}  # each workload parsed once, P(n | c) once per (workload, c, max_loras)
     rows = []
     for (k, m, s, c), g in fixed.groupby(CONFIG + ["concurrency"]):
         t = dict(zip(g.n_active.astype(int), g.step_ms_median))
         pt = dict(zip(g.n_active.astype(int), g["point"] if "point" in g else [None] * len(g)))
         for w in workloads:
-            try:
-                pmf = parse_workload(w).active_count_pmf(int(c), int(m))
-            except ValueError:  # e.g. a trace file not readable from here: no expectation, still the run
-                pmf = None
+            if (w, int(c), int(m)) not in pmfs:
+                try:
+                    wl = parsed[w] if w in parsed else parsed.setdefault(w, parse_workload(w))
+                    pmfs[(w, int(c), int(m))] = wl.active_count_pmf(int(c), int(m))
+                except ValueError:  # e.g. a trace file not readable from here: no expectation, still the run
+                    pmfs[(w, int(c), int(m))] = None
+            pmf = pmfs[(w, int(c), int(m))]
             needed = [] if pmf is None else [n for n, p in enumerate(pmf) if p > 0]
             expected = sum(pmf[n] * t[n] for n in needed) if pmf is not None and all(n in t for n in needed) else np.nan
             terms = (tuple((int(pt[n]), float(pmf[n])) for n in needed)
                      if not pd.isna(expected) and all(pd.notna(pt[n]) for n in needed) else None)
-            meas = runs[(runs.kernels == k) & (runs.max_loras == m) & (runs.strategy == s)
-                        & (runs.concurrency == c) & (runs.workload == w)]
+            meas = measured.get((k, m, s, c, w))
             rows.append({
                 "kernels": k, "max_loras": int(m), "strategy": s, "concurrency": int(c), "workload": w,
                 "expected_ms": expected,
-                "measured_mean_ms": meas.step_ms_mean.iloc[0] if len(meas) else np.nan,
-                "measured_median_ms": meas.step_ms_median.iloc[0] if len(meas) else np.nan,
+                "measured_mean_ms": meas.step_ms_mean if meas is not None else np.nan,
+                "measured_median_ms": meas.step_ms_median if meas is not None else np.nan,
                 "base_ms": t.get(0, np.nan),
                 "terms": terms,
-                "measured_point": int(meas.point.iloc[0]) if len(meas) and "point" in meas and pd.notna(meas.point.iloc[0]) else None,
+                "measured_point": int(meas.point) if meas is not None and "point" in runs and pd.notna(meas.point) else None,
             })
     out = pd.DataFrame(rows)
     if out.empty:

@@ -31,8 +31,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from lorabench.analysis.optimise import auto_recommendations
-from lorabench.analysis.points import run_samples
+from lorabench.analysis.optimise import auto_decisions
+from lorabench.analysis.reasons import reason
+from lorabench.analysis.recommendation_json import plan_json
+from lorabench.analysis.view import RunView
 from lorabench.commands.summary import points_table
 from lorabench.config.plan import Job, auto_key, groups, plan, point_groups
 from lorabench.config.spec import SweepSpec, build_spec
@@ -44,7 +46,7 @@ from lorabench.runtime.executors import Event, Executor, ExecutorKind, Kind, Lin
 from lorabench.runtime.executors import make as make_executor
 from lorabench.runtime.launch import Task
 from lorabench.stats import median_interval
-from lorabench.storage.results import PointsWriter, load_run, read_points
+from lorabench.storage.results import PointsWriter, read_points
 from lorabench.storage.runs import (
     FINISHED,
     INTERRUPTED,
@@ -79,28 +81,26 @@ def resolve_auto(spec: SweepSpec) -> str | None:
     """Strategy auto: choose the capture set per (kernels, max_loras) from the --auto-from run's
     points, for the sweep's first workload, within the budgets; keep the model's predictions.
     Returns a one-line notice or None."""
-    df = load_run(Path(spec.auto_from))
-    samples = run_samples(Path(spec.auto_from))  # the same interval rule as `lorabench recommend`
+    view = RunView.read(Path(spec.auto_from))  # read once; the same view and interval rule as `lorabench recommend`
     memory = spec.graph_memory_budget * 2**20 if spec.graph_memory_budget else None
     spec.auto_sets = {}
     for k in spec.kernels:
         for m in spec.max_loras:
             try:
-                recs = auto_recommendations(df, spec.workload[0], memory, spec.startup_budget, kernels=[k], max_loras=[m],
-                                            samples=samples)
+                decisions = auto_decisions(view, spec.workload[0], memory, spec.startup_budget, kernels=[k], max_loras=[m])
             except ValueError as e:
                 raise UserError(f"--strategy auto: {e}") from None
-            if not recs:
+            if not decisions:
                 raise UserError(f"--auto-from {spec.auto_from}: no successful {k} points at max_loras {m} to choose from")
-            if recs[0]["auto"] is None:
-                raise UserError(f"--strategy auto at max_loras {m}: {recs[0]['reason']}")
-            if recs[0]["capture_sizes"] != spec.capture_sizes or not set(spec.concurrency) <= set(recs[0]["concurrency"]):
+            d = decisions[0]
+            if d.chosen is None:
+                raise UserError(f"--strategy auto at max_loras {m}: {reason(d)}")
+            if list(d.capture_sizes) != spec.capture_sizes or not set(spec.concurrency) <= set(d.concurrency):
                 raise UserError(f"--strategy auto: the set is priced for the --auto-from run's capture sizes "
-                                f"{recs[0]['capture_sizes']} and concurrencies {recs[0]['concurrency']}; sweep with those "
+                                f"{list(d.capture_sizes)} and concurrencies {list(d.concurrency)}; sweep with those "
                                 f"(this sweep: sizes {spec.capture_sizes}, concurrency {spec.concurrency})")
-            a = recs[0]["auto"]
-            spec.auto_sets[auto_key(k, m)] = {"counts": a["counts"], "predicted_ms": a["expected_ms_by_c"],
-                                          "workload": spec.workload[0], "from": spec.auto_from}
+            spec.auto_sets[auto_key(k, m)] = {"counts": d.chosen.counts, "predicted_ms": plan_json(d.chosen)["expected_ms_by_c"],
+                                              "workload": spec.workload[0], "from": spec.auto_from}
     if len(spec.workload) > 1:
         return f"strategy auto is chosen for the first workload, {spec.workload[0]}"
     return None

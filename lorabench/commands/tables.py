@@ -9,6 +9,16 @@ def mib(v) -> str | None:
     return None if v is None or pd.isna(v) else f"{float(v) / 2**20:.0f}"
 
 
+def cell(v, spec: str) -> str | None:
+    """``spec.format(v)``, or None (a table's "-") for a missing value."""
+    return None if pd.isna(v) else spec.format(v)
+
+
+def index(v) -> int | None:
+    """A point's index, or None for a missing one."""
+    return None if pd.isna(v) else int(v)
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if v is None or (isinstance(v, float) and np.isnan(v)):

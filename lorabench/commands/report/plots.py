@@ -2,33 +2,31 @@
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from lorabench.analysis.points import ok_points  # noqa: E402
-from lorabench.commands.report.labels import label, unit  # noqa: E402
-from lorabench.config.backends import TUNED_SUFFIX, UNPADDED_SUFFIX, label_order  # noqa: E402
-from lorabench.config.strategies import BASELINE  # noqa: E402
-from lorabench.storage.figures import save_png  # noqa: E402
+from lorabench.analysis.points import ok_points
+from lorabench.analysis.recommendation_json import priced_json
+from lorabench.commands.report.labels import label, unit
+from lorabench.config.backends import TUNED_SUFFIX, UNPADDED_SUFFIX, label_order
+from lorabench.config.strategies import BASELINE
+from lorabench.storage.figures import save_png
 
 
 def _grid(nrows, ncols, w=4.2, h=3.2):
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False)
-    return fig, axes
+    """A figure of its own (not pyplot's: no backend, nothing to close) and its axes."""
+    fig = Figure(figsize=(w * ncols, h * nrows))
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
 def _save(fig, df, what, path: Path) -> Path:
-    """Title the figure with what was measured where, write it, free it."""
+    """Title the figure with what was measured where, write it."""
     r = ok_points(df).iloc[0]
     where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
     fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
     return path
 
 
@@ -181,28 +179,28 @@ def roofline(df: pd.DataFrame, fl: pd.DataFrame, path: Path) -> Path:
     return _save(fig, df, "LoRA overhead vs its floor", path)
 
 
-def residency(df: pd.DataFrame, recs: list[dict], measured: pd.DataFrame, path: Path) -> Path:
+def residency(df: pd.DataFrame, decisions: list, measured: pd.DataFrame, path: Path) -> Path:
     """Per workload: tokens per second and expected step against max_loras, each (kernels,
-    capture set) as the run prices it under residency (lines), the residency runs measured
-    (crosses)."""
-    workloads = sorted({r["workload"] for r in recs if r.get("configs")})
+    capture set) as the run prices it under residency (lines, the figures recommendation.json
+    holds), the residency runs measured (crosses). ``decisions``: ``ResidencyDecision``s."""
+    workloads = sorted({d.workload for d in decisions if d.configs})
     fig, axes = _grid(2, max(1, len(workloads)))
     for j, w in enumerate(workloads):
         top, bottom = axes[0][j], axes[1][j]
         slots: set[int] = set()
-        for rec in (r for r in recs if r["workload"] == w and r.get("configs")):
-            priced = pd.DataFrame(rec["configs"])
-            runs = measured[(measured.workload == w) & (measured.kernels == rec["kernels"])]
+        for d in (d for d in decisions if d.workload == w and d.configs):
+            priced = pd.DataFrame([priced_json(p) for p in d.configs])
+            runs = measured[(measured.workload == w) & (measured.kernels == d.kernels)]
             slots |= set(int(m) for m in priced.max_loras)
             for s, g in priced.groupby("strategy"):
-                g, name = g.sort_values("max_loras"), label(df, rec["kernels"], s)
+                g, name = g.sort_values("max_loras"), label(df, d.kernels, s)
                 (line,) = top.plot(g.max_loras, g.tokens_per_s, marker="o", ms=3, label=f"{name} (predicted)")
                 bottom.plot(g.max_loras, g.expected_step_ms, marker="o", ms=3, color=line.get_color())
                 m = runs[runs.strategy == s]
                 if len(m):
                     top.scatter(m.max_loras, m.tokens_per_s, marker="x", s=40, color=line.get_color(), label=f"{name} (measured)")
                     bottom.scatter(m.max_loras, m.step_ms_mean, marker="x", s=40, color=line.get_color())
-            top.set_title(f"{rec['adapters']} adapters, {w}, {rec['clients']} clients", fontsize=9)
+            top.set_title(f"{d.adapters.count} adapters, {w}, {d.clients} clients", fontsize=9)
         for ax, what in ((top, "tokens/s"), (bottom, f"expected step ({unit(df)}), loads included")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(slots), [str(m) for m in sorted(slots)])

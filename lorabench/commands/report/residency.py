@@ -7,40 +7,42 @@ from pathlib import Path
 
 import pandas as pd
 
-from lorabench.analysis.points import ok_points
-from lorabench.analysis.residency import CARD, residency_recommendations, validation
+from lorabench.analysis.decision import ResidencyDecision
+from lorabench.analysis.reasons import reason, versus_card
+from lorabench.analysis.recommendation_json import priced_json
+from lorabench.analysis.residency import residency_decisions
+from lorabench.analysis.residency_price import validation
+from lorabench.analysis.view import RunView
 from lorabench.commands.tables import markdown_table, mib
 from lorabench.config.residency import Adapters
-from lorabench.storage.samples import read_loads
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResidencyReport:
     loads: pd.DataFrame  # per (kernels, max_loras): the timed load's median, interval, ops, bytes
-    validation: pd.DataFrame  # per residency row: measured against predicted (lorabench.analysis.residency.validation)
-    recommendations: list[dict]  # per (workload, kernels): residency_recommendations' entries
+    validation: pd.DataFrame  # per residency row: measured against predicted (lorabench.analysis.residency_price.validation)
+    decisions: list[ResidencyDecision]  # per (workload, kernels) of the run's residency points
+    runs: pd.DataFrame  # the residency points
 
 
-def build(df: pd.DataFrame, run_dir: Path, samples: dict, steps: pd.DataFrame) -> ResidencyReport | None:
-    """The section's figures for a run (its same-GPU rows), or None without residency points;
-    ``steps``: the run's samples (``read_samples``), ``samples``: their step times by point."""
-    ok = ok_points(df)
+def build(view: RunView) -> ResidencyReport | None:
+    """The section's figures for a run (its rows measured on the GPU compared on), or None
+    without residency points."""
+    ok = view.compared
     runs = ok[ok["mode"] == "residency"]
     if runs.empty:
         return None
     loads = (ok.dropna(subset=["load_ms_median"]).drop_duplicates(["kernels", "max_loras"])
              [["kernels", "max_loras", "load_ms_median", "load_ms_ci_low", "load_ms_ci_high", "load_alone_ms_median",
                "load_host_us_median", "load_ops", "lora_bytes_per_slot"]].sort_values(["kernels", "max_loras"]))
-    timed = read_loads(run_dir)
-    recs = []
+    decisions = []
     for (w, n, cpu, out, c), _ in runs.groupby(["workload", "adapters", "max_cpu_loras", "output_tokens", "concurrency"]):
+        adapters = Adapters(int(n), int(cpu), int(out))
         try:
-            recs += residency_recommendations(df, w, Adapters(int(n), int(cpu), int(out)), int(c), samples=samples,
-                                              loads=timed)
+            decisions += residency_decisions(view, w, adapters, int(c))
         except ValueError as e:
-            recs.append({"workload": w, "adapters": int(n), "clients": int(c), "chosen": None, "reason": str(e),
-                         "kernels": "-", "configs": []})
-    return ResidencyReport(loads, validation(df, steps, timed), recs)
+            decisions.append(ResidencyDecision("-", w, adapters, int(c), unavailable=str(e)))
+    return ResidencyReport(loads, validation(view), decisions, runs)
 
 
 def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
@@ -72,24 +74,25 @@ def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
                                 "predicted tokens/s (long run)", "error %"], rows), ""]
         why = v[v.get("why", pd.Series(dtype=object)).notna()] if "why" in v else v.iloc[:0]
         out += [f"- point {int(r.point)}: not predicted: {r.why}" for r in why.itertuples()]
-    for rec in rep.recommendations:
-        out += [f"**{rec['adapters']} adapters under {rec['workload']}, {rec['clients']} clients ({rec['kernels']})**", ""]
-        c = rec["chosen"]
-        if c is None:
-            out += [f"- nothing to recommend: {rec['reason']}", ""]
+    for d in rep.decisions:
+        out += [f"**{d.adapters.count} adapters under {d.workload}, {d.clients} clients ({d.kernels})**", ""]
+        if d.chosen is None:
+            out += [f"- nothing to recommend: {reason(d)}", ""]
             continue
-        if rec["configs"]:
+        configs = [priced_json(x) for x in d.configs]  # the figures recommendation.json holds
+        if configs:
             out += [markdown_table(["max_loras", "set", "expected step ms", "tokens/s", "tokens/step", "waiting", "loads/1k steps",
                                     "graph MiB", "slot MiB", "KV tokens given up"],
                                    [[x["max_loras"], _set(x), x["expected_step_ms"], x["tokens_per_s"], x["tokens_per_step"],
                                      x["waiting_per_step"], 1000 * x["loads_per_step"], mib(x["graph_mem_bytes"]),
-                                     mib(x["slot_bytes"]), x["kv_tokens_given_up"]] for x in rec["configs"]]), ""]
+                                     mib(x["slot_bytes"]), x["kv_tokens_given_up"]] for x in configs]), ""]
+        c = priced_json(d.chosen)
         out += [f"- recommended: max_loras {c['max_loras']}, {_set(c)}: {c['tokens_per_s']:.0f} tokens/s, "
-                f"{c['expected_step_ms']:.3f} ms per step; {rec['reason']}"]
-        if rec.get("versus_card"):
-            out.append(f"- against the card's max_loras {CARD} (max): {rec['versus_card']['verdict']}")
-        out += [f"- note: {x}" for x in rec.get("notes", [])]
-        out += [f"- vLLM: `{rec['vllm']['flags']}` ({rec['vllm']['note']})", f"- validate: `{rec['validate']}`", ""]
+                f"{c['expected_step_ms']:.3f} ms per step; {reason(d)}"]
+        if d.card is not None:
+            out.append(f"- against the card's max_loras {d.card.max_loras} (max): {versus_card(d)}")
+        out += [f"- note: {x}" for x in d.notes]
+        out += [f"- vLLM: `{d.vllm.flags}` ({d.vllm.note})", f"- validate: `{d.validate}`", ""]
     return out
 
 

@@ -1,0 +1,174 @@
+"""What a (kernels, max_loras, capture set) costs under residency, from a run's points: the decode
+step is the cost model's (``lorabench.analysis.costmodel.Pricing``, each batch size weighted by
+its share of the steps), every load adds the run's median load time (one adapter copied from
+pinned host memory into a slot, timed by every worker, pooled: ``lorabench.analysis.view.pooled_loads``);
+tokens per second = tokens per step / expected step; memory: the set's graphs (the cost model's
+curve through the measured sets), max_loras adapter slots and the KV-cache tokens the two would
+hold instead. Throughput gains get intervals that resample every fixed point and the timed
+loads independently. Also each residency run against its prediction (``validation``).
+
+CPU misses (loads whose adapter is not in the CPU cache) are counted, not priced: lorabench does
+not time reading adapters from storage.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from lorabench.analysis.costmodel import Pricing
+from lorabench.analysis.intervals import Gain, interval_of, points_read
+from lorabench.analysis.occupancy import STEPS, Occupancy, kv_bytes_per_token, occupancy, simulated
+from lorabench.analysis.points import ok_points
+from lorabench.analysis.view import LOAD, RunView
+from lorabench.config.backends import backend_of
+from lorabench.config.residency import Adapters
+
+AUTO_SET = "auto"  # the cost model's best set within the budget (lorabench.analysis.search)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One (kernels, max_loras, capture set) under the residency workload, as the run prices it."""
+
+    kernels: str
+    max_loras: int
+    strategy: str  # a measured strategy, or AUTO_SET
+    counts: list[int]
+    decode_ms: float  # the expected step without loads
+    load_ms: float
+    occ: Occupancy
+    graph_mem_bytes: float | None
+    slot_bytes: int
+    kv_token_bytes: int
+    values: dict[str, int] = field(default_factory=dict)  # how the cost model priced it (measured, interpolated, ...)
+
+    @property
+    def step_ms(self) -> float:
+        return self.decode_ms + self.occ.loads * self.load_ms
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.occ.tokens / self.step_ms
+
+    @property
+    def gpu_bytes(self) -> float | None:
+        """What the configuration takes from the GPU beyond the model: graphs and adapter slots."""
+        return None if self.graph_mem_bytes is None else self.graph_mem_bytes + self.slot_bytes
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """KV-cache tokens its GPU memory would hold."""
+        return None if self.gpu_bytes is None else int(self.gpu_bytes // self.kv_token_bytes)
+
+    @property
+    def set_name(self) -> str:
+        """Its capture set as ``--strategy`` takes it: its strategy's name, or the cost model's own
+        set as a list, "[24,32,64]"."""
+        return self.strategy if self.strategy != AUTO_SET else "[" + ",".join(map(str, self.counts)) + "]"
+
+    @property
+    def label(self) -> str:
+        """Its set in words: ``pow2 [1, 2, 4]``, ``the cost model's set [3, 4]``."""
+        return f"{self.strategy} {self.counts}" if self.strategy != AUTO_SET else f"the cost model's set {self.counts}"
+
+
+class Pricer:
+    """Prices capture sets at one (kernels, max_loras) of a run for an Occupancy, as numbers and
+    as a function of the resampled medians (the fixed points' and the timed loads')."""
+
+    def __init__(self, view: RunView, kernels: str, max_loras: int, occ: Occupancy):
+        """The loads are the run's timed loads of these kernels, every worker's; without them, the
+        median of the workers' medians."""
+        self.kernels, self.L, self.occ = kernels, max_loras, occ
+        self.model = view.cost_model(kernels, max_loras)
+        self.pricing = Pricing(self.model, occ.pmf, occ.weights)
+        self.load_key = (LOAD, kernels)
+        self.load_ms, self.slot_bytes, self.kv_token_bytes = view.memo(
+            ("residency", kernels, max_loras), lambda: _costs(view, kernels, max_loras))
+
+    def unpriced(self, counts: list[int]) -> str | None:
+        if self.load_ms is None and self.occ.loads > 0:
+            return f"the run timed no adapter loads of {self.kernels} (made before lorabench timed them)"
+        return self.pricing.unpriced(counts)
+
+    def price(self, name: str, counts: list[int]) -> Priced | None:
+        plan = self.pricing.plan(counts)
+        if plan is None or self.unpriced(counts):
+            return None
+        return Priced(self.kernels, self.L, name, plan.counts, plan.expected_ms, self.load_ms or 0.0, self.occ,
+                      plan.graph_mem_bytes, self.slot_bytes, self.kv_token_bytes, plan.sources)
+
+    def step(self, counts: list[int]) -> Callable:
+        """The expected step (ms) as a function of the medians."""
+        def step(m):
+            loads = self.occ.loads * m[self.load_key] if self.occ.loads > 0 else 0.0
+            return self.pricing.expected_ms(counts, m) + loads
+        return step
+
+    def medians(self) -> dict:
+        return {**self.model.medians, self.load_key: self.load_ms}
+
+
+def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int]:
+    """(the load's ms, the slots' bytes, a KV-cache token's bytes) at (kernels, max_loras)."""
+    ok = view.compared
+    loads = view.pooled_loads.get(kernels)
+    medians = ok[ok.kernels == kernels].drop_duplicates("max_loras").load_ms_median.dropna()
+    load_ms = float(np.median(loads)) if loads is not None and len(loads) else float(medians.median()) if len(medians) else None
+    first = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)].iloc[0]
+    slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
+    return load_ms, slot_bytes, kv_bytes_per_token(first)
+
+
+def throughput_gain(view: RunView, a: tuple[Pricer, Priced], b: tuple[Pricer, Priced]) -> Gain:
+    """A's tokens per second over B's, in % (positive: A serves more), with its interval."""
+    (pa, ca), (pb, cb) = a, b
+    sa, sb = pa.step(ca.counts), pb.step(cb.counts)
+
+    def stat(m):
+        return 100 * (pa.occ.tokens / sa(m) * sb(m) / pb.occ.tokens - 1)
+
+    iv, why = interval_of(view.resampler, stat, points_read(stat, {**pa.medians(), **pb.medians()}))
+    return Gain(100 * (ca.tokens_per_s / cb.tokens_per_s - 1), iv, why)
+
+
+def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
+    """Each residency row against its prediction: priced on the very steps it ran (their batch
+    sizes, active counts and loads, from its samples: what the cost model gets wrong) and on the
+    long simulation (what the recommendation says: adds the load rate's and the waiting's
+    sampling). The measured figures are the row's mean step and tokens per second; the loads are
+    priced as the recommendation prices them (pooled)."""
+    rows = ok_points(view.kept)
+    rows = rows[(rows["mode"] == "residency") & (rows.kernels.map(backend_of) != "vllm")]
+    samples = view.steps if view.steps is not None else pd.DataFrame(columns=["point", "tokens", "n_active", "loads"])
+    by_point = dict(tuple(samples.groupby("point"))) if len(rows) else {}
+    out = []
+    for r in rows.itertuples():
+        own = by_point.get(r.point, samples.iloc[:0])
+        entry = {"kernels": r.kernels, "max_loras": int(r.max_loras), "strategy": r.strategy, "workload": r.workload,
+                 "clients": int(r.concurrency), "adapters": int(r.adapters), "point": int(r.point),
+                 "measured_ms": float(r.step_ms_mean), "measured_tokens_per_s": float(r.tokens_per_s),
+                 "loads_per_step": float(r.loads_per_step), "tokens_per_step": float(r.tokens_per_step)}
+        counts = [int(x) for x in r.captured_counts]
+        sizes = [int(b) for b in r.capture_sizes]
+        try:
+            if own.tokens.isna().any() or own.empty:
+                raise ValueError("its samples lack the steps' tokens and loads")
+            same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras))
+            p = Pricer(view, r.kernels, int(r.max_loras), same).price(r.strategy, counts)
+            adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens))
+            long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
+            q = Pricer(view, r.kernels, int(r.max_loras), long).price(r.strategy, counts)
+        except ValueError as e:
+            p = q = None
+            entry["why"] = str(e)
+        if p is not None:
+            entry.update(predicted_ms=p.step_ms, predicted_tokens_per_s=p.tokens_per_s,
+                         error_pct=100 * (r.step_ms_mean / p.step_ms - 1))
+        if q is not None:
+            entry.update(long_run_ms=q.step_ms, long_run_tokens_per_s=q.tokens_per_s,
+                         long_run_error_pct=100 * (r.tokens_per_s / q.tokens_per_s - 1))
+        out.append(entry)
+    return pd.DataFrame(out)
