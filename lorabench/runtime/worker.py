@@ -80,9 +80,10 @@ class Arm:
     def __init__(self, job: Job):
         self.job = job
         self.label = job.label
+        self.strategy = strategy(job.strategy)
         self.counts = list(job.counts)
         if self.label.vllm:  # vLLM's keys, from its runner's rules for the strategy
-            self.counts = vllm_counts(strategy(job.strategy), job.max_loras)
+            self.counts = vllm_counts(self.strategy, job.max_loras)
         self.predicted = {(w, c): ms for w, c, ms in job.predicted_ms}
         self.dispatcher: Dispatcher | None = None
         self.startup: dict = {}
@@ -153,7 +154,7 @@ class Worker:
 
     def dispatcher(self, model: LlamaLoRA, arm: Arm, capture_sizes: list[int]) -> Dispatcher:
         job = arm.job
-        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
+        rules = VllmRules(arm.strategy, job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
         return Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=capture_sizes, counts=arm.counts,
                           use_graphs=self.cuda, seed=job.seed, rules=rules, bucket_grid=job.bucket_grid,
                           slot_rank=model.slot_rank if arm.label.unpadded else None)
