@@ -16,7 +16,6 @@ from enum import Enum
 from functools import lru_cache
 
 import numpy as np
-from scipy import stats as _sps
 
 LEVEL = 0.95  # every interval lorabench reports
 N_BOOT = 2000  # bootstrap resamples
@@ -197,6 +196,8 @@ def _order_ranks(n: int, level: float) -> tuple[int, int]:
     """0-based ranks (j, n-1-j) of the distribution-free interval of the median: the number of
     samples below the true median is Binomial(n, 1/2), so [x_(j), x_(n-1-j)] covers it with
     probability 1 - 2 P(B < j+1) >= level."""
+    from scipy import stats as _sps  # here, not at import: a sweep's processes need scipy only with --ci-target
+
     j = int(_sps.binom.ppf((1 - level) / 2, n, 0.5))  # smallest j with P(B <= j) >= (1-level)/2
     j = min(max(j - 1, 0), (n - 1) // 2)  # 0-based: x_(j+1) in 1-based order
     return j, n - 1 - j
@@ -253,6 +254,8 @@ def rank_test(a: np.ndarray, b: np.ndarray) -> float:
     both = np.concatenate([a, b])
     if np.all(both == both[0]):
         return 1.0
+    from scipy import stats as _sps
+
     return float(_sps.mannwhitneyu(a, b, alternative="two-sided").pvalue)
 
 
