@@ -33,8 +33,7 @@ class SweepSpec:
     tp: int = option(1, "Tensor-parallel ranks: build and time one rank's shapes, LoRA sharded as vLLM shards it; the "
                      "rank's all-reduces are left out", column=True)
     fully_sharded_loras: bool = option(False, "With --tp: cut LoRA as vLLM's --fully-sharded-loras does (A's rank on "
-                                       "qkv and gate_up, B's outputs on o and down); its collectives are left out too",
-                                       column=True)
+                                       "qkv and gate_up, B's outputs on o and down); its collectives are left out too")
     rank: int = option(16, f"LoRA rank, vLLM's --max-lora-rank (every adapter is padded to it): {', '.join(map(str, RANKS))}",
                        aliases=("max_lora_rank",), column=True)
     ranks: str | None = option(None, "The adapters' own ranks and their shares of the slots, e.g. 8:0.5,64:0.5, padded "
