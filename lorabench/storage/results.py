@@ -106,21 +106,21 @@ class CorruptPart(UserError):
 
     def __init__(self, run_dir: Path, file: Path, error: Exception):
         self.run_dir, self.file = Path(run_dir), Path(file)
-        run = str(self.run_dir)
+        resume = f"`lorabench sweep --resume {self.run_dir}`"
         if self.file.parent.name == "points.parquet":  # one group's part: the other parts still read
-            todo = (f"remove it to use the other parts' rows, and `lorabench sweep --resume {run}` measures its "
-                    "points again")
+            todo = f"remove it to use the other parts' rows, and {resume} measures its points again"
+        elif (self.run_dir / "run.json").is_file():
+            todo = f"remove it, and {resume} measures the run's points again"
         else:
-            todo = f"remove it, and `lorabench sweep --resume {run}` measures the run's points again"
+            todo = "is it a lorabench sweep's?"
         super().__init__(f"{self.file} cannot be read ({_why(error)}): {todo}")
 
 
 def _why(error: Exception) -> str:
-    """pyarrow's reason in a few words."""
-    text = str(error)
-    if "magic bytes" in text or "size is 0" in text or "Couldn't deserialize thrift" in text:
-        return "not a Parquet file, or cut short"
-    return text.split(". ")[0].strip().rstrip(".")[:200]
+    """Why a file does not read, in a few words (pyarrow's own text is a paragraph)."""
+    if isinstance(error, OSError) and error.strerror:  # permissions, a vanished file
+        return error.strerror
+    return "not a Parquet file, or cut short"
 
 
 def _parts(run_dir: Path) -> list[Path]:
@@ -136,9 +136,13 @@ def _read_table(run_dir: Path) -> pa.Table:
     tables = []
     for file in _parts(run_dir):
         try:
-            tables.append(conform(pq.read_table(file)))
+            table = pq.read_table(file)
         except (pa.ArrowException, OSError) as e:
             raise CorruptPart(run_dir, file, e) from None
+        try:
+            tables.append(conform(table))
+        except pa.ArrowException as e:  # a table made by hand whose column holds another type
+            raise UserError(f"{file}: its columns are not a lorabench sweep's ({str(e).split('. ')[0]})") from None
     return pa.concat_tables(tables, promote_options="default") if tables else SCHEMA.empty_table()
 
 
