@@ -8,17 +8,19 @@ Each command's module is imported when the command runs, not before: ``report`` 
 then never load torch or Triton, and ``--help`` stays fast."""
 
 import importlib
+import inspect
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from lorabench.config.models import PRESETS
-from lorabench.config.strategies import STRATEGIES
+from lorabench.config.options import Kind, Option
+from lorabench.config.sweep_spec import LIST, OPTIONS
+from lorabench.config.tune_spec import TUNE_OPTIONS
 from lorabench.errors import UserError
-from lorabench.kernels import BACKENDS, RANKS
 
 app = typer.Typer(
     add_completion=False,
@@ -29,110 +31,113 @@ app = typer.Typer(
 )
 console = Console()
 
-LIST = "comma-separated"
-
-# Options that sweep and check share, declared once.
-MaxLoras = Annotated[str, typer.Option("--max-loras", help=f"Resident adapter slots, {LIST} [default: 4].")]
-Strategy = Annotated[str, typer.Option("--strategy", help=f"Capture sets: {', '.join(STRATEGIES)}, a list like [1,2,4], or auto (with --auto-from), {LIST} [default: max,pow2,dense].")]
-Model = Annotated[str, typer.Option("--model", help=f"A preset ({', '.join(PRESETS)}), a config.json or a folder holding one, or a Hugging Face model id (its config only; weights are random) [default: llama-2-7b on a GPU, tiny on the CPU].")]
-Layers = Annotated[str, typer.Option("--layers", help="Shorten the model to this many layers [default: the model's].")]
-Tp = Annotated[str, typer.Option("--tp", help="Tensor-parallel ranks: build and time one rank's shapes, LoRA sharded as vLLM shards it; the rank's all-reduces are left out [default: 1].")]
-Rank = Annotated[str, typer.Option("--rank", "--max-lora-rank", help=f"LoRA rank, vLLM's --max-lora-rank (every adapter is padded to it): {', '.join(map(str, RANKS))} [default: 16].")]
-FullySharded = Annotated[bool, typer.Option("--fully-sharded-loras", help="With --tp: cut LoRA as vLLM's --fully-sharded-loras does (A's rank on qkv and gate_up, B's outputs on o and down); its collectives are left out too.")]
-Ranks = Annotated[str, typer.Option("--ranks", help="The adapters' own ranks and their shares of the slots, e.g. 8:0.5,64:0.5, padded to --rank; lorabench's kernels also run as <backend>+unpadded, skipping the padding [default: all at --rank].")]
-Dtype = Annotated[str, typer.Option("--dtype", help="float16, bfloat16, float32 [default: float16 on a GPU, float32 on the CPU].")]
-Kernels = Annotated[str, typer.Option("--kernels", help=f"LoRA kernel backends, {LIST}: {'; '.join(f'{b.name} ({b.doc})' for b in BACKENDS.values())} [default: triton on a GPU, torch on the CPU].")]
-Device = Annotated[str, typer.Option("--device", help="auto, cuda, cpu [default: auto].")]
-Seed = Annotated[str, typer.Option("--seed", help="Seed for weights and batches [default: 0].")]
-Executor = Annotated[str, typer.Option("--executor", help="Where the worker groups (every strategy of one kernels and max_loras, compared with each other) run: local (this host's GPUs, one group per GPU at a time) or dask (a Dask cluster's workers with a GPU resource: pip install 'lorabench[dask]') [default: local].")]
-Gpus = Annotated[str, typer.Option("--gpus", help="This host's GPUs to use, as indices (0,1) or all; each worker is pinned to its GPU by UUID [default: all].")]
-AdaptersN = Annotated[str, typer.Option("--adapters", help="Adapters the requests choose from, held in the max_loras GPU slots by LRU: the workload runs become residency runs of the largest concurrency's clients, loading adapters into slots as the steps need them (timed) [default: one adapter per slot, none loaded].")]
-MaxCpuLoras = Annotated[str, typer.Option("--max-cpu-loras", help="With --adapters: vLLM's CPU cache of adapters (at least max_loras); a load of an adapter not in it is counted as a read from storage, which lorabench does not time [default: every adapter].")]
-OutputTokens = Annotated[str, typer.Option("--output-tokens", help="With --adapters: tokens each request decodes (a trace's output_tokens column overrides it) [default: 128].")]
-Scheduler = Annotated[str, typer.Option("--scheduler", help="With --executor dask: the address of a running Dask scheduler (tcp://HOST:8786) whose workers hold --resources GPU=1 [default: a LocalCluster over this host's GPUs].")]
+# Options of the command line alone (not of a spec), shared by commands.
+Executor = Option("executor", Kind.TEXT, "Where the worker groups (every strategy of one kernels and max_loras, compared "
+                  "with each other) run: local (this host's GPUs, one group per GPU at a time) or dask (a Dask cluster's "
+                  "workers with a GPU resource: pip install 'lorabench[dask]')", default="local")
+Gpus = Option("gpus", Kind.TEXT, "This host's GPUs to use, as indices (0,1) or all; each worker is pinned to its GPU by UUID",
+              default="all")
+Scheduler = Option("scheduler", Kind.TEXT, "With --executor dask: the address of a running Dask scheduler "
+                   "(tcp://HOST:8786) whose workers hold --resources GPU=1",
+                   shown="a LocalCluster over this host's GPUs")
+OutputTokens = Annotated[str, typer.Option("--output-tokens", help=OPTIONS["output_tokens"].describe())]
+MaxCpuLoras = Annotated[str, typer.Option("--max-cpu-loras", help=OPTIONS["max_cpu_loras"].describe())]
 
 
-@app.command()
-def sweep(
-    max_loras: MaxLoras = None,
-    concurrency: str = typer.Option(None, "--concurrency", help=f"Requests per decode step, {LIST} [default: 1,2,4,8]."),
-    strategy: Strategy = None,
-    model: Model = None,
-    layers: Layers = None,
-    tp: Tp = None,
-    fully_sharded_loras: FullySharded = False,
-    rank: Rank = None,
-    ranks: Ranks = None,
-    context_len: str = typer.Option(None, "--context-len", help="KV-cache positions each request attends over [default: 1024]."),
-    dtype: Dtype = None,
-    kernels: Kernels = None,
-    device: Device = None,
-    workload: str = typer.Option(None, "--workload", help=f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, base:P, joined by +; or trace:PATH (CSV/JSONL) [default: uniform]."),
-    iters: str = typer.Option(None, "--iters", help="Timed steps per point [default: 100]."),
-    warmup: str = typer.Option(None, "--warmup", help="Untimed steps before each point [default: 10]."),
-    ci_target: str = typer.Option(None, "--ci-target", help="Stop timing a point once the 95 % interval of its median is within +- this percent (at least 20 steps, and two turns per strategy where several share a point; at most --iters) [default: always --iters]."),
-    seed: Seed = None,
-    out: str = typer.Option(None, "--out", help="Output root; the run goes to OUT/<run_id> [default: results]."),
-    capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: the concurrency values]."),
-    spec: Path = typer.Option(None, "--spec", help="A TOML spec (e.g. sweeps/card.toml); flags override it."),
-    no_check: bool = typer.Option(False, "--no-check", help="Skip the correctness check of each configuration (the `correct` column)."),
-    auto_from: str = typer.Option(None, "--auto-from", help="Strategy auto: the run whose points price the capture sets (see `lorabench recommend`)."),
-    graph_memory_budget: str = typer.Option(None, "--graph-memory-budget", help="Strategy auto: most graph memory the set may take, MiB."),
-    startup_budget: str = typer.Option(None, "--startup-budget", help="Strategy auto: most startup the set may take, s."),
-    tuned: str = typer.Option(None, "--tuned", help="A `lorabench tune` output folder: each swept backend it has configs for (triton, fused, vllm) also runs as <backend>+tuned."),
-    adapters: AdaptersN = None,
-    max_cpu_loras: MaxCpuLoras = None,
-    output_tokens: OutputTokens = None,
-    resume: Path = typer.Option(None, "--resume", help="A run folder whose sweep ended early (killed, interrupted, or with failed points): measure its missing and failed points into it, under its own spec."),
-    force: bool = typer.Option(False, "--force", help="With --resume: resume even when this lorabench plans the run differently, runs other code, or finds another GPU (the run.json records it)."),
-    executor: Executor = None,
-    gpus: Gpus = None,
-    scheduler: Scheduler = None,
-):
-    """Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet."""
+def flag(o: Option, **changes) -> inspect.Parameter:
+    """The command's parameter for an option (``changes``: another help or default text for this
+    command). Values reach the command as given, text (None: not given), and are checked by the
+    spec; a flag (``--fully-sharded-loras``, ``--no-check``) is True when given."""
+    o = replace(o, **changes)
+    if o.kind is Kind.FLAG:
+        return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                                 default=typer.Option(False, *o.flags, help=o.describe()))
+    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                             default=typer.Option(None, *o.flags, help=o.describe()))
+
+
+def path(name: str, help: str) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Path,
+                             default=typer.Option(None, "--" + name.replace("_", "-"), help=help))
+
+
+def switch(name: str, help: str) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                             default=typer.Option(False, "--" + name, help=help))
+
+
+def command(name: str, params: list[inspect.Parameter], run, doc: str) -> None:
+    """A command of ``app`` whose parameters are ``params`` (built from the declarations): ``run``
+    gets them as keyword arguments."""
+    def cmd(**kwargs):
+        return run(**kwargs)
+
+    cmd.__name__, cmd.__doc__ = name, doc
+    cmd.__signature__ = inspect.Signature(params)
+    cmd.__annotations__ = {p.name: p.annotation for p in params}
+    app.command(name)(cmd)
+
+
+def spec_flags(given: dict) -> dict:
+    """The spec's options among a command's arguments, None where not given (a flag given: the
+    opposite of its default)."""
+    flags = {}
+    for name, value in given.items():
+        o = OPTIONS.get(name)
+        if o is not None and o.kind is Kind.FLAG:
+            flags[name] = (not o.default) if value else None
+        elif o is not None:
+            flags[name] = value
+    return flags
+
+
+def placement(given: dict):
     from lorabench.commands.sweep import Placement
+
+    return Placement.parse(given["executor"], given["gpus"], given["scheduler"])
+
+
+PLACEMENT = [flag(Executor), flag(Gpus), flag(Scheduler)]
+
+
+def run_sweep(**given):
     from lorabench.commands.sweep import sweep as run
 
-    placement = Placement.parse(executor, gpus, scheduler)
-    flags = dict(max_loras=max_loras, concurrency=concurrency, strategy=strategy, model=model, layers=layers, tp=tp,
-                 fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, context_len=context_len, dtype=dtype, kernels=kernels, device=device, workload=workload,
-                 iters=iters, warmup=warmup, seed=seed, out=out, capture_sizes=capture_sizes,
-                 check=False if no_check else None, auto_from=auto_from, graph_memory_budget=graph_memory_budget,
-                 startup_budget=startup_budget, tuned=tuned, ci_target=ci_target, adapters=adapters,
-                 max_cpu_loras=max_cpu_loras, output_tokens=output_tokens)
-    return run(flags, spec, console, resume=resume, force=force, placement=placement)
+    where = placement(given)
+    return run(spec_flags(given), given["spec"], console, resume=given["resume"], force=given["force"], placement=where)
 
 
-@app.command()
-def check(
-    max_loras: MaxLoras = None,
-    strategy: Strategy = None,
-    kernels: Kernels = None,
-    capture_sizes: str = typer.Option(None, "--capture-sizes", help=f"Batch buckets that get graphs, {LIST} [default: 1,2,4,8]."),
-    model: Model = None,
-    layers: Layers = None,
-    tp: Tp = None,
-    fully_sharded_loras: FullySharded = False,
-    rank: Rank = None,
-    ranks: Ranks = None,
-    dtype: Dtype = None,
-    device: Device = None,
-    seed: Seed = None,
-    out: str = typer.Option(None, "--out", help="Output root; checks.json goes to OUT/<run_id> [default: results]."),
-    spec: Path = typer.Option(None, "--spec", help="A TOML spec; its configurations are checked, nothing is timed."),
-    executor: Executor = None,
-    gpus: Gpus = None,
-    scheduler: Scheduler = None,
-):
-    """Replay every captured graph of each configuration on all-adapter, all-base and mixed
-    batches at every active count, against the plain-torch reference. Exit 1 if any is wrong."""
+SPEC_FIRST = list(OPTIONS)[:list(OPTIONS).index("capture_sizes") + 1]  # --help lists --spec after these
+command("sweep", [
+    *(flag(o) for o in OPTIONS.values() if o.name in SPEC_FIRST),
+    path("spec", "A TOML spec (e.g. sweeps/card.toml); flags override it."),
+    *(flag(o) for o in OPTIONS.values() if o.name not in SPEC_FIRST),
+    path("resume", "A run folder whose sweep ended early (killed, interrupted, or with failed points): measure its "
+                   "missing and failed points into it, under its own spec."),
+    switch("force", "With --resume: resume even when this lorabench plans the run differently, runs other code, or "
+                    "finds another GPU (the run.json records it)."),
+    *PLACEMENT,
+], run_sweep, "Measure decode steps over max_loras x strategy x concurrency x active count; write Parquet.")
+
+
+def run_check(**given):
     from lorabench.commands.check import check as run
-    from lorabench.commands.sweep import Placement
 
-    placement = Placement.parse(executor, gpus, scheduler)
-    flags = dict(max_loras=max_loras, strategy=strategy, kernels=kernels, capture_sizes=capture_sizes, model=model,
-                 layers=layers, tp=tp, fully_sharded_loras=fully_sharded_loras or None, rank=rank, ranks=ranks, dtype=dtype, device=device, seed=seed, out=out)
-    return run(flags, spec, console, placement)
+    where = placement(given)
+    return run(spec_flags(given), given["spec"], console, where)
+
+
+CHECKED = ["max_loras", "strategy", "kernels", "capture_sizes", "model", "layers", "tp", "fully_sharded_loras", "rank",
+           "ranks", "dtype", "device", "seed", "out"]  # what a check builds; it times nothing
+command("check", [
+    *(flag(OPTIONS[name], **{
+        "capture_sizes": {"shown": ",".join(map(str, OPTIONS["concurrency"].default))},
+        "out": {"help": "Output root; checks.json goes to OUT/<run_id>"},
+    }.get(name, {})) for name in CHECKED),
+    path("spec", "A TOML spec; its configurations are checked, nothing is timed."),
+    *PLACEMENT,
+], run_check, """Replay every captured graph of each configuration on all-adapter, all-base and mixed
+    batches at every active count, against the plain-torch reference. Exit 1 if any is wrong.""")
 
 
 @app.command()
@@ -202,33 +207,28 @@ def compare(
     return run(run_a, run_b, fail_if_slower, margin, plot, console)
 
 
-@app.command()
-def tune(
-    kernels: str = typer.Option(None, "--kernels", help=f"Kernels to tune, {LIST}: triton (lorabench's shrink and expand), fused (lorabench's), vllm (vLLM's shrink and expand) [default: triton,fused, plus vllm on a GPU when vLLM is installed]."),
-    model: Model = None,
-    tp: Tp = None,
-    rank: Rank = None,
-    dtype: str = typer.Option(None, "--dtype", help="float16, bfloat16, float32 (lorabench's kernels only) [default: the sweep's: float16 on a GPU, float32 on the CPU; float16 when tuning vllm]."),
-    max_loras: MaxLoras = None,
-    tokens: str = typer.Option(None, "--tokens", help=f"Token buckets (tokens per decode step) to tune, {LIST} [default: 1,8,32]."),
-    budget_s: str = typer.Option(None, "--budget-s", help="Seconds of search, shared equally by the shapes (each still gets its default and one candidate) [default: 300]."),
-    out: str = typer.Option(None, "--out", help="Output folder: cache.jsonl, lorabench_tuned.json, vllm/, tune.md [default: tuned]."),
-    resume: bool = typer.Option(True, "--resume/--fresh", help="Reuse OUT/cache.jsonl (skip what it has measured), or start over."),
-    device: Device = None,
-    seed: Seed = None,
-    executor: str = typer.Option(None, "--executor", help="Where the shapes are tuned: local (this process; with --gpus, one worker per chosen GPU of this host) or dask (the GPU workers of a Dask cluster: pip install 'lorabench[dask]') [default: local, this process]."),
-    gpus: Gpus = None,
-    scheduler: Scheduler = None,
-):
-    """Search kernel configs per shape within a time budget; write lorabench's tuned table and
-    vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume. With several GPUs
-    (--gpus 0,1, or --executor dask), the shapes are dealt out to one worker per GPU and their
-    measurements merged into the one folder."""
+def run_tune(**given):
     from lorabench.commands.tune import tune as run
 
-    flags = dict(kernels=kernels, model=model, tp=tp, rank=rank, dtype=dtype, max_loras=max_loras, tokens=tokens,
-                 budget_s=budget_s, out=out, device=device, seed=seed, executor=executor, gpus=gpus, scheduler=scheduler)
-    return run(flags, resume, console)
+    resume = given.pop("resume")
+    return run({name: value for name, value in given.items()}, resume, console)
+
+
+command("tune", [
+    flag(TUNE_OPTIONS["kernels"]), flag(OPTIONS["model"]), flag(OPTIONS["tp"]), flag(OPTIONS["rank"]),
+    flag(TUNE_OPTIONS["dtype"]), flag(OPTIONS["max_loras"]), flag(TUNE_OPTIONS["tokens"]), flag(TUNE_OPTIONS["budget_s"]),
+    flag(TUNE_OPTIONS["out"]),
+    inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        True, "--resume/--fresh", help="Reuse OUT/cache.jsonl (skip what it has measured), or start over.")),
+    flag(OPTIONS["device"]), flag(OPTIONS["seed"]),
+    flag(Executor, help="Where the shapes are tuned: local (this process; with --gpus, one worker per chosen GPU of "
+                        "this host) or dask (the GPU workers of a Dask cluster: pip install 'lorabench[dask]')",
+         shown="local, this process"),
+    flag(Gpus), flag(Scheduler),
+], run_tune, """Search kernel configs per shape within a time budget; write lorabench's tuned table and
+    vLLM's VLLM_TUNED_CONFIG_FOLDER files. Rerun the same command to resume. With several GPUs
+    (--gpus 0,1, or --executor dask), the shapes are dealt out to one worker per GPU and their
+    measurements merged into the one folder.""")
 
 
 def _usage_errors() -> tuple[type, ...]:

@@ -51,6 +51,9 @@ def fake_pynvml(devices: dict | None = None, init_error: bool = False, unsupport
 
     m.nvmlInit = init
     m.nvmlDeviceGetHandleByUUID = by_uuid
+    m.nvmlDeviceGetCount = lambda: len(devices)
+    m.nvmlDeviceGetHandleByIndex = lambda i: list(devices)[i]
+    m.nvmlDeviceGetUUID = lambda h: text(h)
     m.nvmlDeviceGetName = lambda h: text(devices[h]["name"])
     m.nvmlSystemGetDriverVersion = lambda: text("550.54.15")
     m.nvmlDeviceGetClockInfo = query("clock", lambda args: {1: "sm", 2: "mem"}[args[0]])
@@ -180,24 +183,37 @@ def test_unknown_telemetry_is_none_and_not_suspect():
     assert suspect({"throttled": float("nan"), "clock_drop": None}) is None  # as a row read back by pandas
 
 
-def test_env_reads_nvml_by_torchs_uuid(nvml, monkeypatch):
+def test_env_reads_the_first_visible_gpu_through_nvml(nvml, monkeypatch):
+    """The sweep's own process reads the GPU the workers get through NVML, never through torch."""
+    nvml()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: pytest.fail("torch asked"))
+    assert env.driver_version() == "550.54.15" and env.free_gpu_bytes() == 100 * 2**30
+    m = env.machine()
+    assert m.cuda and m.gpu_name == "NVIDIA H200" and m.free_gpu_bytes == 100 * 2**30
+    here = env.host("cuda")
+    assert here.gpu_uuid == UUID and here.gpu_name == "NVIDIA H200" and here.torch == torch.__version__
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000")  # a GPU NVML does not know: none visible
+    assert env.free_gpu_bytes() is None and not env.machine().cuda
+
+
+def test_env_without_nvml_is_none(no_nvml):
+    assert env.driver_version() is None and env.free_gpu_bytes() is None
+    m = env.machine()
+    assert not m.cuda and m.gpu_name is None and m.free_gpu_bytes is None
+    assert env.host("cuda").gpu_name is None
+
+
+def test_a_worker_reads_its_gpu_through_torch(nvml, monkeypatch):
     nvml()
     props = types.SimpleNamespace(uuid=UUID.removeprefix("GPU-"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    assert env.driver_version() == "550.54.15" and env.free_gpu_bytes() == 100 * 2**30
-    props.uuid = "00000000-0000-0000-0000-000000000000"  # NVML does not know that GPU
-    assert env.free_gpu_bytes() is None
-
-
-def test_env_without_nvml_is_none(no_nvml, monkeypatch):
-    assert env.driver_version() is None
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=UUID[4:]))
-    assert env.free_gpu_bytes() is None
+    assert env.gpu_uuid() == UUID
 
     def no_cuda(i):
         raise AssertionError("Torch not compiled with CUDA enabled")
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
-    assert env.free_gpu_bytes() is None
+    assert env.gpu_uuid() is None
 
 
 @pytest.mark.gpu

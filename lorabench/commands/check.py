@@ -10,25 +10,28 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from lorabench.commands import sweep as sweep_command
 from lorabench.commands.sweep import Placement, Sweep, prepare
 from lorabench.config.flags import split_list
 from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
+from lorabench.storage.checks import Checked
 
 
-def check_table(checks: list[dict]) -> Table:
+def check_table(checks: list[Checked]) -> Table:
     """One line per configuration: its verdict and, when wrong, the smallest batch that shows it."""
     table = Table(title="correctness: every served graph vs the plain-torch reference")
     for col in ["kernels", "L", "strategy", "graphs", "batches", "verdict", "detail"]:
         table.add_column(col, justify="right" if col in ("L", "graphs", "batches") else "left",
                          no_wrap=col != "detail", overflow="fold")
     for c in checks:
-        verdict = {True: "[green]ok[/]", False: "[red]WRONG[/]", None: "[yellow]none[/]"}[c.get("correct")]
-        graphs = f"{c['graphs_checked']}/{c['graphs_total']}" if "graphs_checked" in c else "-"
-        detail = c.get("detail", "")
-        if c.get("correct") is True:
-            detail = f"max error {c['max_err']:.2g} (tolerance {c['tolerance']:g})"
-        table.add_row(c["kernels"], str(c["max_loras"]), c["strategy"], graphs, str(c.get("batches", "-")), verdict, detail)
+        verdict = {True: "[green]ok[/]", False: "[red]WRONG[/]", None: "[yellow]none[/]"}[c.correct]
+        graphs = f"{c.graphs_checked}/{c.graphs_total}" if c.graphs_checked is not None else "-"
+        detail = c.detail
+        if c.correct is True:
+            detail = f"max error {c.max_err:.2g} (tolerance {c.tolerance:g})"
+        batches = "-" if c.batches is None else str(c.batches)
+        table.add_row(c.kernels, str(c.max_loras), c.strategy, graphs, batches, verdict, detail)
     return table
 
 
@@ -40,7 +43,7 @@ def check(flags: dict, spec_file: Path | None, console: Console, placement: Plac
         console.print(notice)
     executor = placement.executor_for(spec.device)
     try:
-        run = Sweep.start(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, check_only=True)
+        run = Sweep.start(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, sweep_command.WORKER, check_only=True)
         console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")
         run.run(executor)
     except KeyboardInterrupt:
@@ -49,7 +52,7 @@ def check(flags: dict, spec_file: Path | None, console: Console, placement: Plac
     finally:
         executor.close()
     console.print(check_table(run.checks))
-    wrong = sum(c.get("correct") is False for c in run.checks)
-    unknown = sum(c.get("correct") is None for c in run.checks)
+    wrong = sum(c.correct is False for c in run.checks)
+    unknown = sum(c.correct is None for c in run.checks)
     console.print(f"{len(run.checks)} configurations: {len(run.checks) - wrong - unknown} correct, {wrong} wrong, {unknown} without a verdict")
     return 1 if wrong or unknown else 0

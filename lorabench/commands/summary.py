@@ -1,7 +1,9 @@
 """The console's summary of a sweep: one small table per (kernels, max_loras), a line for failed
-points and, for an incomplete run, a line saying what it lacks. It fits an 80-column terminal
-(and a pipe, which Rich renders 80 wide): concurrencies are rows and strategies columns, so a
-wider sweep grows downwards, not off the edge."""
+points, a line for noisy ones (marked ``*`` in the tables, by the ``noisy`` column the report
+counts: a wide IQR, a GPU slowdown or a clock drop) and, on a CPU run too noisy to compare
+strategies, a line saying so; for an incomplete run, a line saying what it lacks. It fits an
+80-column terminal (and a pipe, which Rich renders 80 wide): concurrencies are rows and strategies
+columns, so a wider sweep grows downwards, not off the edge."""
 
 import pandas as pd
 from rich.columns import Columns
@@ -15,6 +17,29 @@ from lorabench.config.strategies import report_order
 from lorabench.storage.runs import Coverage
 
 ERROR_CHARS = 300  # of the first failure's error, on its line
+NOISY = "noisy (IQR/median >= 10 %, or a GPU slowdown or clock drop)"  # the report's words for the `noisy` column
+TOO_NOISY = 0.5  # a CPU run with at least this share of its points noisy is too noisy to compare strategies
+
+
+def noisy(rows: pd.DataFrame) -> pd.Series:
+    """Each row's ``noisy`` flag, False where unknown (rows from before the column)."""
+    if "noisy" not in rows:
+        return pd.Series(False, index=rows.index)
+    return rows.noisy.map(lambda v: pd.api.types.is_bool(v) and bool(v)).astype(bool)
+
+
+def noise_lines(df: pd.DataFrame, device: str) -> list[Text]:
+    """How many of the run's measured points are noisy (``*`` in the tables) and, on the CPU, when
+    so many are that a difference between strategies says nothing, one line saying so."""
+    ok = ok_points(df)
+    n = int(noisy(ok).sum())
+    if not n:
+        return []
+    lines = [Text(f"* {NOISY}: {n} of {len(ok)} points", style="yellow")]
+    if device != "cuda" and n >= TOO_NOISY * len(ok):
+        lines.append(Text(f"this CPU run is too noisy to compare strategies ({n} of {len(ok)} points noisy): their "
+                          "differences are the machine's, not the capture sets'", style="yellow"))
+    return lines
 
 
 def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None) -> Group:
@@ -47,6 +72,7 @@ def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None
         error = str(first.get("error") or "no error recorded")
         error = error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 3] + "..."
         parts.append(Text(f"{len(failed)} failed point{'s' * (len(failed) != 1)}; first: {where}: {error}", style="red"))
+    parts += noise_lines(df, device)
     lacks = coverage.incomplete() if coverage is not None else None
     if lacks:
         parts.append(Text(f"incomplete run, {lacks}", style="yellow"))
@@ -65,7 +91,7 @@ def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost, 
         for s in strats:
             pt = good[(good.strategy == s) & (good.concurrency == c) & (good["mode"] == mode) & (good.workload == wl)]
             value = pt.step_ms_mean if mode == "residency" else pt.step_ms_median
-            cells.append(f"{value.iloc[0]:.3f}" if len(pt) else "-")
+            cells.append(f"{value.iloc[0]:.3f}" + ("*" if noisy(pt).iloc[0] else "") if len(pt) else "-")
         table.add_row(f"{c}", *cells, end_section=i == len(conc) - 1)
     rows = {"graphs": [], "MiB": [], "start s": [], "failed": [], "check": []}
     for s in strats:

@@ -6,14 +6,14 @@ policy resolved; only vLLM's rules turn the strategy into vLLM's keys (``runtime
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.models import ModelConfig, resolve
 from lorabench.config.ranks import parse_ranks
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters
-from lorabench.config.spec import SweepSpec
 from lorabench.config.strategies import AUTO, Vllm, strategy
+from lorabench.config.sweep_spec import OPTIONS, SweepSpec
 
 # A point's mode: a batch of exactly n adapters; batches drawn from a workload over the slots; or a
 # residency run: a closed loop of c clients over --adapters N adapters held in the slots by LRU,
@@ -102,6 +102,10 @@ class Job:
         return cls(**raw)
 
 
+PER_JOB = {"kernels", "max_loras", "strategy", "model", "capture_sizes", "tuned"}  # what each job sets for itself
+COPIED = [name for name in OPTIONS if name in {f.name for f in fields(Job)} - PER_JOB]  # every other option a job has
+
+
 def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = "") -> list[Job]:
     """The workers' jobs, each with its points: for every concurrency c, every n in
     0..min(c, max_loras) in fixed mode, then one workload run per workload. With --adapters the
@@ -137,14 +141,13 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                     counts = s.counts(max_loras)
                 jobs.append(Job(
                     run_id=run_id, started_at=started_at, argv=argv, kernels=str(kernels), max_loras=max_loras,
-                    strategy=s.name, counts=tuple(counts), bucket_grid=s.bucket_grid, device=spec.device,
-                    model=spec.model_config or resolve(spec.model, spec.layers), tp=spec.tp, rank=spec.rank, dtype=spec.dtype, context_len=spec.context_len,
+                    strategy=s.name, counts=tuple(counts), bucket_grid=s.bucket_grid,
+                    model=spec.model_config or resolve(spec.model, spec.layers),
                     capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
-                    iters=spec.iters, warmup=spec.warmup, seed=spec.seed, check=spec.check,
                     tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
-                    ci_target=spec.ci_target, ranks=spec.ranks, fully_sharded=spec.fully_sharded_loras,
+                    fully_sharded=spec.fully_sharded_loras,
                     slot_ranks=parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks else (),
-                    adapters=spec.adapters, max_cpu_loras=spec.max_cpu_loras, output_tokens=spec.output_tokens))
+                    **{name: getattr(spec, name) for name in COPIED}))
     return jobs
 
 

@@ -32,11 +32,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
+from lorabench.config.sweep_spec import OUTPUT_TOKENS  # noqa: F401 - the default, declared with --output-tokens
 from lorabench.config.trace import TraceWorkload
-
-OUTPUT_TOKENS = 128  # decode steps per request by default (vllm bench's random dataset's output length)
 
 
 @dataclass(frozen=True)
@@ -117,6 +115,8 @@ def check_residency(workload, adapters: int, max_cpu_loras: int | None, max_lora
         if ids.max(initial=-1) >= adapters:
             raise ValueError(f"trace {workload.path} has {ids.max() + 1} adapters, more than --adapters {adapters}")
         if "output_tokens" in workload.df:
+            import pandas as pd  # a trace's: pandas read it
+
             out = pd.to_numeric(workload.df.output_tokens, errors="coerce")
             bad = out[out.isna() | (out % 1 != 0) | (out < 1)]
             if len(bad):

@@ -1,10 +1,12 @@
 """Capture-set strategies, and the dispatch rule that picks a graph for each batch.
 
 A strategy says which launch counts get their own graph set (every set contains ``max_loras``,
-so any batch can be served) and how a graph's grid is sized. A new strategy is one ``Strategy``
-plus one ``register`` line; everything else (the plan, the worker, the report, the
-recommendation, strategy auto's baselines) reads what it needs from the object. An explicit
-list is written ``[1,2,4]``; ``auto`` is chosen by the optimiser when a sweep is planned.
+so any batch can be served) and how a graph's grid is sized. A strategy is plain data: its name,
+the ``Rule`` its counts follow, and how vLLM realises it; a new one is one ``register`` line
+(a new kind of set: one ``Rule`` and its case in ``Strategy.counts``). Everything else (the plan,
+the worker, the report, the recommendation, strategy auto's baselines) reads what it needs from
+the value. An explicit list is written ``[1,2,4]``; ``auto`` is chosen by the optimiser when a
+sweep is planned.
 
 Dispatch: bucket = smallest capture size >= the batch's tokens; launch count = smallest captured
 count >= the batch's active count n; n = 0 uses the no-LoRA graph (no LoRA kernels at all),
@@ -12,11 +14,12 @@ which the dispatcher always captures; a batch larger than every capture size run
 """
 
 import bisect
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import cache
 
 BASELINE = "max"  # what every gain is measured against: no specialisation, what a server runs by default
+AUTO = "auto"  # chosen per (kernels, max_loras) by lorabench.analysis.optimise; its counts travel in the plan
 
 
 class Vllm(Enum):
@@ -28,12 +31,23 @@ class Vllm(Enum):
     NONE = "no vLLM equivalent"
 
 
+class Rule(Enum):
+    """How a strategy's launch counts follow from max_loras."""
+
+    ALL_SLOTS = "max_loras alone"
+    POWERS_OF_TWO = "the powers of two below max_loras, and max_loras"
+    DENSE = "every count 1..max_loras"
+    LISTED = "the listed counts, which must lie in 1..max_loras and hold max_loras"
+    CHOSEN = "chosen when a sweep is planned (strategy auto, from --auto-from)"
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A capture set: ``counts(max_loras)`` -> the sorted launch counts that get graphs."""
 
     name: str
-    counts: Callable[[int], list[int]]
+    rule: Rule
+    listed: tuple[int, ...] = ()  # Rule.LISTED: the counts, sorted
     bucket_grid: bool = False  # each bucket's graph is launched with min(bucket, max_loras) programs, whatever n
     vllm: Vllm = Vllm.EMULATED
     doc: str = ""
@@ -41,28 +55,36 @@ class Strategy:
     @property
     def fixed(self) -> bool:
         """A set of counts with count-sized grids: what strategy auto prices and compares with."""
-        return not self.bucket_grid and self.name != AUTO
+        return not self.bucket_grid and self.rule is not Rule.CHOSEN
+
+    def counts(self, max_loras: int) -> list[int]:
+        """The sorted launch counts at ``max_loras``; ValueError for a list that does not fit it,
+        and for auto (its counts are in the plan)."""
+        if self.rule is Rule.ALL_SLOTS:
+            return [max_loras]
+        if self.rule is Rule.POWERS_OF_TWO:
+            return sorted({1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras} | {max_loras})
+        if self.rule is Rule.DENSE:
+            return list(range(1, max_loras + 1))
+        if self.rule is Rule.LISTED:
+            if self.listed[0] < 1 or self.listed[-1] > max_loras:
+                raise ValueError(f"capture set {self.name} must hold counts in 1..max_loras={max_loras}")
+            if max_loras not in self.listed:
+                raise ValueError(f"capture set {self.name} must contain max_loras={max_loras}, or batches with every "
+                                 "slot active have no graph")
+            return list(self.listed)
+        raise ValueError("strategy auto's counts are chosen when a sweep is planned (--auto-from)")
 
 
-STRATEGIES: dict[str, Strategy] = {}
-
-
-def register(s: Strategy) -> Strategy:
-    STRATEGIES[s.name] = s
-    return s
-
-
-def _powers_of_two(max_loras: int) -> list[int]:
-    return sorted({1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras} | {max_loras})
-
-
-register(Strategy("max", lambda m: [m], vllm=Vllm.DEFAULT, doc="one LoRA graph set whose grid covers every slot"))
-register(Strategy("pow2", _powers_of_two, vllm=Vllm.SPECIALISE,
-                  doc="powers of two below max_loras, plus max_loras (vLLM's set, without the base slot it also counts)"))
-register(Strategy("dense", lambda m: list(range(1, m + 1)), doc="every count 1..max_loras"))
-register(Strategy("agnostic", lambda m: [m], bucket_grid=True, vllm=Vllm.NONE,
-                  doc="one LoRA graph per bucket, grid min(bucket, max_loras) whatever n (lorabench's kernels only)"))
-AUTO = "auto"  # chosen per (kernels, max_loras) by lorabench.analysis.optimise; its counts travel in the plan
+# In report order. Plain values: a new strategy is one more line here (or a ``register`` call).
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("max", Rule.ALL_SLOTS, vllm=Vllm.DEFAULT, doc="one LoRA graph set whose grid covers every slot"),
+    Strategy("pow2", Rule.POWERS_OF_TWO, vllm=Vllm.SPECIALISE,
+             doc="powers of two below max_loras, plus max_loras (vLLM's set, without the base slot it also counts)"),
+    Strategy("dense", Rule.DENSE, doc="every count 1..max_loras"),
+    Strategy("agnostic", Rule.ALL_SLOTS, bucket_grid=True, vllm=Vllm.NONE,
+             doc="one LoRA graph per bucket, grid min(bucket, max_loras) whatever n (lorabench's kernels only)"),
+)}
 
 
 def parse_explicit(text: str) -> list[int] | None:
@@ -79,6 +101,7 @@ def parse_explicit(text: str) -> list[int] | None:
     return counts
 
 
+@cache
 def strategy(name: str) -> Strategy:
     """The registered strategy, an explicit list ``[a,b,...]`` or ``auto`` (whose counts come from
     the plan: asking for them raises)."""
@@ -86,25 +109,19 @@ def strategy(name: str) -> Strategy:
     if name in STRATEGIES:
         return STRATEGIES[name]
     if name == AUTO:
-        return Strategy(AUTO, _auto_counts, vllm=Vllm.NONE, doc="chosen by the optimiser from an earlier run")
+        return Strategy(AUTO, Rule.CHOSEN, vllm=Vllm.NONE, doc="chosen by the optimiser from an earlier run")
     explicit = parse_explicit(name)
     if explicit is None:
         raise ValueError(f"unknown strategy {name!r} (choose from {', '.join(STRATEGIES)} or a list like [1,2,4])")
-    wanted = sorted(set(explicit))
-    return Strategy("[" + ",".join(map(str, wanted)) + "]", lambda m: _explicit_counts(wanted, m))
+    listed = tuple(sorted(set(explicit)))
+    return Strategy("[" + ",".join(map(str, listed)) + "]", Rule.LISTED, listed)
 
 
-def _auto_counts(max_loras: int) -> list[int]:
-    raise ValueError("strategy auto's counts are chosen when a sweep is planned (--auto-from)")
-
-
-def _explicit_counts(counts: list[int], max_loras: int) -> list[int]:
-    name = "[" + ",".join(map(str, counts)) + "]"
-    if counts[0] < 1 or counts[-1] > max_loras:
-        raise ValueError(f"capture set {name} must hold counts in 1..max_loras={max_loras}")
-    if max_loras not in counts:
-        raise ValueError(f"capture set {name} must contain max_loras={max_loras}, or batches with every slot active have no graph")
-    return list(counts)
+def register(s: Strategy) -> Strategy:
+    """Add a strategy to the registry (after the built-in ones, in report order)."""
+    STRATEGIES[s.name] = s
+    strategy.cache_clear()  # a name looked up before may now be this one
+    return s
 
 
 def capture_counts(name: str, max_loras: int) -> list[int]:

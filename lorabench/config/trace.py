@@ -8,24 +8,30 @@
   numbers: the active counts a server logged, used as they are for the concurrencies they cover.
 
 Either way the trace gives ``P(n | c)`` and batches for workload runs, like the built-in
-distributions in ``lorabench.config.workload``.
+distributions in ``lorabench.config.workload``. pandas, which reads the files, is imported when a
+trace is read: a sweep's command line and its workers only need it with a trace.
 """
 
 import os
 import random
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from lorabench.config.batches import distinct_adapters
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 BASE_NAMES = {"", "base", "none", "null", "nan", "-1"}
 
 
 @cache
-def _load(path: str) -> pd.DataFrame:
+def _load(path: str) -> "pd.DataFrame":
+    import pandas as pd
+
     p = Path(path)
     if os.path.isdir(p):
         raise ValueError(f"trace file {path} is a folder, not a CSV or JSONL file")
@@ -69,8 +75,17 @@ def _adapter_name(a) -> str:
     return str(a).strip()
 
 
+def _given(value) -> bool:
+    """A step's optional value is there (not absent, not NaN)."""
+    import pandas as pd
+
+    return bool(pd.notna(value))
+
+
 class TraceWorkload:
     def __init__(self, path: str):
+        import pandas as pd
+
         self.path = path
         self.df = _load(path)
         self.requests = "adapter" in self.df.columns
@@ -92,7 +107,7 @@ class TraceWorkload:
             raise ValueError(f"trace {self.path} has {len(ids)} requests, fewer than concurrency {concurrency}")
         return np.lib.stride_tricks.sliding_window_view(ids, concurrency)
 
-    def _steps(self, concurrency: int) -> pd.DataFrame:
+    def _steps(self, concurrency: int) -> "pd.DataFrame":
         steps = self.df[self.df.concurrency == concurrency]
         if steps.empty:
             have = ", ".join(map(str, sorted(self.df.concurrency.unique())))
@@ -125,7 +140,7 @@ class TraceWorkload:
         steps = self._steps(concurrency)
         row = steps.iloc[rng.randrange(len(steps))]
         n = min(int(row.n_active), max_loras)
-        base = int(row.base_tokens) if pd.notna(row.get("base_tokens")) else 0
+        base = int(row.base_tokens) if _given(row.get("base_tokens")) else 0
         base = concurrency if n == 0 else min(base, concurrency - n)
         chosen = rng.sample(range(max_loras), n)
         slots = chosen + [rng.choice(chosen) for _ in range(concurrency - base - n)] + [-1] * base

@@ -7,11 +7,33 @@ from dataclasses import dataclass
 from lorabench.config.backends import require_vllm_dtype
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
 from lorabench.config.models import resolve, shard
-from lorabench.config.spec import MAX_SEED, MAX_TOKENS
+from lorabench.config.options import Kind, Option
+from lorabench.config.sweep_spec import LIST, MAX_SEED, MAX_TOKENS, OPTIONS
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS, DTYPES, RANKS
 
 TUNABLE = tuple(name for name, b in BACKENDS.items() if b.tunable)
+
+# The tune's own options; it shares --model, --tp, --rank, --max-loras, --device and --seed with the sweep (OPTIONS).
+TUNE_OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("kernels", Kind.NAMES, f"Kernels to tune, {LIST}: triton (lorabench's shrink and expand), fused "
+           "(lorabench's), vllm (vLLM's shrink and expand)", shown="triton,fused, plus vllm on a GPU when vLLM is installed"),
+    Option("dtype", Kind.TEXT, "float16, bfloat16, float32 (lorabench's kernels only)",
+           shown="the sweep's: float16 on a GPU, float32 on the CPU; float16 when tuning vllm"),
+    Option("tokens", Kind.INTS, f"Token buckets (tokens per decode step) to tune, {LIST}", default=[1, 8, 32],
+           maximum=MAX_TOKENS),
+    Option("budget_s", Kind.NUMBER, "Seconds of search, shared equally by the shapes (each still gets its default and "
+           "one candidate)", default=300),
+    Option("out", Kind.TEXT, "Output folder: cache.jsonl, lorabench_tuned.json, vllm/, tune.md", default="tuned"),
+)}
+
+
+def _given(flags: dict, name: str) -> str:
+    """A flag's text, or its default's (the tune's own options, else the sweep's)."""
+    if flags.get(name):
+        return flags[name]
+    default = (TUNE_OPTIONS.get(name) or OPTIONS[name]).default
+    return ",".join(map(str, default)) if isinstance(default, list) else str(default)
 
 
 @dataclass
@@ -70,12 +92,12 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
     if flags.get("dtype") is None and device == "cpu" and default_dtype(device, kernels) == "float32":
         notices.append("in float32, the CPU sweep's dtype (--dtype to choose)")
     spec = TuneSpec(kernels=list(dict.fromkeys(kernels)), model=flags.get("model") or ("llama-2-7b" if device == "cuda" else "tiny"),
-                    rank=_ints("--rank", flags.get("rank") or "16", 1, 1 << 16)[0], dtype=flags.get("dtype") or default_dtype(device, kernels),
-                    max_loras=_ints("--max-loras", flags.get("max_loras") or "4", 1, 4096),
-                    tokens=_ints("--tokens", flags.get("tokens") or "1,8,32", 1, MAX_TOKENS),
-                    budget_s=_budget(flags.get("budget_s") or "300"), out=flags.get("out") or "tuned", device=device,
-                    seed=_ints("--seed", flags.get("seed") or "0", 0, MAX_SEED)[0],
-                    tp=_ints("--tp", flags.get("tp") or "1", 1, 1024)[0])
+                    rank=_ints("--rank", _given(flags, "rank"), 1, 1 << 16)[0], dtype=flags.get("dtype") or default_dtype(device, kernels),
+                    max_loras=_ints("--max-loras", _given(flags, "max_loras"), 1, 4096),
+                    tokens=_ints("--tokens", _given(flags, "tokens"), 1, MAX_TOKENS),
+                    budget_s=_budget(_given(flags, "budget_s")), out=_given(flags, "out"), device=device,
+                    seed=_ints("--seed", _given(flags, "seed"), 0, MAX_SEED)[0],
+                    tp=_ints("--tp", _given(flags, "tp"), 1, 1024)[0])
     for k in spec.kernels:
         one_of("kernels", k, TUNABLE)
     shard(resolve(spec.model), spec.tp)  # a preset, a config.json or a Hugging Face id, split over --tp; one line otherwise

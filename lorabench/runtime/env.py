@@ -1,17 +1,21 @@
-"""The environment every row carries: device, driver, CUDA, library versions, git SHA."""
+"""The environment every row carries (``Env``: device, GPU, driver, CUDA, library versions, git
+SHA), and this host as a sweep's spec sees it (``Machine``).
+
+Only a worker's ``collect`` imports torch (its GPU's name and UUID, its CUDA build). The sweep's own
+process never does: ``machine`` and ``host`` read the GPUs through NVML (``lorabench.runtime.gpus``,
+as CUDA_VISIBLE_DEVICES narrows them) and the versions from the installed packages' metadata, so
+that a sweep starts its first worker without paying torch's import (seconds) itself."""
 
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
-
-import torch
-import triton
 
 from lorabench.config.flags import Machine
 from lorabench.errors import UserError
-from lorabench.kernels import vllm_lora
-from lorabench.runtime import telemetry
+from lorabench.runtime import gpus, telemetry
+from lorabench.storage.row import Env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,25 +41,47 @@ def driver_version() -> str | None:
     return telemetry.driver_version()
 
 
-def collect(device: str) -> dict:
+def _installed(*names: str) -> str | None:
+    """The version of the first of these distributions that is installed (as ``torch.__version__``
+    and ``triton.__version__`` say it), without importing it."""
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _common(device: str) -> dict:
+    return {"device": device, "git_sha": git_sha(), "python": platform.python_version(), "host": platform.node(),
+            "cpu": platform.processor() or platform.machine()}
+
+
+def collect(device: str) -> Env:
+    """A worker's environment, from torch itself (its device 0 is the GPU it was pinned to)."""
+    import torch
+    import triton
+
     cuda = device == "cuda"
-    return {
-        "device": device,
-        "gpu_name": torch.cuda.get_device_name() if cuda else None,
-        "gpu_uuid": gpu_uuid() if cuda else None,
-        "driver": driver_version() if cuda else None,
-        "cuda": torch.version.cuda if cuda else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_sha": git_sha(),
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-    }
+    return Env(gpu_name=torch.cuda.get_device_name() if cuda else None, gpu_uuid=gpu_uuid() if cuda else None,
+               driver=driver_version() if cuda else None, cuda=torch.version.cuda if cuda else None,
+               torch=torch.__version__, triton=triton.__version__, **_common(device))
+
+
+def host(device: str) -> Env:
+    """This process's environment as a worker here would report it, without importing torch: the
+    first visible GPU's name and UUID from NVML, the versions from the packages installed (CUDA's
+    is left unknown)."""
+    gpu = next(iter(gpus.visible()), None) if device == "cuda" else None
+    return Env(gpu_name=gpu.name if gpu else None, gpu_uuid=gpu.uuid if gpu else None,
+               driver=driver_version() if gpu else None, torch=_installed("torch"),
+               triton=_installed("triton", "pytorch-triton"), **_common(device))
 
 
 def gpu_uuid() -> str | None:
     """The UUID of the GPU this process's device 0 is (``GPU-...``, as NVML and nvidia-smi write it)."""
+    import torch
+
     try:
         return f"GPU-{torch.cuda.get_device_properties(0).uuid}"
     except (RuntimeError, AssertionError, AttributeError):  # no driver; torch without CUDA
@@ -63,32 +89,33 @@ def gpu_uuid() -> str | None:
 
 
 def free_gpu_bytes() -> int | None:
-    """Free memory of the GPU the workers get (torch's device 0), read through NVML by its UUID:
-    asking torch (``mem_get_info``) would create a CUDA context in the sweep's own process, 0.5 GiB
-    held for the whole sweep. None when it cannot be read: the memory check is then skipped."""
-    uuid = gpu_uuid()
-    gpu = telemetry.Gpu.by_uuid(uuid) if uuid else None
+    """Free memory of the GPU the workers get (the first visible one), read through NVML: asking
+    torch (``mem_get_info``) would create a CUDA context in the sweep's own process, 0.5 GiB held
+    for the whole sweep. None when it cannot be read: the memory check is then skipped."""
+    first = next(iter(gpus.visible()), None)
+    gpu = telemetry.Gpu.by_uuid(first.uuid) if first else None
     return gpu.free_bytes() if gpu else None
 
 
 def machine() -> Machine:
-    """This host as a spec sees it: a CUDA device or not, its name, and the memory a worker may
-    take (free GPU memory; RAM as Linux's MemAvailable), for the spec's memory check. None where
-    unknown: the check is then skipped."""
-    cuda = torch.cuda.is_available()
-    free_gpu = free_gpu_bytes() if cuda else None
+    """This host as a spec sees it: a GPU or not (NVML's, as CUDA_VISIBLE_DEVICES narrows them),
+    its name, and the memory a worker may take (free GPU memory; RAM as Linux's MemAvailable), for
+    the spec's memory check. None where unknown: the check is then skipped."""
+    visible = gpus.visible()
     free_ram = None
     try:
         with open("/proc/meminfo") as f:
             free_ram = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except (OSError, ValueError, IndexError):
         pass
-    return Machine(cuda=cuda, gpu_name=torch.cuda.get_device_name() if cuda else None,
-                   free_gpu_bytes=free_gpu, free_ram_bytes=free_ram)
+    return Machine(cuda=bool(visible), gpu_name=visible[0].name if visible else None,
+                   free_gpu_bytes=free_gpu_bytes() if visible else None, free_ram_bytes=free_ram)
 
 
 def require_vllm() -> None:
     """--kernels vllm: vLLM's ops importable here, or one line saying how to get them."""
+    from lorabench.kernels import vllm_lora
+
     try:
         vllm_lora.load_ops()
     except vllm_lora.VllmUnavailable as e:

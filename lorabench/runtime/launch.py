@@ -1,9 +1,8 @@
 """Running one worker group's process, wherever an executor puts it: ``python -m
 lorabench.runtime.lifeline PARENT MODULE`` (tied to PARENT: the sweep, or the Dask worker that runs
-the task), the jobs on its stdin, its protocol lines (``@@row``, ``@@check``, ``@@env``) handed on
-as they come, its stderr into a log. Imports no torch."""
+the task), the jobs on its stdin, its protocol lines (``lorabench.runtime.protocol``) handed on as
+they come, its stderr into a log. Imports no torch."""
 
-import json
 import os
 import subprocess
 import sys
@@ -12,13 +11,6 @@ from dataclasses import dataclass, field
 from typing import IO
 
 LIFELINE = "lorabench.runtime.lifeline"
-_STDOUT = sys.stdout  # a worker's protocol stream, kept before it points sys.stdout at its log
-
-
-def emit(kind: str, payload: dict) -> None:
-    """One line of a worker's protocol on its stdout: ``@@<kind> {json}``."""
-    _STDOUT.write(f"@@{kind} {json.dumps(payload)}\n")
-    _STDOUT.flush()
 
 
 @dataclass(frozen=True)

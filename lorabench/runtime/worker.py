@@ -1,7 +1,8 @@
 """One worker process per (kernels, max_loras): builds the model once, compiles and captures
-every strategy's graphs, times every point in alternating turns across the strategies, and
-writes one ``@@row {json}`` line per (strategy, point) on stdout as soon as the point finishes,
-its raw samples inside (the parent writes the Parquet files). A point that fails becomes
+every strategy's graphs, times every point in alternating turns across the strategies
+(``lorabench.runtime.turns``), and sends one row per (strategy, point) with its steps
+(``lorabench.runtime.protocol``'s ``Measured``) as soon as the point finishes (the parent writes
+the Parquet files). A point that fails becomes
 ``failed`` rows and the worker goes on; a strategy whose build or capture fails fails its points;
 if the model cannot be built, every point becomes a failed row.
 
@@ -16,76 +17,41 @@ import random
 import sys
 import time
 import traceback
-from dataclasses import fields
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from lorabench.config.batches import fixed_batch
 from lorabench.config.models import shard
-from lorabench.config.plan import FIXED, RESIDENCY, WORKLOAD, Job, Point
+from lorabench.config.plan import FIXED, RESIDENCY, Job, Point
 from lorabench.config.residency import simulate
-from lorabench.config.strategies import strategy
+from lorabench.config.sweep_spec import OPTIONS
 from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env, telemetry
 from lorabench.runtime.adapters import AdapterLoader, time_loads
+from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.launch import emit
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.probe import probe
-from lorabench.runtime.timing import StepSamples, summarize, time_steps
-from lorabench.runtime.vllm_rules import VllmRules, vllm_counts
-from lorabench.stats import half_width_pct, median_interval
+from lorabench.runtime.protocol import SWEEP, Measured
+from lorabench.runtime.rows import timed_columns
+from lorabench.runtime.timing import time_steps
+from lorabench.runtime.turns import SWITCH_WARMUP, TURN, Timed
+from lorabench.runtime.vllm_rules import VllmRules
+from lorabench.stats import median_interval
+from lorabench.storage.checks import Checked
+from lorabench.storage.row import Row
+from lorabench.storage.steps import Loads
 from lorabench.storage.tune_files import tuned_table
 
 FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
-
+JOB_COLUMNS = [name for name, o in OPTIONS.items() if o.column]  # options every row copies from its job
 
 
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".strip()[:2000]
-
-
-def _triton_cache_files() -> int:
-    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return sum(1 for _ in root.rglob("*")) if root.exists() else 0
-
-
-def forget_compiled() -> None:
-    """Drop the Triton kernels this process has loaded (never the disk cache), so that the next
-    strategy's warm-up loads and launches its kernels as a fresh server process would: the
-    strategies of a group share one process, and otherwise every one after the first would show
-    a compile step that found everything in memory."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(("lorabench.kernels", "vllm.lora")):
-            continue
-        for value in list(vars(module).values()):
-            fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)
-            caches = getattr(fn, "device_caches", None) if isinstance(fn, JITFunction) else None
-            if caches is not None:
-                caches.clear()
-
-
-class Arm:
-    """One job of the group (a strategy) in the worker: its dispatcher (None until built, and
-    when its build failed) and its startup and verdict columns."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.label = job.label
-        self.counts = list(job.counts)
-        if self.label.vllm:  # vLLM's keys, from its runner's rules for the strategy
-            self.counts = vllm_counts(strategy(job.strategy), job.max_loras)
-        self.predicted = {(w, c): ms for w, c, ms in job.predicted_ms}
-        self.dispatcher: Dispatcher | None = None
-        self.startup: dict = {}
 
 
 class Worker:
@@ -104,21 +70,19 @@ class Worker:
             self.backend.load_tuned(tuned_table(job.tuned))
         self.arms = [Arm(j) for j in jobs]
         self.env = env.collect(job.device)
-        self.gpu = telemetry.Gpu.by_uuid(self.env["gpu_uuid"]) if self.env.get("gpu_uuid") else None
+        self.gpu = telemetry.Gpu.by_uuid(self.env.gpu_uuid) if self.env.gpu_uuid else None
         self.common = {
-            "run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, "seed": job.seed,
-            **{k: self.env.get(k) for k in ("git_sha", "device", "gpu_name", "driver", "torch", "triton", "cuda",
-                                            "host", "gpu_uuid")},
+            "run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, **self.env.columns(),
+            **{name: getattr(job, name) for name in JOB_COLUMNS}, "capture_sizes": list(job.capture_sizes),
             "model": cfg.name, "model_source": cfg.source, "architecture": cfg.architecture, "layers": cfg.layers,
             "hidden": cfg.hidden, "heads": job.model.heads, "kv_heads": job.model.kv_heads, "head_dim": cfg.head_dim,
-            "intermediate": job.model.intermediate, "vocab": job.model.vocab, "tp": job.tp,
+            "intermediate": job.model.intermediate, "vocab": job.model.vocab,
             # one rank is timed alone: the collectives a TP step adds are not in its step_ms
-            "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded, "rank": job.rank, "dtype": job.dtype,
-            "ranks": job.ranks, "slot_ranks": list(job.slot_ranks) or None,
-            "adapters": job.adapters, "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
+            "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded,
+            "slot_ranks": list(job.slot_ranks) or None,
+            "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
             "output_tokens": job.output_tokens if job.residency else None,
-            "capture_sizes": list(job.capture_sizes), "context_len": job.context_len, "iters": job.iters,
-            "warmup": job.warmup, "ci_target": job.ci_target, "timing": "cuda_events" if self.cuda else "cpu_wall",
+            "timing": "cuda_events" if self.cuda else "cpu_wall",
             "vllm": self.backend.version() if job.label.vllm else None, "tuned": job.tuned,
             "pdl": (self.backend.pdl_enabled(torch.device(job.device))  # lorabench's Triton kernels
                     if hasattr(self.backend, "pdl_enabled") else None),
@@ -132,9 +96,12 @@ class Worker:
                 "point": point.index, "mode": point.mode, "concurrency": point.concurrency,
                 "n_active": point.n_active, "workload": point.workload}
 
+    def failed(self, arm: Arm, point: Point, e: BaseException) -> Measured:
+        return Measured(Row(**self.point_row(arm, point), status="failed", error=_error(e)))
+
     def fail(self, arm: Arm, e: BaseException, points=None) -> None:
         for p in arm.job.points if points is None else points:
-            emit("row", {**self.point_row(arm, p), "status": "failed", "error": _error(e)})
+            SWEEP.emit(self.failed(arm, p, e))
 
     def sync(self) -> None:
         if self.cuda:
@@ -153,7 +120,7 @@ class Worker:
 
     def dispatcher(self, model: LlamaLoRA, arm: Arm, capture_sizes: list[int]) -> Dispatcher:
         job = arm.job
-        rules = VllmRules(strategy(job.strategy), job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
+        rules = VllmRules(arm.strategy, job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
         return Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=capture_sizes, counts=arm.counts,
                           use_graphs=self.cuda, seed=job.seed, rules=rules, bucket_grid=job.bucket_grid,
                           slot_rank=model.slot_rank if arm.label.unpadded else None)
@@ -188,7 +155,7 @@ class Worker:
         self.sync()
         build_s = self.shared["build_s"] + time.perf_counter() - t0
         forget_compiled()
-        cache_before = _triton_cache_files()  # outside the timers: it walks the cache folder
+        cache_before = triton_cache_files()  # outside the timers: it walks the cache folder
         t1 = time.perf_counter()
         d.warm_up()
         compile_s = time.perf_counter() - t1
@@ -202,7 +169,7 @@ class Worker:
         arm.startup.update(
             build_s=build_s, compile_s=compile_s, capture_s=capture_s, startup_s=build_s + compile_s + capture_s,
             num_graphs=d.num_graphs, lora_bytes_per_slot=model.lora_bytes_per_slot(),
-            triton_cache=("cold" if _triton_cache_files() > cache_before else "warm") if compiled else None,
+            triton_cache=("cold" if triton_cache_files() > cache_before else "warm") if compiled else None,
         )
         if self.cuda:
             arm.startup["graph_mem_bytes"] = free0 - torch.cuda.mem_get_info()[0]
@@ -220,7 +187,7 @@ class Worker:
     def time_loads(self, model: LlamaLoRA, d: Dispatcher) -> None:
         """What loading one adapter into a slot costs here (``lorabench.runtime.adapters``), in a
         step of ``d`` and alone: every row's ``load_*`` columns, and the timed loads themselves
-        (``@@loads``). A worker that cannot load still times its points; its residency points fail."""
+        (``Loads``). A worker that cannot load still times its points; its residency points fail."""
         try:
             self.loader = AdapterLoader(model)
             t = time_loads(self.loader, d)
@@ -232,8 +199,8 @@ class Worker:
         self.shared.update(load_ms_median=float(np.median(t["load_ms"])), load_alone_ms_median=float(np.median(t["alone_ms"])),
                            load_host_us_median=float(np.median(t["host_us"])), load_ops=self.loader.ops,
                            load_ms_ci_low=interval.low if interval else None, load_ms_ci_high=interval.high if interval else None)
-        emit("loads", {"kernels": self.lead.kernels, "max_loras": self.lead.max_loras,
-                       **{name: v.tolist() for name, v in t.items()}})
+        SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, t["load_ms"].tolist(), t["alone_ms"].tolist(),
+                          t["host_us"].tolist()))
 
     def check(self, arm: Arm) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
@@ -242,11 +209,11 @@ class Worker:
             v = check(d, arm.job.dtype, arm.job.seed, self.refs)
             verdict = {"correct": v.correct, "check_detail": v.detail, "check_max_err": v.max_err,
                        "check_batches": v.batches, "check_s": v.seconds}
-            emit("check", {**arm.job.config, **v.to_dict(), "num_graphs": d.num_graphs, "captured_counts": arm.counts})
+            SWEEP.emit(Checked(**arm.job.config, **v.to_dict(), num_graphs=d.num_graphs, captured_counts=arm.counts))
         except Exception as e:  # noqa: BLE001 - a check that cannot run is no verdict, not a lost sweep
             traceback.print_exc()
             verdict = {"correct": None, "check_detail": f"check did not run: {_error(e)}"}
-            emit("check", {**arm.job.config, "correct": None, "detail": verdict["check_detail"]})
+            SWEEP.emit(Checked(**arm.job.config, correct=None, detail=verdict["check_detail"]))
         arm.startup.update(verdict)
 
     def batches(self, point: Point) -> tuple[list[list[int]], list[list[tuple[int, int]]] | None]:
@@ -266,12 +233,12 @@ class Worker:
             return steps.batches, steps.loads
         return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)], None
 
-    def measure(self, entries: list[tuple[Arm, Point]]) -> list[dict]:
+    def measure(self, entries: list[tuple[Arm, Point]]) -> list[tuple[dict, object]]:
         """One point, timed for every strategy that has it, in alternating turns: ``TURN`` steps
         each, the order rotated every round. A strategy stops when it has ``iters`` steps, or,
         with a CI target, once its median's 95 % interval is that narrow (at least
-        ``MIN_STEPS``). Returns each strategy's row (its samples under ``samples``), or a failed
-        row for a strategy whose steps raised: the others go on."""
+        ``MIN_STEPS``). Returns each strategy's row's columns and its steps, or a failed ``Measured``
+        for a strategy whose steps raised: the others go on."""
         job = self.lead
         batches, loads = self.batches(entries[0][1])
         ci_target = None if loads else job.ci_target  # a residency run's mean needs all its steps: rare loads are its point
@@ -292,8 +259,14 @@ class Worker:
             todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, ci_target, len(entries))]
             rnd += 1
         arms = ",".join(arm.job.strategy for arm, _ in entries)  # timed together at this point
-        return [{**self.point_row(arm, p), "status": "failed", "error": _error(failed[i])} if i in failed
-                else {**self.row(arm, p, timed[i]), "arms": arms} for i, (arm, p) in enumerate(entries)]
+        out = []
+        for i, (arm, p) in enumerate(entries):
+            if i in failed:
+                out.append(self.failed(arm, p, failed[i]))
+            else:
+                columns, steps = timed_columns(arm.dispatcher, p, timed[i], arm.predicted)
+                out.append(({**self.point_row(arm, p), **columns, "arms": arms}, steps))
+        return out
 
     def turn(self, arm: Arm, point: Point, batches: list[list[int]], loads, timed: "Timed", rnd: int,
              alone: bool) -> None:
@@ -305,34 +278,8 @@ class Worker:
         timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps, loads=loads,
                              loader=self.loader), rnd)
 
-    def row(self, arm: Arm, point: Point, t: "Timed") -> dict:
-        d, c = arm.dispatcher, point.concurrency
-        s = t.samples()
-        stats = summarize(s.step_ms)
-        row = {**self.point_row(arm, point), **stats, "status": "ok", "timed_steps": len(s.step_ms),
-               "graph_tokens": d.route(c, 0).tokens,
-               "host_us_median": float(np.median(s.host_us)),
-               "host_us_p90": float(np.percentile(s.host_us, 90)),
-               "copy_us_median": float(np.median(s.copy_us)),
-               "launch_us_median": float(np.median(s.launch_us)),
-               "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
-               "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean()),
-               "samples": {"turn": t.turns(), "step_ms": s.step_ms.tolist(), "host_us": s.host_us.tolist(),
-                           "copy_us": s.copy_us.tolist(), "launch_us": s.launch_us.tolist(),
-                           "n_active": s.n_active.tolist(), "launches": s.launch_counts.tolist(),
-                           "tokens": s.tokens.tolist(), "loads": s.loads.tolist()}}
-        if arm.predicted and point.mode == WORKLOAD:
-            row["predicted_ms"] = arm.predicted.get((point.workload, c))
-        if point.mode == FIXED:
-            row["base_tokens"] = c if point.n_active == 0 else 0
-            row["graph_loras"] = int(s.launch_counts[0])
-        if point.mode == RESIDENCY:  # tokens per second over the whole run: a step of few tokens counts as few
-            row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
-                       loads_per_step=float(s.loads.mean()))
-        return row
-
     def run(self) -> None:
-        emit("env", self.env)
+        SWEEP.emit(self.env)
         try:
             model = self.build_model()
         except Exception as e:  # noqa: BLE001 - no model, no points: every one a failed row
@@ -389,56 +336,20 @@ class Worker:
             return
         readings = telemetry.point_columns(gpu, start, end)
         why = telemetry.suspect(readings)
-        for row in rows:
-            if row["status"] != "ok":
-                emit("row", row)
+        for measured in rows:
+            if isinstance(measured, Measured):  # failed
+                SWEEP.emit(measured)
                 continue
-            reasons = [r for r in (row.pop("noisy_iqr"), why) if r]
-            emit("row", {**row, **readings, "noisy": bool(reasons), "noisy_why": "; ".join(reasons) or None})
-
-
-TURN = 10  # steps a strategy is timed for before the next one's turn
-SWITCH_WARMUP = 1  # untimed steps when a strategy's turn comes round again
-MIN_STEPS = 20  # --ci-target: no point stops with fewer samples (at 10 the bootstrap's 95 % interval covers ~92 %)
-MIN_TURNS = 2  # --ci-target: nor before each strategy sharing the point has had two turns
-
-
-class Timed:
-    """A strategy's samples at one point, gathered over its turns."""
-
-    def __init__(self):
-        self.parts: list[StepSamples] = []
-        self.rounds: list[int] = []
-
-    @property
-    def steps(self) -> int:
-        return sum(len(p.step_ms) for p in self.parts)
-
-    def add(self, samples: StepSamples, rnd: int) -> None:
-        self.parts.append(samples)
-        self.rounds.append(rnd)
-
-    def done(self, iters: int, ci_target: float | None, arms: int) -> bool:
-        """``iters`` steps, or the CI target met after at least MIN_STEPS steps and, when
-        strategies share the point, MIN_TURNS turns (so that each was timed between the others)."""
-        if self.steps >= iters:
-            return True
-        if ci_target is None or self.steps < MIN_STEPS or (arms > 1 and len(self.parts) < MIN_TURNS):
-            return False
-        width = half_width_pct(np.concatenate([p.step_ms for p in self.parts]))
-        return width is not None and width <= ci_target
-
-    def samples(self) -> StepSamples:
-        return StepSamples(*(np.concatenate([getattr(p, f.name) for p in self.parts]) for f in fields(StepSamples)))
-
-    def turns(self) -> list[int]:
-        return [r for p, r in zip(self.parts, self.rounds) for _ in range(len(p.step_ms))]
+            columns, steps = measured
+            reasons = [r for r in (columns.pop("noisy_iqr"), why) if r]
+            noisy = {"noisy": bool(reasons), "noisy_why": "; ".join(reasons) or None}
+            SWEEP.emit(Measured(Row(**{**columns, **readings, **noisy}), steps))  # the readings' GPU: the point's
 
 
 def main() -> None:
-    """Read the job from stdin (``{"job": ..., "spawned_at": ...}``) and run it. The sweep runs
+    """Read the jobs from stdin (``{"jobs": [...], "spawned_at": ...}``) and run them. The sweep runs
     it under ``lorabench.runtime.lifeline``, which ends it when the sweep is gone."""
-    sys.stdout = sys.stderr  # stdout carries rows only
+    sys.stdout = sys.stderr  # stdout carries the protocol only
     message = json.loads(sys.stdin.read())
     Worker([Job.from_json(j) for j in message["jobs"]], message["spawned_at"]).run()
 

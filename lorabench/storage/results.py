@@ -7,98 +7,28 @@ read the same way. Groups run at the same time on different GPUs or hosts, so ea
 whole (to a hidden temporary file, then renamed over the old one) after each of its rows: at any
 moment, a Ctrl-C or a killed worker included, the dataset holds every finished row, and a row costs
 the rewrite of its group's part only. ``points.jsonl`` is the same rows, appended.
-Columns: docs/design.md's list (extend, never rename), the extensions marked below.
-``load_run`` and ``find_newest_run`` read runs back for the report, recommend and auto.
+The columns are ``lorabench.storage.row.Row``'s, in ``lorabench.storage.schema.SCHEMA``'s types;
+every reader gets them all, those a file predates null. ``load_run`` and ``find_newest_run`` read
+runs back for the report, recommend, compare and auto; a part that cannot be read is one error
+line saying what to do (``CorruptPart``).
 """
 
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lorabench.errors import UserError
+from lorabench.storage.row import COLUMNS, Row
+from lorabench.storage.schema import SCHEMA, conform
 
-I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
+if TYPE_CHECKING:
+    import pandas as pd
 
-SCHEMA = pa.schema(
-    [
-        ("run_id", STR), ("started_at", STR), ("git_sha", STR), ("device", STR), ("gpu_name", STR),
-        ("driver", STR), ("torch", STR), ("triton", STR), ("cuda", STR),
-        ("model", STR), ("layers", I64), ("hidden", I64), ("rank", I64), ("dtype", STR), ("kernels", STR),
-        ("max_loras", I64), ("strategy", STR), ("captured_counts", pa.list_(I64)), ("capture_sizes", pa.list_(I64)),
-        ("concurrency", I64), ("n_active", I64), ("base_tokens", I64), ("graph_tokens", I64), ("graph_loras", I64),
-        ("mode", STR), ("workload", STR), ("iters", I64),
-        ("step_ms_median", F64), ("step_ms_p10", F64), ("step_ms_p90", F64), ("step_ms_p99", F64),
-        ("step_ms_mean", F64), ("step_ms_std", F64), ("step_ms_iqr", F64),
-        ("host_us_median", F64),  # building the batch metadata + choosing the graph (host CPU)
-        ("tokens_per_s", F64),
-        ("build_s", F64), ("compile_s", F64), ("capture_s", F64), ("startup_s", F64),
-        ("graph_mem_bytes", I64), ("pool_bytes", I64), ("num_graphs", I64), ("noisy", BOOL),
-        ("status", STR), ("error", STR),
-        # extensions
-        ("point", I64),  # index of the point in its run's plan
-        ("argv", STR), ("seed", I64), ("context_len", I64), ("warmup", I64),
-        ("timing", STR),  # "cuda_events" (GPU time) or "cpu_wall" (eager CPU wall time)
-        ("host_us_p90", F64),
-        ("copy_us_median", F64),  # host time of the call queueing the metadata copy
-        ("launch_us_median", F64),  # host time of the replay call itself
-        ("n_active_mean", F64),  # mean active count over the timed steps (it varies in workload runs)
-        ("graph_loras_mean", F64),  # mean launch count over the timed steps
-        ("process_s", F64),  # worker start: interpreter, imports, device init
-        ("triton_cache", STR),  # "cold" when the compile step wrote new kernels, else "warm"
-        ("lora_bytes_per_slot", I64),
-        ("vllm", STR),  # vLLM's version, on rows of its kernels (--kernels vllm)
-        ("correct", BOOL),  # the configuration's check: every served graph equals the reference (null: not checked)
-        ("check_detail", STR),  # the verdict in words; the smallest failing batch, its graph and error
-        ("check_max_err", F64),  # worst relative logit error over the check's batches
-        ("check_batches", I64),
-        ("check_s", F64),
-        ("predicted_ms", F64),  # strategy auto, workload runs: the cost model's expected step (from --auto-from)
-        ("probe_copy_gbs", F64),  # the worker's device-to-device copy bandwidth, read + write (lorabench.runtime.probe)
-        ("probe_kernel_us", F64),  # the worker's cost of one more tiny kernel in a CUDA graph
-        ("tuned", STR),  # "+tuned" kernels: the `lorabench tune` folder whose configs they ran with
-        ("pdl", BOOL),  # lorabench's Triton kernels launched with programmatic dependent launch (sm90+; LORABENCH_PDL=0 turns it off)
-        ("timed_steps", I64),  # steps timed (the point's samples): iters, or fewer when --ci-target stopped it early
-        ("step_ms_ci_low", F64),  # 95 % bootstrap interval of the median step (lorabench.stats), from the samples
-        ("step_ms_ci_high", F64),
-        ("ci_target", F64),  # --ci-target: the half-width (% of the median) at which the point stopped timing
-        ("arms", STR),  # the strategies timed in alternating turns at this point, on this GPU ("max,pow2,dense")
-        ("noisy_why", STR),  # why ``noisy`` is set: a wide IQR, throttling, a clock drop
-        ("host", STR),
-        ("gpu_uuid", STR),  # the GPU the point ran on: comparisons are made only within one GPU
-        ("sm_mhz_start", I64), ("sm_mhz_end", I64),  # NVML readings before the point's first step and after its last
-        ("mem_mhz_start", I64), ("mem_mhz_end", I64),
-        ("temp_c_start", I64), ("temp_c_end", I64),
-        ("power_w_start", F64), ("power_w_end", F64),
-        ("throttle_reasons", STR),  # NVML's clock-event reasons at start or end, comma-joined ("" when none)
-        ("throttled", BOOL),  # a power or thermal slowdown reason was set
-        ("clock_drop", BOOL),  # the SM clock fell by more than 5 % over the point
-        ("first_capture_s", F64),  # a process's one-time cost of its first warm-up and capture, paid before any strategy
-        ("first_capture_bytes", I64),  # (CUDA/cuBLAS initialisation, the capture workspace): not in any strategy's own columns
-        ("model_source", STR),  # "preset", a config.json path or a Hugging Face id
-        ("architecture", STR),  # the Hugging Face architecture lorabench built (LlamaForCausalLM, ...)
-        ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("intermediate", I64), ("vocab", I64),  # the whole model's
-        ("tp", I64),  # tensor-parallel ranks: the row times one rank's shapes
-        ("ranks", STR),  # --ranks: the adapters' own ranks and shares ("8:0.5,64:0.5"), padded to `rank`
-        ("slot_ranks", pa.list_(I64)),  # each resident slot's adapter's own rank
-        ("fully_sharded_loras", BOOL),  # vLLM's --fully-sharded-loras: LoRA A (qkv, gate_up) or B (o, down) cut over the ranks too
-        ("allreduce", STR),  # tp > 1: "left out" (one rank timed alone: no all-reduce after o, down and the embedding, no logits all-gather, no LoRA collectives)
-        ("adapters", I64),  # --adapters: residency runs serve this many adapters from the slots
-        ("max_cpu_loras", I64),  # vLLM's CPU cache of adapters the residency runs assume
-        ("output_tokens", I64),  # decode steps per request of a residency run
-        ("tokens_per_step", F64),  # residency runs: mean running requests per step
-        ("loads_per_step", F64),  # residency runs: mean adapters loaded into slots per step
-        ("load_ms_median", F64),  # what loading one adapter from pinned host memory adds to the step it blocks (the worker's, after its check)
-        ("load_ms_ci_low", F64), ("load_ms_ci_high", F64),  # 95 % bootstrap interval of that median
-        ("load_alone_ms_median", F64),  # the same load by itself, CUDA events around its copies
-        ("load_host_us_median", F64),  # host time of queueing one load's copies
-        ("load_ops", I64),  # device operations of one load (a zeroing and a copy of A and of B per slice)
-    ]
-)
-COLUMNS = SCHEMA.names
+__all__ = ["COLUMNS", "SCHEMA", "CorruptPart", "PointsWriter", "Row", "find_newest_run", "load_run", "read_points"]
 
 
 class PointsWriter:
@@ -113,11 +43,12 @@ class PointsWriter:
     def __init__(self, run_dir: Path, resume: bool = False, part_of: dict[int, int] | None = None):
         self.run_dir = Path(run_dir)
         self.part_of = part_of or {}
-        self.rows: list[dict] = []
+        self.rows: list[Row] = []
+        self._records: list[dict] = []  # the rows as records, made once each
         self._place: dict[int, int] = {}  # point -> its row's place in self.rows
         if resume and self.path.exists():
-            for row in pq.read_table(self.path).to_pylist():
-                self._put({c: row.get(c) for c in COLUMNS})
+            for record in _read_table(self.run_dir).to_pylist():
+                self._put(Row.from_dict(record))
             if self.path.is_file():  # a run from before the parts: its rows go into parts from now on
                 self.path.unlink()
                 self.flush()
@@ -126,36 +57,41 @@ class PointsWriter:
     def path(self) -> Path:
         return self.run_dir / "points.parquet"
 
-    def part(self, row: dict) -> int:
-        return self.part_of.get(row["point"], 0) if row["point"] is not None else 0
+    def part(self, row: Row) -> int:
+        return self.part_of.get(row.point, 0) if row.point is not None else 0
 
-    def append(self, row: dict) -> None:
-        unknown = set(row) - set(COLUMNS)
-        if unknown:
-            raise KeyError(f"unknown columns {sorted(unknown)}")
-        full = {c: row.get(c) for c in COLUMNS}
-        self._put(full)
-        self._write(self.part(full))
+    def append(self, row: Row | dict) -> None:
+        """A row (or a record of its columns) into its part and the log."""
+        if isinstance(row, dict):
+            unknown = set(row) - set(COLUMNS)
+            if unknown:
+                raise KeyError(f"unknown columns {sorted(unknown)}")
+            row = Row.from_dict(row)
+        record = self._put(row)
+        self._write(self.part(row))
         with open(self.run_dir / "points.jsonl", "a") as f:
-            f.write(json.dumps(full) + "\n")
+            f.write(json.dumps(record) + "\n")
 
-    def _put(self, full: dict) -> None:
-        place = self._place.get(full["point"]) if full["point"] is not None else None
+    def _put(self, row: Row) -> dict:
+        record = row.to_dict()
+        place = self._place.get(row.point) if row.point is not None else None
         if place is not None:
-            self.rows[place] = full
+            self.rows[place], self._records[place] = row, record
         else:
-            if full["point"] is not None:
-                self._place[full["point"]] = len(self.rows)
-            self.rows.append(full)
+            if row.point is not None:
+                self._place[row.point] = len(self.rows)
+            self.rows.append(row)
+            self._records.append(record)
+        return record
 
     def _write(self, part: int) -> None:
-        rows = [r for r in self.rows if self.part(r) == part]
-        if not rows:
+        records = [r for row, r in zip(self.rows, self._records) if self.part(row) == part]
+        if not records:
             return
         self.path.mkdir(exist_ok=True)
         target = self.path / f"part-{part:04d}.parquet"
         tmp = self.path / f".{target.name}.tmp"  # a dataset skips hidden files: readers never see it
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
+        pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), tmp)
         os.replace(tmp, target)
 
     def flush(self) -> None:
@@ -165,31 +101,88 @@ class PointsWriter:
             self._write(part)
 
 
+class CorruptPart(UserError):
+    """A file of a run's rows that cannot be read: one line naming it and what to do."""
+
+    def __init__(self, run_dir: Path, file: Path, error: Exception):
+        self.run_dir, self.file = Path(run_dir), Path(file)
+        resume = f"`lorabench sweep --resume {self.run_dir}`"
+        if self.file.parent.name == "points.parquet":  # one group's part: the other parts still read
+            todo = f"remove it to use the other parts' rows, and {resume} measures its points again"
+        elif (self.run_dir / "run.json").is_file():
+            todo = f"remove it, and {resume} measures the run's points again"
+        else:
+            todo = "is it a lorabench sweep's?"
+        super().__init__(f"{self.file} cannot be read ({_why(error)}): {todo}")
+
+
+def _why(error: Exception) -> str:
+    """Why a file does not read, in a few words (pyarrow's own text is a paragraph)."""
+    if isinstance(error, OSError) and error.strerror:  # permissions, a vanished file
+        return error.strerror
+    return "not a Parquet file, or cut short"
+
+
+def _parts(run_dir: Path) -> list[Path]:
+    """The files of a run's rows: its parts (hidden temporary files left out), or an older run's one
+    file; none before its first row."""
+    path = Path(run_dir) / "points.parquet"
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
+    return [path] if path.exists() else []
+
+
+def _read_table(run_dir: Path) -> pa.Table:
+    tables = []
+    for file in _parts(run_dir):
+        try:
+            table = pq.read_table(file)
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptPart(run_dir, file, e) from None
+        try:
+            tables.append(conform(table))
+        except pa.ArrowException as e:  # a table made by hand whose column holds another type
+            raise UserError(f"{file}: its columns are not a lorabench sweep's ({str(e).split('. ')[0]})") from None
+    return pa.concat_tables(tables, promote_options="default") if tables else SCHEMA.empty_table()
+
+
 REQUIRED = ("run_id", "kernels", "max_loras", "strategy", "concurrency", "mode", "status")  # what every reader uses
 
 
-def read_points(run_dir: Path) -> pd.DataFrame:
-    """A run's rows: its parts as one dataset, group by group (or an older run's single file)."""
-    return pq.read_table(Path(run_dir) / "points.parquet").to_pandas()
+def read_points(run_dir: Path) -> "pd.DataFrame":
+    """A run's rows: its parts, group by group (or an older run's single file), every column in
+    the schema's type (a column a file predates is null); none before the run's first row.
+    ``CorruptPart`` when one cannot be read."""
+    return _read_table(run_dir).to_pandas()
 
 
-def load_run(run_dir: Path) -> pd.DataFrame:
+def load_run(run_dir: Path) -> "pd.DataFrame":
     """A run's rows, or one UserError line saying why there are none to use."""
     run_dir = Path(run_dir)
     if not os.path.isdir(run_dir):  # os.path: Path.is_dir raises on a name too long for the file system
         raise UserError(f"{run_dir} is not a folder")
     if not os.path.exists(run_dir / "points.parquet"):
         raise UserError(f"{run_dir} has no points.parquet (is it a sweep's output folder?)")
-    try:
-        df = read_points(run_dir)
-    except Exception as e:  # noqa: BLE001 - a corrupt file is bad input, not a crash
-        raise UserError(f"{run_dir}/points.parquet cannot be read: {e}") from None
-    lacking = [c for c in REQUIRED if c not in df.columns]
+    lacking = _lacking(run_dir)
     if lacking:
         raise UserError(f"{run_dir}/points.parquet is not a lorabench sweep's (no column {', '.join(lacking)})")
+    df = read_points(run_dir)
     if not (df.status == "ok").any():
         raise UserError(f"{run_dir}/points.parquet holds no successful points to report on")
     return df
+
+
+def _lacking(run_dir: Path) -> list[str]:
+    """The columns every reader uses that a file of the run's rows lacks (a table not a sweep's)."""
+    for file in _parts(run_dir):
+        try:
+            names = pq.read_schema(file).names
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptPart(run_dir, file, e) from None
+        lacking = [c for c in REQUIRED if c not in names]
+        if lacking:
+            return lacking
+    return []
 
 
 def find_newest_run(results: Path) -> Path:

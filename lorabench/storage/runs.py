@@ -15,10 +15,12 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from lorabench.storage.results import read_points
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 RUNNING, FINISHED, INTERRUPTED, KILLED = "running", "finished", "interrupted", "killed"
 
@@ -95,7 +97,7 @@ class Coverage:
                                       for (k, m, s), n in self.missing_by_config.items()]}
 
 
-def coverage(run_dir: Path, df: pd.DataFrame | None = None) -> Coverage | None:
+def coverage(run_dir: Path, df: "pd.DataFrame | None" = None) -> Coverage | None:
     """The run's coverage, or None for a folder whose run.json lists no jobs."""
     info = read_info(run_dir)
     jobs = info.get("jobs") or []
@@ -105,6 +107,8 @@ def coverage(run_dir: Path, df: pd.DataFrame | None = None) -> Coverage | None:
         try:
             df = read_points(run_dir)
         except OSError:
+            import pandas as pd
+
             df = pd.DataFrame(columns=["point", "status"])
     rows = df.dropna(subset=["point"]) if "point" in df else df.iloc[0:0]
     done = set(rows.point.astype(int))

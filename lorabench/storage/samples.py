@@ -25,32 +25,43 @@ load by itself and the host's time of queueing it; ``lorabench.runtime.adapters.
 """
 
 import os
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from lorabench.storage.steps import Loads, Steps  # noqa: F401 - what workers send, read from here too
+
+if TYPE_CHECKING:  # the readers' frames; a sweep writing samples never imports pandas
+    import pandas as pd
+
 FOLDER = "samples"
 PACKED = f"{FOLDER}/points.parquet"  # a finished sweep's samples, packed (``pack_samples``)
 I64, F64 = pa.int64(), pa.float64()
-SCHEMA = pa.schema([("point", I64), ("step", I64), ("turn", I64), ("step_ms", F64), ("host_us", F64),
-                    ("copy_us", F64), ("launch_us", F64), ("n_active", I64), ("launches", I64),
-                    ("tokens", I64), ("loads", I64)])
+
+
+PER_STEP = [f.name for f in fields(Steps)]  # what a worker sends per step
+_TYPES = {list[int]: I64, list[float]: F64}
+SCHEMA = pa.schema([("point", I64), ("step", I64)] + [(name, _TYPES[t]) for name, t in typing.get_type_hints(Steps).items()])
 LOADS = pa.schema([("kernels", pa.string()), ("max_loras", I64), ("load", I64), ("load_ms", F64), ("alone_ms", F64),
                    ("host_us", F64)])
-PER_STEP = [n for n in SCHEMA.names if n not in ("point", "step")]  # what a worker sends per step
 
 
 def path(run_dir: Path, point: int) -> Path:
     return Path(run_dir) / FOLDER / f"point-{point:06d}.parquet"
 
 
-def write_samples(run_dir: Path, point: int, per_step: dict[str, list]) -> None:
-    """One point's steps (``per_step``: the PER_STEP columns, equally long; one it lacks is null)
-    into its file."""
+def write_samples(run_dir: Path, point: int, per_step: Steps | Mapping[str, list]) -> None:
+    """One point's steps (``per_step``: the PER_STEP columns, equally long; one a mapping lacks is
+    null) into its file."""
+    if is_dataclass(per_step):
+        per_step = asdict(per_step)
     n = len(per_step["step_ms"])
     columns = {"point": np.full(n, point, dtype=np.int64), "step": np.arange(n, dtype=np.int64)}
     columns.update({name: per_step.get(name, [None] * n) for name in PER_STEP})
@@ -89,7 +100,7 @@ def _read_table(run_dir: Path, points=None) -> pa.Table:
         else SCHEMA.empty_table()
 
 
-def read_samples(run_dir: Path, points=None) -> pd.DataFrame:
+def read_samples(run_dir: Path, points=None) -> "pd.DataFrame":
     """A run's samples (of ``points`` only, when given), one row per timed step, by point and step;
     empty (with the columns) for a run that kept none."""
     return _read_table(run_dir, points).to_pandas()
@@ -116,12 +127,12 @@ def _with_schema(table: pa.Table) -> pa.Table:
     return table.select(SCHEMA.names).cast(SCHEMA)
 
 
-def write_loads(run_dir: Path, group: int, kernels: str, max_loras: int, per_load: dict[str, list]) -> None:
-    """A group's timed adapter loads (``per_load``: ``load_ms``, ``alone_ms``, ``host_us``) into its file."""
-    n = len(per_load["load_ms"])
-    table = pa.table({"kernels": [kernels] * n, "max_loras": np.full(n, max_loras, dtype=np.int64),
+def write_loads(run_dir: Path, group: int, loads: Loads) -> None:
+    """A group's timed adapter loads into its file."""
+    n = len(loads.load_ms)
+    table = pa.table({"kernels": [loads.kernels] * n, "max_loras": np.full(n, loads.max_loras, dtype=np.int64),
                       "load": np.arange(n, dtype=np.int64),
-                      **{name: per_load[name] for name in ("load_ms", "alone_ms", "host_us")}}, schema=LOADS)
+                      **{name: getattr(loads, name) for name in ("load_ms", "alone_ms", "host_us")}}, schema=LOADS)
     target = Path(run_dir) / FOLDER / f"loads-{group:04d}.parquet"
     target.parent.mkdir(exist_ok=True)
     tmp = target.with_suffix(".parquet.tmp")
@@ -139,6 +150,6 @@ def read_loads(run_dir: Path) -> dict[tuple[str, int], np.ndarray]:
     return {(k, int(m)): g.sort_values("load").load_ms.to_numpy() for (k, m), g in df.groupby(["kernels", "max_loras"])}
 
 
-def step_times(samples: pd.DataFrame) -> dict[int, np.ndarray]:
+def step_times(samples: "pd.DataFrame") -> dict[int, np.ndarray]:
     """point -> its step times (ms), in the order timed."""
     return {int(p): g.sort_values("step").step_ms.to_numpy() for p, g in samples.groupby("point")}

@@ -16,6 +16,7 @@ import os
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -205,7 +206,7 @@ class Tuner:
         self.viable: dict[Shape, int] = {}  # configs left after static pruning, per shape
         self.meta = {"gpu": gpu, "device": spec.device, "timing": "cuda_graph" if self.cuda else "cpu_wall",
                      "dtype": spec.dtype, "rank": spec.rank, "model": spec.model, "tp": spec.tp, "command": command,
-                     "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": env.collect(spec.device)}
+                     "budget_s": spec.budget_s, "launches_per_graph": LAUNCHES if self.cuda else 1, "env": asdict(env.collect(spec.device))}
         self._timed = lambda n: None  # told the number of configs timed for the current shape
 
     def run(self) -> list[dict]:

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lorabench.commands.tune.search import Tuner
+from lorabench.commands.tune.worker import TUNE, Measurement, ShapeDone, WorkerGpu
 from lorabench.errors import UserError
 from lorabench.runtime.executors import Executor, Kind, Lines
 from lorabench.runtime.launch import Task
@@ -53,16 +54,15 @@ def spread(tuner: Tuner, executor: Executor, console) -> list[dict]:
 
     def take(group: int, line: str, progress, bar) -> None:
         """A worker's line."""
-        kind, _, body = line.partition(" ")
-        if kind == "@@cache":
-            tuner.cache.take(json.loads(body))
-        elif kind == "@@shape":
-            progress.advance(bar)
-            if not console.is_terminal:
-                shape = json.loads(body)
-                console.print(f"worker {group}: {shape['label']}: {shape['timed']} timed", highlight=False, markup=False)
-        elif kind == "@@env":
-            seen[group] = json.loads(body)["gpu"]
+        match TUNE.decode(line):
+            case Measurement(row=row):
+                tuner.cache.take(row)
+            case ShapeDone(label=label, timed=timed):
+                progress.advance(bar)
+                if not console.is_terminal:
+                    console.print(f"worker {group}: {label}: {timed} timed", highlight=False, markup=False)
+            case WorkerGpu(gpu=gpu):
+                seen[group] = gpu
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     executor.start(tasks, events, lambda g: tuner.out / f"tune-worker-{g}.log")
     try:

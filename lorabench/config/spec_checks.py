@@ -1,0 +1,108 @@
+"""What a sweep's spec is refused for, before anything runs: an output root that cannot hold a
+run, a worker that does not fit the memory free on its device, residency options without
+``--adapters``, and fully sharded LoRA that cannot be cut. ``spec`` is a ``SweepSpec`` and
+``names`` says how an error names a setting (``lorabench.config.spec.Names``)."""
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from lorabench.config.backends import KernelsLabel
+from lorabench.config.flags import Machine
+from lorabench.config.limits import Shape, culprit, estimate, graph_count, size
+from lorabench.config.residency import check_residency
+from lorabench.config.strategies import AUTO, Vllm
+from lorabench.config.workload import parse_workload
+from lorabench.errors import UserError
+
+
+def check_out(out: str, where: str) -> None:
+    """The output root can hold a new run folder: a folder, or a path whose nearest existing
+    part is a folder this process can create folders in (tried with an empty folder, removed at
+    once: permission bits say nothing for root or on a read-only mount)."""
+    if not out.strip():
+        raise UserError(f"{where}: empty path; name the output root, e.g. results")
+    path = existing = Path(out)
+    while True:
+        try:
+            os.lstat(existing)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if existing == existing.parent:
+                break
+            existing = existing.parent
+        except (OSError, ValueError) as e:  # a name too long, a loop of links, a NUL byte
+            raise UserError(f"{where}: {out}: {getattr(e, 'strerror', None) or e}") from None
+    what = "" if existing == path else f"{path} cannot be made: "
+    if os.path.islink(existing) and not os.path.exists(existing):
+        raise UserError(f"{where}: {what}{existing} is a broken link")
+    if not os.path.isdir(existing):
+        kind = "a file, not a folder" if os.path.isfile(existing) else "not a folder"
+        raise UserError(f"{where}: {what}{existing} is {kind}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lorabench-", dir=existing))
+    except OSError as e:
+        raise UserError(f"{where}: cannot create folders in {existing} ({e.strerror or e})") from None
+
+
+def graphs_of(spec, s, label: KernelsLabel, max_loras: int) -> int:
+    """Graphs a worker of strategy ``s`` captures (auto: at most dense's)."""
+    counts = list(range(1, max_loras + 1)) if s.name == AUTO else s.counts(max_loras)
+    vllm = label.vllm and s.vllm is not Vllm.NONE
+    return graph_count(counts, max_loras, spec.capture_sizes, s.bucket_grid, vllm)
+
+
+def check_memory(spec, machine: Machine, graphs: Callable[[KernelsLabel, int], int]) -> None:
+    """Every worker fits the memory free on its device: weights, adapter slots, KV cache,
+    activations, ``graphs(label, max_loras)`` graphs and the process's runtime
+    (``lorabench.config.limits``). Unknown free memory: not checked."""
+    free, what = machine.free_bytes(spec.device)
+    if free is None:
+        return
+    cfg = spec.rank_model
+    max_tokens = max(spec.capture_sizes + spec.concurrency)
+    for m in reversed(spec.max_loras):
+        for label in spec.labels:
+            shape = Shape(cfg, m, spec.rank, spec.dtype, max_tokens, spec.context_len, vllm=label.vllm,
+                          fully_sharded=spec.fully_sharded_loras)
+            count, cuda = graphs(label, m), spec.device == "cuda"
+            need = estimate(shape, count, cuda)
+            if need.total > free:
+                raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}")
+
+
+def check_adapters(spec, names) -> None:
+    """--adapters N makes the workload runs residency runs; --max-cpu-loras and --output-tokens
+    only mean something with it."""
+    if spec.adapters is None:
+        given = [n for n in ("max_cpu_loras", "output_tokens") if getattr(spec, n) != getattr(type(spec), n)]
+        if given:
+            raise UserError(f"{names(given[0])}: goes with --adapters N (the residency runs it sets up)")
+        return
+    if spec.ranks is not None:
+        raise UserError(f"{names('adapters')}: not with --ranks (each slot's rank is fixed; a residency run moves "
+                        "adapters between slots)")
+    for w in spec.workload:
+        try:
+            check_residency(parse_workload(w), spec.adapters, spec.max_cpu_loras, spec.max_loras)
+        except ValueError as e:
+            raise UserError(f"{names('adapters')}: {e}") from None
+
+
+def check_fully_sharded(spec, names) -> None:
+    """--fully-sharded-loras cuts the rank and the hidden outputs over --tp ranks, and needs an
+    all-gather between shrink and expand, which one fused launch has no place for."""
+    where, cfg = names("fully_sharded_loras"), spec.model_config
+    if spec.tp == 1:
+        raise UserError(f"{where}: needs --tp 2 or more (one rank has nothing to shard)")
+    if spec.rank % spec.tp:
+        raise UserError(f"{where}: rank {spec.rank} does not split over {spec.tp} ranks")
+    if cfg.hidden % spec.tp:
+        raise UserError(f"{where}: {cfg.name}'s hidden size {cfg.hidden} does not split over {spec.tp} ranks")
+    cannot = [str(k) for k in spec.labels if k.backend == "fused"]
+    if cannot:
+        raise UserError(f"{where}: --kernels {cannot[0]} cannot run it (one launch has no place for the all-gather "
+                        "between shrink and expand); use triton, torch or vllm")
+
+

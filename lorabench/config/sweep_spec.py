@@ -1,0 +1,103 @@
+"""A sweep's options, each declared once, as a field of ``SweepSpec`` (``lorabench.config.options``):
+the command line's flags, the spec file's keys, the checks of their values (``lorabench.config.spec``)
+and the columns rows copy from their job all follow from it. Light to import: ``--help`` reads it."""
+
+from dataclasses import asdict, dataclass
+
+from lorabench.config.backends import KernelsLabel
+from lorabench.config.models import PRESETS, ModelConfig, shard
+from lorabench.config.options import Option, aliases, option, options_of
+from lorabench.config.strategies import STRATEGIES
+from lorabench.kernels import BACKENDS, DTYPES, RANKS
+
+MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
+MAX_SEED = 2**32 - 1  # numpy's generators take seeds below 2**32 (torch's below 2**64)
+MAX_STEPS = 100_000  # --iters, --warmup: a worker draws every timed step's batch up front
+MAX_ADAPTERS = 1_000_000  # --adapters, --max-cpu-loras: the residency loop keeps one entry per adapter
+OUTPUT_TOKENS = 128  # --output-tokens: decode steps per request by default (vllm bench's random dataset's output length)
+LIST = "comma-separated"
+
+
+@dataclass
+class SweepSpec:
+    """A sweep's settings. The fields made by ``option`` are its options, in ``--help``'s order."""
+
+    max_loras: list[int] = option([4], f"Resident adapter slots, {LIST}")
+    concurrency: list[int] = option([1, 2, 4, 8], f"Requests per decode step, {LIST}")
+    strategy: list[str] = option(["max", "pow2", "dense"], f"Capture sets: {', '.join(STRATEGIES)}, a list like [1,2,4], "
+                                 f"or auto (with --auto-from), {LIST}")
+    model: str | None = option(None, f"A preset ({', '.join(PRESETS)}), a config.json or a folder holding one, or a "
+                               "Hugging Face model id (its config only; weights are random)",
+                               shown="llama-2-7b on a GPU, tiny on the CPU")
+    layers: int | None = option(None, "Shorten the model to this many layers", shown="the model's")
+    tp: int = option(1, "Tensor-parallel ranks: build and time one rank's shapes, LoRA sharded as vLLM shards it; the "
+                     "rank's all-reduces are left out", column=True)
+    fully_sharded_loras: bool = option(False, "With --tp: cut LoRA as vLLM's --fully-sharded-loras does (A's rank on "
+                                       "qkv and gate_up, B's outputs on o and down); its collectives are left out too")
+    rank: int = option(16, f"LoRA rank, vLLM's --max-lora-rank (every adapter is padded to it): {', '.join(map(str, RANKS))}",
+                       aliases=("max_lora_rank",), column=True)
+    ranks: str | None = option(None, "The adapters' own ranks and their shares of the slots, e.g. 8:0.5,64:0.5, padded "
+                               "to --rank; lorabench's kernels also run as <backend>+unpadded, skipping the padding",
+                               shown="all at --rank", column=True)
+    context_len: int = option(1024, "KV-cache positions each request attends over", column=True)
+    dtype: str | None = option(None, f"{', '.join(DTYPES)}", shown="float16 on a GPU, float32 on the CPU", column=True)
+    kernels: list[str] | None = option(None, f"LoRA kernel backends, {LIST}: "
+                                       f"{'; '.join(f'{b.name} ({b.doc})' for b in BACKENDS.values())}",
+                                       shown="triton on a GPU, torch on the CPU")
+    device: str = option("auto", "auto, cuda, cpu")
+    workload: list[str] = option(["uniform"], f"Adapter mixes for workload runs, {LIST}: uniform, zipf:S, single, "
+                                 "base:P, joined by +; or trace:PATH (CSV/JSONL)")
+    iters: int = option(100, "Timed steps per point", maximum=MAX_STEPS, column=True)
+    warmup: int = option(10, "Untimed steps before each point", minimum=0, maximum=MAX_STEPS, column=True)
+    ci_target: float | None = option(None, "Stop timing a point once the 95 % interval of its median is within +- this "
+                                     "percent (at least 20 steps, and two turns per strategy where several share a "
+                                     "point; at most --iters)", shown="always --iters", column=True)
+    seed: int = option(0, "Seed for weights and batches", minimum=0, maximum=MAX_SEED, column=True)
+    out: str = option("results", "Output root; the run goes to OUT/<run_id>")
+    capture_sizes: list[int] | None = option(None, f"Batch buckets that get graphs, {LIST}", shown="the concurrency values",
+                                             column=True)
+    check: bool = option(True, "Skip the correctness check of each configuration (the `correct` column)")
+    auto_from: str | None = option(None, "Strategy auto: the run whose points price the capture sets (see "
+                                   "`lorabench recommend`)")
+    graph_memory_budget: float | None = option(None, "Strategy auto: most graph memory the set may take, MiB")
+    startup_budget: float | None = option(None, "Strategy auto: most startup the set may take, s")
+    tuned: str | None = option(None, "A `lorabench tune` output folder: each swept backend it has configs for (triton, "
+                               "fused, vllm) also runs as <backend>+tuned")
+    adapters: int | None = option(None, "Adapters the requests choose from, held in the max_loras GPU slots by LRU: the "
+                                  "workload runs become residency runs of the largest concurrency's clients, loading "
+                                  "adapters into slots as the steps need them (timed)",
+                                  shown="one adapter per slot, none loaded", maximum=MAX_ADAPTERS, column=True)
+    max_cpu_loras: int | None = option(None, "With --adapters: vLLM's CPU cache of adapters (at least max_loras); a load "
+                                       "of an adapter not in it is counted as a read from storage, which lorabench does "
+                                       "not time", shown="every adapter", maximum=MAX_ADAPTERS)
+    output_tokens: int = option(OUTPUT_TOKENS, "With --adapters: tokens each request decodes (a trace's output_tokens "
+                                "column overrides it)", maximum=MAX_STEPS)
+    # Not options: what planning resolves.
+    auto_sets: dict | None = None  # --strategy auto, chosen when planned: "kernels/max_loras" -> counts and predictions
+    model_config: ModelConfig | None = None  # --model resolved when planned (the whole model, --layers applied)
+
+    @property
+    def rank_model(self) -> ModelConfig:
+        """The shapes one worker builds: one tensor-parallel rank of the model."""
+        return shard(self.model_config, self.tp)
+
+    def __post_init__(self):
+        if isinstance(self.model_config, dict):  # read back from a run.json
+            self.model_config = ModelConfig(**self.model_config)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def labels(self) -> list[KernelsLabel]:
+        return [KernelsLabel.parse(k) for k in self.kernels]
+
+
+OPTIONS: dict[str, Option] = options_of(SweepSpec)
+FIELDS = set(OPTIONS)  # a spec file's keys
+ALIASES = aliases(OPTIONS)  # other keys of a spec file: vLLM's names
+
+
+def coerce(name: str, value):
+    """A flag's or spec file's raw value -> the option's type, with its bounds (comma strings become lists)."""
+    return OPTIONS[name].parse(value)

@@ -1,0 +1,37 @@
+"""A timed point's columns, from its samples: the statistics, the host's parts, what was served,
+and the steps themselves (``Steps``, which the sweep writes into the run's samples)."""
+
+import numpy as np
+
+from lorabench.config.plan import FIXED, RESIDENCY, WORKLOAD, Point
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.timing import summarize
+from lorabench.runtime.turns import Timed
+from lorabench.storage.steps import Steps
+
+
+def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict) -> tuple[dict, Steps]:
+    """The columns an ok row adds to the point's, and its steps. ``noisy_iqr`` (not a column):
+    why the step times are too spread, or None (``lorabench.runtime.timing.summarize``)."""
+    c, s = point.concurrency, t.samples()
+    stats = summarize(s.step_ms)
+    row = {**stats, "status": "ok", "timed_steps": len(s.step_ms),
+           "graph_tokens": d.route(c, 0).tokens,
+           "host_us_median": float(np.median(s.host_us)),
+           "host_us_p90": float(np.percentile(s.host_us, 90)),
+           "copy_us_median": float(np.median(s.copy_us)),
+           "launch_us_median": float(np.median(s.launch_us)),
+           "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
+           "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}
+    if predicted and point.mode == WORKLOAD:
+        row["predicted_ms"] = predicted.get((point.workload, c))
+    if point.mode == FIXED:
+        row["base_tokens"] = c if point.n_active == 0 else 0
+        row["graph_loras"] = int(s.launch_counts[0])
+    if point.mode == RESIDENCY:  # tokens per second over the whole run: a step of few tokens counts as few
+        row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
+                   loads_per_step=float(s.loads.mean()))
+    steps = Steps(turn=t.turns(), step_ms=s.step_ms.tolist(), host_us=s.host_us.tolist(), copy_us=s.copy_us.tolist(),
+                  launch_us=s.launch_us.tolist(), n_active=s.n_active.tolist(), launches=s.launch_counts.tolist(),
+                  tokens=s.tokens.tolist(), loads=s.loads.tolist())
+    return row, steps
