@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import base_ops, fused_lora, triton_lora
+from lorabench.kernels import base_ops, expand, fused_lora, launch, shrink, triton_lora
 
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -95,9 +95,9 @@ def ranked_loads_stay_vectorised() -> str | None:
 
 def record_launches():
     """Replace every kernel with a Recorder; returns them by name."""
-    triton_lora._INTERPRET = fused_lora._INTERPRET = False  # compile what the GPU runs
+    assert not launch.INTERPRET, "compile what the GPU runs: run without TRITON_INTERPRET"
     recs = {}
-    for module, name in [(triton_lora, "_shrink_kernel"), (triton_lora, "_expand_kernel"), (fused_lora, "_fused_kernel"),
+    for module, name in [(shrink, "_shrink_kernel"), (expand, "_expand_kernel"), (fused_lora, "_fused_kernel"),
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
@@ -107,7 +107,8 @@ def record_launches():
 
 def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
-    triton_lora.pdl_enabled = fused_lora.pdl_enabled = base_ops.pdl_enabled = lambda device: on
+    for module in (shrink, expand, fused_lora, base_ops):  # where each launcher looks it up
+        module.pdl_enabled = lambda device: on
 
 
 def launch_everything(dtype, tokens):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import RANKS, fused_lora, get_backend, triton_lora
+from lorabench.kernels import RANKS, expand, fused_lora, get_backend, shrink, triton_lora
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.tolerance import TOLERANCE
@@ -181,8 +181,8 @@ def test_both_token_tile_paths_agree_with_the_reference(monkeypatch, backend, so
     """Each kernel's two token-tile paths (slot-sorted, batch order with a slot mask), forced on the
     same batch: a metadata buffer longer than the batch (padding tokens are -1) and a launch count
     below the active count (the last active slot's tokens stay as they were)."""
-    monkeypatch.setattr(triton_lora, "sorted_tiles", lambda tokens, block_m: sorted_path)
-    monkeypatch.setattr(fused_lora, "sorted_tiles", lambda tokens, block_m: sorted_path)
+    for module in (shrink, expand, fused_lora):  # where each launcher looks it up
+        monkeypatch.setattr(module, "sorted_tiles", lambda tokens, block_m: sorted_path)
     slots = [2, -1, 0, 3, 2, -1, 0, 3, 3, -1, 2, 0]
     x, a, b, y, _, starts = make_case(len(slots), 64, (32, 16), 8, 4, torch.float16, 0.0, 7)
     buf = MetaBuffer(len(slots) + (5 if padded else 0), 4, DEVICE)
