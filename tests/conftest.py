@@ -1,12 +1,24 @@
-"""Test setup: without a GPU, Triton kernels run in Triton's CPU interpreter."""
+"""Test setup: without a GPU, Triton kernels run in Triton's CPU interpreter; every process the
+tests start computes on one thread."""
 
 import os
-import random
-from contextlib import contextmanager
-from pathlib import Path
 
-import pytest
-import torch
+# One compute thread per process, this one and every process it starts (sweep workers, tunes,
+# notebooks): their tensors are tiny, and under ``pytest -n`` several processes share the cores,
+# where threads that spin waiting for each other multiply the wall time. Set before torch loads.
+THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+for _var in THREADS:
+    os.environ.setdefault(_var, "1")
+
+import random  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of ``pytest -n``: one thread whatever the environment says
+    torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
