@@ -49,9 +49,12 @@ def seeded_and_finished():
 
 
 @contextmanager
-def fault_injected(fault: str):
+def fault_injected(fault: str | None):
     """Sweeps and checks started inside the block run ``tests/faulty_worker.py``, which fails as
-    ``fault`` says (build, capture, check, point:I, kill:I)."""
+    ``fault`` says (build, capture, check, point:I, kill:I, slow:S, loads:N); None: the real worker."""
+    if fault is None:
+        yield
+        return
     from lorabench.commands import sweep
 
     saved = {k: os.environ.get(k) for k in ("FAULT", "PYTHONPATH")}
