@@ -31,6 +31,36 @@ H200_CARD = TESTS / "data" / "h200-card"  # frozen H200 rows (data/README.md)
 H200_SLOTS = TESTS / "data" / "h200-slots"
 
 
+# Module-scoped fixtures that run sweeps or start a cluster, by module. Under ``pytest -n N`` each
+# of these modules runs in one worker, so its fixture is built once, not once in each worker its
+# tests land on; every other test is dealt out on its own. Tests that use one are end to end.
+SHARED_FIXTURES = {"test_sweep_report.py": "run_dir", "test_adapters.py": "residency_run",
+                   "test_executors.py": "cluster", "test_compare.py": "cpu_runs"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (pytest-xdist's ``load``; a ``--dist`` given is kept): tests one by one, except
+    that the modules above go to one worker whole. (pytest-xdist's ``loadgroup`` would do it with
+    marks, but its groups are lost on pytest 9, whose node ids it can no longer rename.)"""
+    if config.getvalue("dist") != "load" or any(a == "-d" or a.startswith("--dist") for a in config.invocation_params.args):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtures(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in SHARED_FIXTURES else nodeid
+
+    return SharedFixtures(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SHARED_FIXTURES.get(item.path.name) in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture
 def device():
     return DEVICE
@@ -85,3 +115,5 @@ def with_schema(df):
         if str(field.type).startswith("list") and df[field.name].isna().all():
             df[field.name] = pd.Series([None] * len(df), index=df.index, dtype=object)
     return df
+
+
