@@ -1,5 +1,6 @@
 """The correctness check: it passes lorabench's dispatch, catches a launch count one short with
-the smallest batch that shows it, says when it cannot tell, and reaches every sweep row."""
+the smallest batch that shows it, says when it cannot tell, and reaches every sweep row (those of
+tests/test_sweep_report.py's sweep: ``test_rows_carry_the_check_verdict``)."""
 
 import random
 from contextlib import nullcontext
@@ -89,19 +90,7 @@ def _cli(argv, fault=None):
         return main(argv)
 
 
-def test_sweep_rows_carry_the_verdict(tmp_path):
-    argv = ["sweep", "--out", str(tmp_path), "--max-loras", "2", "--concurrency", "1,2", "--strategy", "max,pow2",
-            "--iters", "3", "--warmup", "1", "--context-len", "16", "--device", "cpu"]
-    assert _cli(argv) == 0
-    run = next(tmp_path.glob("*/points.parquet")).parent
-    df = pd.read_parquet(run / "points.parquet")
-    assert df.correct.all() and df.check_detail.str.startswith("ok:").all() and (df.check_batches > 0).all()
-    import json
-
-    checks = json.loads((run / "checks.json").read_text())
-    assert [(c["strategy"], c["correct"]) for c in checks] == [("max", True), ("pow2", True)]
-
-
+@pytest.mark.e2e
 def test_check_command(tmp_path, capsys):
     argv = ["check", "--out", str(tmp_path), "--max-loras", "2", "--capture-sizes", "1,2", "--strategy", "max,dense",
             "--device", "cpu"]
@@ -111,6 +100,7 @@ def test_check_command(tmp_path, capsys):
     assert not list(tmp_path.glob("*/points.parquet")) or pd.read_parquet(next(tmp_path.glob("*/points.parquet"))).empty
 
 
+@pytest.mark.e2e
 def test_check_command_fails_without_a_verdict(tmp_path, capsys):
     argv = ["check", "--out", str(tmp_path), "--max-loras", "2", "--capture-sizes", "1,2", "--strategy", "max", "--device", "cpu"]
     assert _cli(argv, fault="check") == 1

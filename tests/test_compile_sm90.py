@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("part", ["pdl-off", "pdl-on"])  # two processes, each about a minute: pytest -n runs them side by side
 def test_kernels_compile_for_hopper(part):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

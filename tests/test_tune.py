@@ -49,6 +49,7 @@ def by_shape(rows) -> dict:
     return shapes
 
 
+@pytest.mark.e2e
 def test_each_shape_times_its_default_and_a_candidate(tmp_path):
     assert run_tune(tmp_path) == 0
     shapes = by_shape(cache_rows(tmp_path))
@@ -68,6 +69,7 @@ def test_each_shape_times_its_default_and_a_candidate(tmp_path):
     assert HAS_CUDA or "not GPU results" in md
 
 
+@pytest.mark.e2e
 def test_a_rerun_resumes_from_the_cache(tmp_path):
     assert run_tune(tmp_path, tokens="1") == 0  # its 4 shapes (the 12 of two token counts: above)
     before = cache_rows(tmp_path)
@@ -80,6 +82,7 @@ def test_a_rerun_resumes_from_the_cache(tmp_path):
     assert {r["session"] for r in cache_rows(tmp_path)}.isdisjoint(r["session"] for r in before)
 
 
+@pytest.mark.e2e
 def test_timings_of_other_kernel_sources_are_not_reused(tmp_path):
     """A cache written by other versions of lorabench's kernels (another ``kernels_rev``) is kept in
     the file but not resumed from: every shape is timed again. vLLM's rows carry no revision."""
@@ -123,6 +126,7 @@ def rigged_fused(monkeypatch):
     monkeypatch.setattr(search, "measure", measure)
 
 
+@pytest.mark.e2e
 def test_failing_and_wrong_configs_are_pruned_and_tuned_configs_load(tmp_path, rigged_fused, monkeypatch):
     shape = Shape("fused", "fused", "o", fused_lora.shape_key(1, 128, 128, 16, 1, 1), 128, (128,), 1, 1, 1)
     code = main(["tune", "--model", "tiny", "--kernels", "fused", "--tokens", "1", "--max-loras", "1",
@@ -262,6 +266,7 @@ def test_vllm_expand_candidates_reach_vllms_kernel(tmp_path):
     assert search.measure(backend, problem, missing, ref, 1e-2, timer)[0]["status"] == "pruned"
 
 
+@pytest.mark.e2e
 def test_a_sweep_given_tuned_runs_the_tuned_configs_next_to_the_defaults(tmp_path):
     """--tuned DIR adds fused+tuned beside fused, and its workers really run DIR's configs: here
     one that cannot launch (block_n 0) for the o linear, so fused+tuned fails and fused does not."""
@@ -321,6 +326,7 @@ def test_bad_tuned_sweeps_are_one_line(tmp_path, capsys, args, needle):
     assert len(err) == 1 and needle in err[0]
 
 
+@pytest.mark.e2e
 def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
     """lorabench's unfused pair: each op tuned per shape, its entries loaded by triton_lora, and a
     sweep runs triton+tuned next to triton, correct."""
@@ -452,6 +458,7 @@ def in_a_terminal(argv: list[str], env: dict) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
 
 
+@pytest.mark.e2e
 def test_a_tune_shows_its_progress_and_the_sweep_it_prints_runs(tmp_path):
     """A terminal user sees a progress bar (shapes done / total, the current shape, elapsed), on
     the CPU drawn by the interpreter child; the sweep command the tune prints then takes its folder
