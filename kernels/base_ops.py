@@ -5,7 +5,7 @@ kernels; in a 32-layer decode graph their launch gaps alone add ~2.5 ms to a ~4 
 would make every LoRA overhead look smaller than a real server's. Fused, they are three kernels
 per layer (as in vLLM). ``fused=False`` picks the torch twins (the CPU path and the tests' reference).
 
-With ``pdl=True`` (and on sm90+, see ``triton_lora.pdl_enabled``) a kernel is launched with PDL
+With ``pdl=True`` (and on sm90+, see ``launch.pdl_enabled``) a kernel is launched with PDL
 and waits for its predecessor before anything else (``pdl_wait`` first): no work overlaps, but
 its launch does. The model asks for it only after lorabench's LoRA kernels, which let their
 dependents launch at once (``LETS_CONSUMER_LAUNCH``), so the consumer's launch hides behind the
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_lora import pdl_enabled, pdl_launch, pdl_wait
+from .launch import pdl_enabled, pdl_launch, pdl_wait
 
 
 @triton.jit

@@ -37,7 +37,7 @@ A decode launch is a chain of dependent memory round trips, so the chain is kept
 and the token tile (batch order, ``adapter_tile``) load together; then x, the A part and the B
 tile load together (B is issued before the K loop). Split, a tile's last program adds two: the
 count (its y tile loads meanwhile), then the sum. On sm90+ the kernel is launched with PDL (see
-``triton_lora``): it starts while the base GEMM before it finishes and waits before it writes
+``launch``): it starts while the base GEMM before it finishes and waits before it writes
 anything (sums, counts, y); it lets its consumer launch at once.
 
 Measured on an H200 (BENCHMARKS.md, with the earlier atomics into y) the shrink + expand pair
@@ -52,17 +52,9 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES
+from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
-from .triton_lora import (  # noqa: F401 (pdl_enabled: the worker's pdl column)
-    INTERPRET,
-    adapter_tile,
-    own_rank,
-    pdl_enabled,
-    pdl_launch,
-    pdl_wait,
-    slice_bounds,
-    sorted_tiles,
-)
+from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles
 
 NEEDS_ZEROED_SCRATCH = False
 LETS_CONSUMER_LAUNCH = True  # see triton_lora
@@ -304,7 +296,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=INTERPRET and y.dtype == torch.bfloat16,  # bf16 dots upcast in the interpreter (see triton_lora)
+        UPCAST=INTERPRET and y.dtype == torch.bfloat16,  # bf16 dots upcast in the interpreter (see launch.INTERPRET)
         RANKED=meta.slot_rank is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

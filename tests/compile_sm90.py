@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import base_ops, fused_lora, triton_lora
+from lorabench.kernels import base_ops, expand, fused_lora, launch, shrink, triton_lora
 
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -39,9 +39,12 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def compile_call(fn, args, kwargs, specialise=False):
-    """``specialise``: as Triton's launcher does, integers equal to 1 become constants and pointers
-    and integers that are multiples of 16 are declared so (what lets loads be vectorised)."""
+def compile_inputs(fn, args, kwargs, specialise=False):
+    """What ``triton.compile`` is given for the call ``fn[grid](*args, **kwargs)``: (signature,
+    constexprs, attrs, options). ``specialise``: as Triton's launcher does, integers equal to 1
+    become constants and pointers and integers that are multiples of 16 are declared so (what lets
+    loads be vectorised)."""
+    kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # a launch option: the kernel's USE_PDL is what compiles differently
     signature, constexprs, attrs = {}, {}, {}
@@ -58,6 +61,11 @@ def compile_call(fn, args, kwargs, specialise=False):
             signature[name] = "i32" if abs(value) < 2**31 else "i64"
             if specialise and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs, options
+
+
+def compile_call(fn, args, kwargs, specialise=False):
+    signature, constexprs, attrs, options = compile_inputs(fn, args, kwargs, specialise)
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
 
 
@@ -85,7 +93,8 @@ def ranked_loads_stay_vectorised() -> str | None:
         loads = {}
         for args, kwargs in recorders[name].calls:
             key = (kwargs["RANKED"], kwargs["BLOCK_M"])
-            loads.setdefault(key, vector_loads(compile_call(recorders[name].fn, args, dict(kwargs), True).asm["ptx"]))
+            if key not in loads:
+                loads[key] = vector_loads(compile_call(recorders[name].fn, args, kwargs, True).asm["ptx"])
         for (is_ranked, block_m), count in loads.items():
             if is_ranked and count < loads[(False, block_m)]:
                 return (f"{name}: {count} 128-bit loads with each slot's own rank, {loads[(False, block_m)]} padded "
@@ -95,9 +104,9 @@ def ranked_loads_stay_vectorised() -> str | None:
 
 def record_launches():
     """Replace every kernel with a Recorder; returns them by name."""
-    triton_lora._INTERPRET = fused_lora._INTERPRET = False  # compile what the GPU runs
+    assert not launch.INTERPRET, "compile what the GPU runs: run without TRITON_INTERPRET"
     recs = {}
-    for module, name in [(triton_lora, "_shrink_kernel"), (triton_lora, "_expand_kernel"), (fused_lora, "_fused_kernel"),
+    for module, name in [(shrink, "_shrink_kernel"), (expand, "_expand_kernel"), (fused_lora, "_fused_kernel"),
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
@@ -107,7 +116,8 @@ def record_launches():
 
 def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
-    triton_lora.pdl_enabled = fused_lora.pdl_enabled = base_ops.pdl_enabled = lambda device: on
+    for module in (shrink, expand, fused_lora, base_ops):  # where each launcher looks it up
+        module.pdl_enabled = lambda device: on
 
 
 def launch_everything(dtype, tokens):
@@ -169,32 +179,40 @@ def stack_bytes(cubin: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def main() -> int:
+PARTS = ("pdl-off", "pdl-on")  # launched as with LORABENCH_PDL=0 (and the RANKED loads' check), and as on sm90 with PDL
+
+
+def main(part: str) -> int:
     if HOPPER is None:
         print("this Triton cannot compile ahead of time")
         return 3
-    unvectorised = ranked_loads_stay_vectorised()
-    if unvectorised:
-        print(unvectorised)
-        return 1
+    if part not in PARTS:
+        print(f"usage: compile_sm90.py {'|'.join(PARTS)}")
+        return 2
+    pdl = part == "pdl-on"
+    if not pdl:
+        unvectorised = ranked_loads_stay_vectorised()
+        if unvectorised:
+            print(unvectorised)
+            return 1
     recorders = record_launches()
-    for pdl in (False, True):
-        use_pdl(pdl)
-        for dtype in (torch.float16, torch.bfloat16):
-            for tokens in (1, 8, 128):  # 128: more than one token tile, the slot-sorted tiles
-                launch_everything(dtype, tokens)
-        for tokens in (1, 128):
-            launch_ranks(torch.float16, tokens)
+    use_pdl(pdl)
+    for dtype in (torch.float16, torch.bfloat16):
+        for tokens in (1, 8, 128):  # 128: more than one token tile, the slot-sorted tiles
+            launch_everything(dtype, tokens)
+    for tokens in (1, 128):
+        launch_ranks(torch.float16, tokens)
     compiled, seen = 0, set()
     for name, rec in recorders.items():
         if not rec.calls:
             print(f"{name} was never launched")
             return 1
         for args, kwargs in rec.calls:
-            key = name + repr([(a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a for a in args]) + repr(sorted(kwargs.items()))
+            # what the compiler is given (launches that differ only in runtime integers compile alike)
+            key = name + repr(compile_inputs(rec.fn, args, kwargs))
             if key not in seen:
                 seen.add(key)
-                kernel = compile_call(rec.fn, args, dict(kwargs))
+                kernel = compile_call(rec.fn, args, kwargs)
                 ptx = kernel.asm["ptx"]
                 waits, triggers = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
                 # LoRA kernels wait on both paths (early exit, write) and let dependents launch once;
@@ -217,9 +235,9 @@ def main() -> int:
                 print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
                       f"{f', {stack} bytes stack' if stack else ''}{', PDL' if waits else ''}")
                 compiled += 1
-    print(f"compiled {compiled} kernel variants for sm_90")
+    print(f"compiled {compiled} kernel variants for sm_90 ({part})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))

@@ -1,11 +1,14 @@
 """A sweep worker with one fault injected, for the tests (``conftest.fault_injected``):
 FAULT=build | capture | check | point:I (point I raises) | kill:I (SIGKILL at point I) |
-slow:S (every point takes S seconds longer: the kill tests' stages stay observable)."""
+slow:S (every point takes S seconds longer: the kill tests' stages stay observable) |
+loads:N (N timed adapter loads each way, not ``adapters.LOADS``: for sweeps of Triton kernels in
+the CPU interpreter whose subject is not the load cost, where each load's step takes a second)."""
 
+import functools
 import os
 import time
 
-from lorabench.runtime import worker
+from lorabench.runtime import adapters, worker
 from lorabench.runtime.dispatch import Dispatcher
 
 
@@ -40,6 +43,8 @@ elif stage == "slow":
         return measure(self, entries)
 
     worker.Worker.measure = slow_measure
+elif stage == "loads":
+    worker.time_loads = functools.partial(adapters.time_loads, loads=int(index))
 else:
     raise SystemExit(f"unknown FAULT {fault!r}")
 

@@ -405,6 +405,7 @@ def test_out_that_cannot_be_made_when_the_run_folder_is_created(place, capsys, m
     assert snapshot(place) == before
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("argv,needle", [
     (["sweep", "--seed", "99999999999999999999"], "error: --seed: 99999999999999999999 must be at most 4294967295"),
     (["sweep", "--out", "/dev/null"], "error: --out: /dev/null is not a folder"),

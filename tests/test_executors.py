@@ -98,6 +98,7 @@ def test_groups_keep_what_is_compared_together():
         assert {parts[p.index] for _, job in members for p in job.points} == {g}
 
 
+@pytest.mark.e2e
 def test_local_executor_pins_each_group_to_one_gpu(tmp_path, monkeypatch):
     """Four groups over two (fake) GPUs: each worker gets its GPU's UUID in CUDA_VISIBLE_DEVICES
     and that GPU's own Triton cache, every row of a group names one GPU, both GPUs work, at most
@@ -160,6 +161,7 @@ def dask_args(cluster) -> list[str]:
     return ["--executor", "dask", "--scheduler", cluster[0].scheduler_address]
 
 
+@pytest.mark.e2e
 def test_dask_runs_a_real_cpu_sweep(tmp_path, cluster):
     """The real worker on the Dask workers: every point ok, one part per group, host and the
     executor recorded."""
@@ -191,6 +193,7 @@ def busy_workers(client) -> dict[str, int]:
     return {addr: pid for addr, pid in pids.items() if children(pid)}
 
 
+@pytest.mark.e2e
 def test_a_killed_dask_worker_reruns_its_group_once_elsewhere(tmp_path, cluster):
     """SIGKILL to the Dask worker running a group (its lorabench worker goes with it): the group
     runs again, whole, on a worker still there, the sweep says so and ends with every point ok."""
@@ -207,6 +210,7 @@ def test_a_killed_dask_worker_reruns_its_group_once_elsewhere(tmp_path, cluster)
     assert coverage(run_dir(tmp_path)).complete
 
 
+@pytest.mark.e2e
 def test_ctrl_c_cancels_every_dask_task_and_keeps_finished_rows_then_resume(tmp_path, cluster, monkeypatch):
     """SIGINT to the sweep: exit 130, the run says interrupted, its finished rows stay, no
     lorabench worker is left on the Dask workers; --resume with the Dask executor finishes it."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import RANKS, fused_lora, get_backend, triton_lora
+from lorabench.kernels import RANKS, expand, fused_lora, get_backend, shrink, triton_lora
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.tolerance import TOLERANCE
@@ -112,6 +112,24 @@ def test_launch_count_short_of_active_skips_last_adapters(backend):
             assert torch.equal(out[t], y[t])
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+def test_every_launch_count_serves_every_active_count_beside_base_tokens(backend):
+    """What the dispatcher sends through its graphs, whatever the strategy: a graph of launch count
+    L (1..max_loras) serves batches of n = 0..L active adapters, here each batch with base-model
+    tokens between the adapters' (one or two tokens per adapter, slots in any order)."""
+    max_loras = 4
+    rnd = random.Random(5)
+    x, a, b, y, _, starts = make_case(2 * max_loras + 2, 64, (32, 16, 16), 8, max_loras, torch.float16, 0.0, 5)
+    for launch in range(1, max_loras + 1):
+        for n in range(launch + 1):
+            slots = [-1, -1] + [s for s in rnd.sample(range(max_loras), n) for _ in range(rnd.randint(1, 2))]
+            rnd.shuffle(slots)
+            t = len(slots)
+            out, _, active = run_backend(backend, x[:t], a, b, y[:t], slots, starts, max_loras, launch)
+            assert active == n
+            check(out, y[:t], x[:t], a, b, slots, starts)
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_triton_shrink_configs(split_k, block_m):
@@ -181,8 +199,8 @@ def test_both_token_tile_paths_agree_with_the_reference(monkeypatch, backend, so
     """Each kernel's two token-tile paths (slot-sorted, batch order with a slot mask), forced on the
     same batch: a metadata buffer longer than the batch (padding tokens are -1) and a launch count
     below the active count (the last active slot's tokens stay as they were)."""
-    monkeypatch.setattr(triton_lora, "sorted_tiles", lambda tokens, block_m: sorted_path)
-    monkeypatch.setattr(fused_lora, "sorted_tiles", lambda tokens, block_m: sorted_path)
+    for module in (shrink, expand, fused_lora):  # where each launcher looks it up
+        monkeypatch.setattr(module, "sorted_tiles", lambda tokens, block_m: sorted_path)
     slots = [2, -1, 0, 3, 2, -1, 0, 3, 3, -1, 2, 0]
     x, a, b, y, _, starts = make_case(len(slots), 64, (32, 16), 8, 4, torch.float16, 0.0, 7)
     buf = MetaBuffer(len(slots) + (5 if padded else 0), 4, DEVICE)

@@ -15,6 +15,7 @@ from conftest import H200_CARD
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.e2e
 def test_import_contracts_are_kept(tmp_path):
     """import-linter on lorabench as installed (``kernels/`` becomes ``lorabench.kernels``): one-way
     layers, no circles, no torch below the runtime, no test tools in production code."""
@@ -29,6 +30,7 @@ def test_import_contracts_are_kept(tmp_path):
     assert p.returncode == 0 and "0 broken" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", [["report"], ["recommend", "--workload", "uniform"], ["compare"]])
 def test_report_and_recommend_load_neither_torch_nor_triton(tmp_path, command):
     run = tmp_path / "run"

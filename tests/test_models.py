@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, HAS_CUDA
 from lorabench.kernels import get_backend
 from lorabench.kernels.reference import lora_delta
 
@@ -158,12 +158,42 @@ def _close(out, ref):
 SLOTS = [0, -1, 2, 1, -1, 2]  # adapters and base-model tokens mixed
 
 
+def narrowed(width: int, interpreted: bool = not HAS_CUDA) -> int:
+    """On the CPU (Triton's interpreter runs every output tile in Python) an output width cut to
+    at most two 128-wide tiles plus what the real width leaves past its last whole 128: the same
+    default tilings (they are chosen by the input features, the rank and the token count; the
+    widest output tile is 128), masks and slices of unequal width, a fraction of the tiles."""
+    return min(width, 256 + width % 128) if interpreted else width
+
+
 # Input features and output widths vLLM's kernel tests take from real models (not multiples of the tiles).
-@pytest.mark.parametrize("k,widths", [(2049, (5504,)), (13824, (2049,)), (3584, (18944,)), (18944, (3584,)),
-                                      (3584, (896, 128, 128)), (5120, (4096, 1024, 1024))],
-                         ids=["2049-5504", "13824-2049", "qwen-up", "qwen-down", "qwen-qkv-tp4", "nemo-qkv"])
+REAL_SIZES = pytest.mark.parametrize("k,widths", [(2049, (5504,)), (13824, (2049,)), (3584, (18944,)), (18944, (3584,)),
+                                                  (3584, (896, 128, 128)), (5120, (4096, 1024, 1024))],
+                                     ids=["2049-5504", "13824-2049", "qwen-up", "qwen-down", "qwen-qkv-tp4", "nemo-qkv"])
+
+
+@REAL_SIZES
+def test_narrowed_widths_keep_the_default_tilings(k, widths):
+    """What ``narrowed`` keeps: each backend's default tiling at the real shape, and each width's
+    remainder past its whole 128-wide tiles."""
+    from lorabench.kernels import fused_lora, triton_lora
+
+    cut = tuple(narrowed(w, interpreted=True) for w in widths)
+    assert [w % 128 for w in cut] == [w % 128 for w in widths] and all(w <= 384 for w in cut)
+    tokens, rank, slices = len(SLOTS), 16, len(widths)
+    for launch in (1, 3):  # the shrink's tiling is chosen by K, slices x rank, tokens and launch: no width
+        assert fused_lora.default_config(tokens, k, max(cut), rank, slices, launch) == \
+            fused_lora.default_config(tokens, k, max(widths), rank, slices, launch)
+        assert triton_lora.default_config("expand", tokens, rank, max(cut), slices, launch) == \
+            triton_lora.default_config("expand", tokens, rank, max(widths), slices, launch)
+
+
+@REAL_SIZES
 @pytest.mark.parametrize("backend", ["triton", "fused", "torch"])
 def test_kernels_at_real_hidden_sizes(backend, k, widths):
+    """Every real input width K (the split over K, parts of unequal length); the real output widths
+    on a GPU, on the CPU their remainders past whole tiles (``narrowed``)."""
+    widths = tuple(narrowed(w) for w in widths)
     a, b = _weights(k, widths, 16, 3, k)
     x = torch.randn(len(SLOTS), k, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
     _close(_apply(backend, x, a, b, widths, SLOTS, 3),

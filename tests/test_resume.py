@@ -23,7 +23,8 @@ from lorabench.storage.runs import FINISHED, INTERRUPTED, KILLED, coverage
 from lorabench.storage.samples import read_samples
 
 TESTS = Path(__file__).parent
-pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds worker processes through /proc")
+pytestmark = [pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds worker processes through /proc"),
+              pytest.mark.e2e]
 
 # One worker per max_loras (a worker times every strategy of one (kernels, max_loras)), each with
 # strategy max: 3 points (c = 1: n = 0, 1 and the workload run); each point takes SLOW s more, so

@@ -85,6 +85,15 @@ def test_a_finished_sweep_packs_every_points_samples(run_dir):
     assert per_point.to_dict() == dict(zip(df.point, df.timed_steps))
 
 
+def test_rows_carry_the_check_verdict(run_dir):
+    """Every row carries its configuration's verdict, and checks.json has one per strategy."""
+    df = pd.read_parquet(run_dir / "points.parquet")
+    assert df.correct.all() and df.check_detail.str.startswith("ok:").all() and (df.check_batches > 0).all()
+    checks = json.loads((run_dir / "checks.json").read_text())
+    assert [(c["strategy"], c["correct"]) for c in checks] == [("max", True), ("pow2", True)]
+
+
+@pytest.mark.e2e
 def test_a_failing_point_becomes_a_failed_row(tmp_path):
     code, run = sweep(tmp_path, fault="point:3")
     df = pd.read_parquet(run / "points.parquet")
@@ -93,6 +102,7 @@ def test_a_failing_point_becomes_a_failed_row(tmp_path):
     assert list(bad.point) == [3] and "injected failure" in bad.error.iloc[0]
 
 
+@pytest.mark.e2e
 def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
     code, run = sweep(tmp_path, fault="capture")
     df = pd.read_parquet(run / "points.parquet")
@@ -101,6 +111,7 @@ def test_a_failed_capture_fails_its_points_and_the_sweep_goes_on(tmp_path):
     assert df.error.str.contains("injected failure at capture").all()
 
 
+@pytest.mark.e2e
 def test_a_killed_worker_keeps_finished_rows(tmp_path, capsys):
     """One worker per (kernels, max_loras): the first one (max_loras 2) dies at its first point,
     the next one (max_loras 4) runs normally."""
@@ -115,6 +126,7 @@ def test_a_killed_worker_keeps_finished_rows(tmp_path, capsys):
     assert "| 0 | torch | 2 | max |" in (run / "report.md").read_text()
 
 
+@pytest.mark.e2e
 def test_a_worker_killed_mid_run_keeps_its_earlier_rows(tmp_path):
     """Both strategies are timed point by point in turns: killed at max's third point, the
     worker has finished the first two points of both max and pow2 (its points 11 and 12)."""
@@ -125,6 +137,7 @@ def test_a_worker_killed_mid_run_keeps_its_earlier_rows(tmp_path):
     assert df[df.status == "failed"].error.str.contains("worker exited with status -9").all()
 
 
+@pytest.mark.e2e
 def test_interrupted_sweep_leaves_readable_rows(tmp_path):
     cmd = [sys.executable, "-m", "lorabench", "sweep", "--out", str(tmp_path)] + SMALL + ["--iters", "400"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA
+from conftest import DEVICE, HAS_CUDA, fault_injected
 from lorabench.kernels import fused_lora, vllm_lora
 
 import lorabench.commands.tune as tune_command
@@ -25,12 +25,15 @@ from lorabench.config.tune_spec import build_tune_spec
 from lorabench.storage import tune_files
 
 DTYPE = "float16" if HAS_CUDA else "float32"  # what a sweep runs by default here
+# The sweeps here check tuned configs, not the adapter-load timing every worker also does: on the CPU
+# two loads each way (tests/faulty_worker.py), not 30 steps of interpreted Triton kernels each way.
+FEW_LOADS = None if HAS_CUDA else "loads:2"
 GPU = torch.cuda.get_device_name() if HAS_CUDA else None
 needs_vllm = pytest.mark.skipif(not vllm_lora.available(), reason=vllm_lora.INSTALL_HINT)
 
 
-def run_tune(tmp_path, *extra):
-    args = ["tune", "--model", "tiny", "--kernels", "fused", "--tokens", "1,2", "--max-loras", "2",
+def run_tune(tmp_path, *extra, tokens="1,2"):
+    args = ["tune", "--model", "tiny", "--kernels", "fused", "--tokens", tokens, "--max-loras", "2",
             "--budget-s", "0.01", "--out", str(tmp_path), "--dtype", "float16"]
     return main(args + list(extra))
 
@@ -46,6 +49,7 @@ def by_shape(rows) -> dict:
     return shapes
 
 
+@pytest.mark.e2e
 def test_each_shape_times_its_default_and_a_candidate(tmp_path):
     assert run_tune(tmp_path) == 0
     shapes = by_shape(cache_rows(tmp_path))
@@ -65,27 +69,29 @@ def test_each_shape_times_its_default_and_a_candidate(tmp_path):
     assert HAS_CUDA or "not GPU results" in md
 
 
+@pytest.mark.e2e
 def test_a_rerun_resumes_from_the_cache(tmp_path):
-    assert run_tune(tmp_path) == 0
+    assert run_tune(tmp_path, tokens="1") == 0  # its 4 shapes (the 12 of two token counts: above)
     before = cache_rows(tmp_path)
     (tmp_path / "tune.md").unlink()
-    assert run_tune(tmp_path) == 0
+    assert run_tune(tmp_path, tokens="1") == 0
     assert cache_rows(tmp_path) == before, "every shape's budget was spent: nothing new is measured"
     assert (tmp_path / "tune.md").is_file(), "the outputs are rewritten all the same"
-    assert run_tune(tmp_path, "--fresh") == 0
+    assert run_tune(tmp_path, "--fresh", tokens="1") == 0
     assert len(cache_rows(tmp_path)) == len(before) and (tmp_path / "cache.jsonl.prev").is_file()
     assert {r["session"] for r in cache_rows(tmp_path)}.isdisjoint(r["session"] for r in before)
 
 
+@pytest.mark.e2e
 def test_timings_of_other_kernel_sources_are_not_reused(tmp_path):
     """A cache written by other versions of lorabench's kernels (another ``kernels_rev``) is kept in
     the file but not resumed from: every shape is timed again. vLLM's rows carry no revision."""
-    assert run_tune(tmp_path) == 0
+    assert run_tune(tmp_path, tokens="1") == 0
     before = cache_rows(tmp_path)
     rev = TUNERS["fused"]().revision
     assert {r["kernels_rev"] for r in before} == {rev}
     (tmp_path / "cache.jsonl").write_text("".join(json.dumps({**r, "kernels_rev": "0ld"}) + "\n" for r in before))
-    assert run_tune(tmp_path) == 0
+    assert run_tune(tmp_path, tokens="1") == 0
     after = cache_rows(tmp_path)
     assert after[: len(before)] == [{**r, "kernels_rev": "0ld"} for r in before]
     fresh = after[len(before):]
@@ -120,6 +126,7 @@ def rigged_fused(monkeypatch):
     monkeypatch.setattr(search, "measure", measure)
 
 
+@pytest.mark.e2e
 def test_failing_and_wrong_configs_are_pruned_and_tuned_configs_load(tmp_path, rigged_fused, monkeypatch):
     shape = Shape("fused", "fused", "o", fused_lora.shape_key(1, 128, 128, 16, 1, 1), 128, (128,), 1, 1, 1)
     code = main(["tune", "--model", "tiny", "--kernels", "fused", "--tokens", "1", "--max-loras", "1",
@@ -259,6 +266,7 @@ def test_vllm_expand_candidates_reach_vllms_kernel(tmp_path):
     assert search.measure(backend, problem, missing, ref, 1e-2, timer)[0]["status"] == "pruned"
 
 
+@pytest.mark.e2e
 def test_a_sweep_given_tuned_runs_the_tuned_configs_next_to_the_defaults(tmp_path):
     """--tuned DIR adds fused+tuned beside fused, and its workers really run DIR's configs: here
     one that cannot launch (block_n 0) for the o linear, so fused+tuned fails and fused does not."""
@@ -271,9 +279,10 @@ def test_a_sweep_given_tuned_runs_the_tuned_configs_next_to_the_defaults(tmp_pat
     (tuned / "lorabench_tuned.json").write_text(json.dumps({**meta, "entries": [
         {"shape": list(fused_lora.shape_key(1, 128, 128, 16, 1, 1)), "config": bad}]}))  # tiny's o linear
     out = tmp_path / "runs"
-    assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--strategy", "max", "--max-loras", "2",
-                 "--concurrency", "1,2", "--iters", "2", "--warmup", "1", "--out", str(out),
-                 "--model", "tiny", "--dtype", DTYPE]) == 0
+    with fault_injected(FEW_LOADS):
+        assert main(["sweep", "--kernels", "fused", "--tuned", str(tuned), "--strategy", "max", "--max-loras", "2",
+                     "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(out),
+                     "--model", "tiny", "--layers", "1", "--dtype", DTYPE]) == 0
     df = pd.read_parquet(next(out.glob("*/points.parquet")))
     assert set(df.kernels) == {"fused", "fused+tuned"}
     plain, tuned_rows = df[df.kernels == "fused"], df[df.kernels == "fused+tuned"]
@@ -317,6 +326,7 @@ def test_bad_tuned_sweeps_are_one_line(tmp_path, capsys, args, needle):
     assert len(err) == 1 and needle in err[0]
 
 
+@pytest.mark.e2e
 def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
     """lorabench's unfused pair: each op tuned per shape, its entries loaded by triton_lora, and a
     sweep runs triton+tuned next to triton, correct."""
@@ -325,7 +335,7 @@ def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
 
     out = tmp_path / "tuned"
     assert main(["tune", "--model", "tiny", "--kernels", "triton", "--tokens", "1", "--max-loras", "1",
-                 "--budget-s", "2", "--out", str(out)]) == 0  # the tune's default dtype is the sweep's
+                 "--budget-s", "0.01", "--out", str(out)]) == 0  # the tune's default dtype is the sweep's
     entries = tune_files.tuned_table(out)
     ops = sorted(e["shape"][0] for e in entries)
     assert ops == ["expand"] * 3 + ["shrink"] * 4 and all(e["kernel"] == "triton" for e in entries)  # o and down share an expand
@@ -336,8 +346,10 @@ def test_triton_shrink_and_expand_are_tuned_and_swept(tmp_path):
     finally:
         triton_lora.load_tuned([])
     runs = tmp_path / "runs"
-    assert main(["sweep", "--kernels", "triton", "--tuned", str(out), "--strategy", "max", "--max-loras", "1",
-                 "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(runs), "--model", "tiny"]) == 0
+    with fault_injected(FEW_LOADS):
+        assert main(["sweep", "--kernels", "triton", "--tuned", str(out), "--strategy", "max", "--max-loras", "1",
+                     "--concurrency", "1", "--iters", "2", "--warmup", "1", "--out", str(runs), "--model", "tiny",
+                     "--layers", "1"]) == 0
     df = pd.read_parquet(next(runs.glob("*/points.parquet")))
     assert set(df.kernels) == {"triton", "triton+tuned"} and (df.status == "ok").all() and df.correct.all()
 
@@ -446,6 +458,7 @@ def in_a_terminal(argv: list[str], env: dict) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
 
 
+@pytest.mark.e2e
 def test_a_tune_shows_its_progress_and_the_sweep_it_prints_runs(tmp_path):
     """A terminal user sees a progress bar (shapes done / total, the current shape, elapsed), on
     the CPU drawn by the interpreter child; the sweep command the tune prints then takes its folder
@@ -462,6 +475,7 @@ def test_a_tune_shows_its_progress_and_the_sweep_it_prints_runs(tmp_path):
     argv = hint.removeprefix("sweep with them: lorabench ").split()
     assert argv[:5] == ["sweep", "--kernels", "fused", "--tuned", str(out)] and "--dtype" not in argv
     runs = tmp_path / "runs"
-    assert main(argv + ["--strategy", "max", "--iters", "2", "--warmup", "1", "--out", str(runs)]) == 0
+    with fault_injected(FEW_LOADS):
+        assert main(argv + ["--strategy", "max", "--layers", "1", "--iters", "2", "--warmup", "1", "--out", str(runs)]) == 0
     df = pd.read_parquet(next(runs.glob("*/points.parquet")))
     assert set(df.kernels) == {"fused", "fused+tuned"} and (df.status == "ok").all() and df.correct.all()

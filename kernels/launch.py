@@ -1,0 +1,46 @@
+"""How lorabench's Triton kernels launch here: in Triton's CPU interpreter (``TRITON_INTERPRET=1``)
+or compiled, and on sm90+ with programmatic dependent launch (PDL).
+
+Decode kernels are latency-bound: under PDL a kernel starts while its predecessor finishes, loads
+its weights, and waits (``pdl_wait``) only before it touches what the predecessor writes. Used by
+the shrink, the expand, the fused kernel and the base ops.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter returns garbage from tl.dot on bf16 operands (exact on fp16 and fp32),
+# so under the interpreter bf16 tiles are upcast to fp32 before the dot. GPU code is unaffected.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether lorabench's Triton kernels launch with programmatic dependent launch on ``device``:
+    CUDA sm90 or newer, not the interpreter, and not switched off with ``LORABENCH_PDL=0``."""
+    if INTERPRET or device.type != "cuda" or os.environ.get("LORABENCH_PDL", "1") == "0":
+        return False
+    return _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(use: bool) -> dict:
+    """Launch options for a kernel that takes ``USE_PDL``: ``launch_pdl`` only when used (the
+    interpreter and older Triton launchers do not know it)."""
+    return {"launch_pdl": True} if use else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the kernel this one was PDL-launched after has finished and its writes are
+    visible. Every program of a PDL-launched kernel calls it before it writes and before it
+    exits, so a grid's completion still implies its predecessors' (stream order stays transitive)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()

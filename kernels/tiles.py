@@ -1,0 +1,56 @@
+"""Device helpers every lorabench LoRA kernel shares: which slot and token tile a program serves
+(``adapter_tile``, ``sorted_tiles``), a slot's own rank (``own_rank``) and a slice's output
+columns (``slice_bounds``)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                 BLOCK_M: tl.constexpr, SORTED: tl.constexpr, USE_PDL: tl.constexpr):
+    """What program (pid_m, adapter lora_idx) serves: its slot (``active_ptr[lora_idx]``), the rows
+    (int64) and mask of its token tile ``pid_m``, and whether it is idle (slot -1, or none of the
+    slot's tokens in the tile). Under PDL it also lets the next kernel launch now, so every caller
+    must ``pdl_wait`` before it writes and before it exits.
+
+    SORTED: the tile is entries [pid_m·BLOCK_M, +BLOCK_M) of the slot's range of ``sorted_ptr``,
+    which takes two dependent loads after the slot's (the range, then the rows). Otherwise the tile
+    is tokens [pid_m·BLOCK_M, +BLOCK_M) in batch order with the mask ``token_slot == slot``: one load,
+    issued alongside the slot's. Launchers use it when one tile holds the whole batch (decode),
+    where it saves a round trip; for many tiles every adapter would scan them all."""
+    slot = tl.load(active_ptr + lora_idx)
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SORTED:
+        start = tl.load(start_ptr + lora_idx)
+        count = tl.load(start_ptr + lora_idx + 1) - start
+        mask = offs < count
+        rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0)
+    else:  # padding and base tokens are -1, as is an unused slot: `idle` keeps those apart
+        mask = tl.load(token_slot_ptr + offs, mask=offs < tokens, other=-1) == slot
+        rows = offs
+    if USE_PDL:  # the next kernel (the expand, or the base op that consumes y) may launch now
+        tl.extra.cuda.gdc_launch_dependents()
+    idle = (slot < 0) | (tl.max(mask.to(tl.int32), axis=0) == 0)
+    return slot, rows.to(tl.int64), mask, idle
+
+
+def sorted_tiles(tokens: int, block_m: int) -> bool:
+    """Whether a launch needs the slot-sorted token tiles (more than one tile of tokens)."""
+    return tokens > block_m
+
+
+@triton.jit
+def own_rank(rank_ptr, slot, R):
+    """A slot's own rank rounded up to a multiple of 16, at most R: what the ``RANKED`` kernels
+    compute of it. The padding they then read is zero; a bound that is a multiple of 16 keeps
+    their rank-wise loads vectorised (an arbitrary runtime bound makes them one element each)."""
+    return tl.minimum((tl.load(rank_ptr + slot) + 15) // 16 * 16, R)
+
+
+@triton.jit
+def slice_bounds(s, n1, n2, n3):
+    """Slice ``s``'s output columns [n_lo, n_hi) and the widest slice, from the boundaries n1..n3."""
+    n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
+    n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
+    return n_lo, n_hi, tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
