@@ -16,7 +16,7 @@ import triton
 from lorabench.commands.tune.shapes import SMEM_BYTES, Shape
 from lorabench.config.batches import fixed_batch
 from lorabench.config.strategies import STRATEGIES, Vllm
-from lorabench.kernels import fused_lora, triton_lora, vllm_lora
+from lorabench.kernels import expand, fused_lora, launch, lora_configs, meta, shrink, tiles, triton_lora, vllm_lora
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.vllm_rules import VllmRules
 
@@ -83,8 +83,13 @@ class TuneBackend:
         return nullcontext()
 
 
+# Every module whose source decides what lorabench's kernels compute or how fast: a change to any
+# of them makes earlier tune timings stale.
+KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora)
+
+
 def _source_hash() -> str:
-    return hashlib.sha256((inspect.getsource(triton_lora) + inspect.getsource(fused_lora)).encode()).hexdigest()[:12]
+    return hashlib.sha256("".join(inspect.getsource(m) for m in KERNEL_SOURCES).encode()).hexdigest()[:12]
 
 
 class LorabenchProblem(Problem):
