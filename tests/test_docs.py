@@ -64,3 +64,10 @@ def test_docs_link_only_inside_the_repository(doc):
         if "://" in target:
             continue
         assert (path.parent / target).exists(), f"{doc} links to {target}, which does not exist"
+
+
+def test_design_md_columns_are_the_row_schemas():
+    from lorabench.storage.schema import markdown
+
+    assert markdown().strip() in (ROOT / "docs" / "design.md").read_text(), \
+        "docs/design.md's Parquet columns differ from lorabench.storage.row: paste python -m lorabench.storage.schema"
