@@ -1,9 +1,11 @@
 """Writes docs/cli.md: every command's `lorabench <command> --help`, as the CLI prints it at 100
 columns. Run after changing an option: python scripts/cli_docs.py (tests/test_docs.py checks the
-file is current)."""
+file is current). Typer's help layout changes between its versions, so the file names the version
+it was rendered with."""
 
 import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -18,6 +20,7 @@ Every command and flag, as `lorabench <command> --help` prints them (generated b
 `python scripts/cli_docs.py`; the tests check it is current). What each command is for, and how
 to use them together: [usage.md](usage.md).
 """
+TYPER_LINE = "Rendered with Typer {}."
 
 
 def help_text(args: list[str]) -> str:
@@ -28,7 +31,7 @@ def help_text(args: list[str]) -> str:
 
 
 def render() -> str:
-    parts = [HEAD, "```", help_text(["--help"]), "```"]
+    parts = [HEAD, TYPER_LINE.format(metadata.version("typer")), "", "```", help_text(["--help"]), "```"]
     for command in COMMANDS:
         parts += ["", f"## lorabench {command}", "", "```", help_text([command, "--help"]), "```"]
     return "\n".join(parts) + "\n"

@@ -193,8 +193,23 @@ def test_env_reads_the_first_visible_gpu_through_nvml(nvml, monkeypatch):
     assert m.cuda and m.gpu_name == "NVIDIA H200" and m.free_gpu_bytes == 100 * 2**30
     here = env.host("cuda")
     assert here.gpu_uuid == UUID and here.gpu_name == "NVIDIA H200" and here.torch == torch.__version__
+    assert here.cuda == torch.version.cuda
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000")  # a GPU NVML does not know: none visible
     assert env.free_gpu_bytes() is None and not env.machine().cuda
+
+
+def test_host_reads_torchs_version_file_not_its_metadata(tmp_path, monkeypatch):
+    """A torch whose distribution metadata drops the local tag (2.11.0 for 2.11.0+cu130) is still
+    reported as torch.__version__ says, so a resumed GPU run's rows and this host agree."""
+    (tmp_path / "version.py").write_text("from typing import Optional\n__version__ = '2.11.0+cu130'\n"
+                                         "cuda: Optional[str] = '13.0'\n")
+    monkeypatch.setattr(env.importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
+    monkeypatch.setattr(env.metadata, "version", lambda name: "2.11.0")
+    assert env._torch_build() == ("2.11.0+cu130", "13.0")
+    assert env.host("cpu").torch == "2.11.0+cu130" and env.host("cpu").cuda is None
+    (tmp_path / "version.py").write_text("garbled(")
+    assert env._torch_build() == ("2.11.0", None)
 
 
 def test_env_without_nvml_is_none(no_nvml):

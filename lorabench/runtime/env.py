@@ -3,9 +3,11 @@ SHA), and this host as a sweep's spec sees it (``Machine``).
 
 Only a worker's ``collect`` imports torch (its GPU's name and UUID, its CUDA build). The sweep's own
 process never does: ``machine`` and ``host`` read the GPUs through NVML (``lorabench.runtime.gpus``,
-as CUDA_VISIBLE_DEVICES narrows them) and the versions from the installed packages' metadata, so
+as CUDA_VISIBLE_DEVICES narrows them) and the versions from the installed packages' files, so
 that a sweep starts its first worker without paying torch's import (seconds) itself."""
 
+import ast
+import importlib.util
 import os
 import platform
 import subprocess
@@ -52,6 +54,26 @@ def _installed(*names: str) -> str | None:
     return None
 
 
+def _torch_build() -> tuple[str | None, str | None]:
+    """torch's ``__version__`` and CUDA build as ``torch/version.py`` states them, without importing
+    torch: a distribution's metadata may drop the local tag (``2.11.0`` for ``2.11.0+cu130``), and
+    a resumed run compares this with its rows' ``torch.__version__``."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            tree = ast.parse((Path(folder) / "version.py").read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        values = {}
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            if isinstance(target, ast.Name) and isinstance(getattr(node, "value", None), ast.Constant):
+                values[target.id] = node.value.value
+        if isinstance(values.get("__version__"), str):
+            return values["__version__"], values.get("cuda")
+    return _installed("torch"), None
+
+
 def _common(device: str) -> dict:
     return {"device": device, "git_sha": git_sha(), "python": platform.python_version(), "host": platform.node(),
             "cpu": platform.processor() or platform.machine()}
@@ -70,11 +92,12 @@ def collect(device: str) -> Env:
 
 def host(device: str) -> Env:
     """This process's environment as a worker here would report it, without importing torch: the
-    first visible GPU's name and UUID from NVML, the versions from the packages installed (CUDA's
-    is left unknown)."""
+    first visible GPU's name and UUID from NVML, torch's version and CUDA build from its version
+    file, triton's from its package's metadata."""
     gpu = next(iter(gpus.visible()), None) if device == "cuda" else None
+    torch_version, cuda = _torch_build()
     return Env(gpu_name=gpu.name if gpu else None, gpu_uuid=gpu.uuid if gpu else None,
-               driver=driver_version() if gpu else None, torch=_installed("torch"),
+               driver=driver_version() if gpu else None, cuda=cuda if gpu else None, torch=torch_version,
                triton=_installed("triton", "pytorch-triton"), **_common(device))
 
 
