@@ -167,3 +167,13 @@ def silu_mul(gate_up, fused=True, pdl=False):
     _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, USE_PDL=pdl,
                                                           num_warps=4, **pdl_launch(pdl))
     return out
+
+
+def qk_rmsnorm_full(qkv, q_weight, k_weight, eps):
+    """OLMoE's q and k norms: one RMSNorm over all of q's features, one over all of k's (v
+    untouched), before RoPE; torch ops. Returns a new qkv."""
+    nq, nk = q_weight.shape[0], k_weight.shape[0]
+    q, k, v = qkv.split([nq, nk, qkv.shape[1] - nq - nk], dim=-1)
+    q = torch.nn.functional.rms_norm(q, (nq,), q_weight, eps)
+    k = torch.nn.functional.rms_norm(k, (nk,), k_weight, eps)
+    return torch.cat([q, k, v], dim=-1)

@@ -43,3 +43,37 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     """In-place reference update ``y += delta``; same signature as the kernel backends."""
     del launch_count, scratch  # the reference serves every adapter token, whatever the grid
     y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale).to(y.dtype)
+
+
+def expert_lora_delta(call, token_slot: torch.Tensor, scale: float) -> torch.Tensor:
+    """The expert LoRA update of every routed entry, float32 [T·top_k, S·N_s]: each entry of an
+    adapter token (whose slot has expert LoRA, ``call.enabled``) gets its slot's A and B of the
+    entry's expert, times its routing weight for w2 (``call.routed``); zero rows otherwise.
+    ``call``: a ``kernels.moe_lora.ExpertCall``."""
+    tokens, top_k = call.topk_ids.shape
+    slices, max_loras, experts = call.lora_a.shape[:3]
+    entry = torch.arange(tokens * top_k, device=call.y.device)
+    slot = token_slot[:tokens].long()[entry // top_k]
+    expert = call.topk_ids.reshape(-1).long()
+    use = (slot >= 0) & (expert >= 0) & (expert < experts)
+    use &= call.enabled.long()[slot.clamp(0, max_loras - 1)] != 0
+    s, e = slot.clamp(0, max_loras - 1), expert.clamp(0, experts - 1)
+    x = (call.x if call.x_per_entry else call.x[entry // top_k]).float()
+    parts = []
+    for i in range(slices):
+        h = scale * torch.einsum("tk,trk->tr", x, call.lora_a[i, s, e].float())
+        parts.append(torch.einsum("tnr,tr->tn", call.lora_b[i, s, e].float(), h))
+    delta = torch.cat(parts, dim=1) * use.float()[:, None]
+    if call.routed is not None:
+        delta = delta * call.routed.reshape(-1, 1).float()
+    return delta
+
+
+def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
+    """In-place reference expert LoRA: every adapter entry served, whatever the grid."""
+    del launch_count
+    call.y[:, : call.lora_b.shape[0] * call.lora_b.shape[3]] += expert_lora_delta(call, meta.token_slot, scale).to(call.y.dtype)
+
+
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
+    return "reference"

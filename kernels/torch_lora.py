@@ -7,6 +7,7 @@ served only if its slot is among ``active_slots[:launch_count]``, exactly like t
 
 import torch
 
+from . import moe_lora as _moe_lora
 from .meta import LoRAMeta
 
 NEEDS_ZEROED_SCRATCH = False
@@ -29,3 +30,33 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         n0, n1 = slice_starts[s], slice_starts[s + 1]
         part = h[:, s * rank : (s + 1) * rank].unsqueeze(2)
         y[:, n0:n1] += torch.bmm(lora_b[idx, n0:n1, :rank], part).squeeze(2)
+
+
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
+    """As lorabench's Triton kernels choose (``moe_lora.path``): the grid semantics follow it."""
+    return _moe_lora.path(tokens, top_k, experts, max_loras)
+
+
+def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
+    """Expert LoRA in torch ops with the Triton paths' semantics: on the sorted path an entry is
+    served only if its slot is among ``active_slots[:launch_count]``; on the per-entry path every
+    adapter entry is, whatever the count."""
+    if launch_count <= 0:
+        return
+    tokens, top_k = call.topk_ids.shape
+    slices, max_loras, experts = call.lora_a.shape[:3]
+    slot = meta.token_slot[:tokens].long().repeat_interleave(top_k)
+    served = slot >= 0
+    if moe_path(tokens, top_k, experts, max_loras) == _moe_lora.SORTED:
+        launched = meta.active_slots[:launch_count].long()
+        served &= (slot[:, None] == launched[None, :]).any(dim=1)
+    s, e = slot.clamp(min=0), call.topk_ids.reshape(-1).long().clamp(0, experts - 1)
+    served &= call.enabled.long()[s] != 0
+    x = call.x if call.x_per_entry else call.x.repeat_interleave(top_k, dim=0)
+    weight = served.to(x.dtype) * scale
+    if call.routed is not None:
+        weight = weight * call.routed.reshape(-1).to(x.dtype)
+    ns = call.lora_b.shape[3]
+    for i in range(slices):
+        h = torch.bmm(call.lora_a[i, s, e], x.unsqueeze(2))  # [numel, R, 1]
+        call.y[:, i * ns:(i + 1) * ns] += torch.bmm(call.lora_b[i, s, e], h).squeeze(2) * weight[:, None]

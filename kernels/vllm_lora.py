@@ -21,6 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+from . import vllm_moe_lora as _vllm_moe_lora
+from .vllm_moe_lora import moe_path  # noqa: F401 (vLLM's rule for its expert-LoRA paths)
+
 NEEDS_ZEROED_SCRATCH = False  # vLLM's shrink zeroes its own buffer
 
 INSTALL_HINT = (
@@ -161,3 +164,8 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: VllmMeta, launch_count,
         gathered[:, :, :rows] = buffer
         buffer = gathered
     lora_expand(buffer, b, y, *args, offset_start=0, add_inputs=True)
+
+
+def moe_lora_apply(call, meta: VllmMeta, launch_count, scale) -> None:
+    """Expert LoRA with vLLM's ``fused_moe_lora`` (``kernels.vllm_moe_lora``)."""
+    _vllm_moe_lora.moe_lora_apply(call, meta, launch_count, scale, load_ops)

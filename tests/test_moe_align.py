@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import requires_cuda
 
-from lorabench.kernels.moe_align import max_num_tokens_padded, moe_lora_align_block_size, uses_per_token_path
+from lorabench.kernels.moe_align import align_blocks, max_num_tokens_padded, moe_lora_align_block_size, uses_per_token_path
 
 
 def python_layout(topk_ids, token_lora_mapping, lora_ids, adapter_enabled, experts, block_size, max_loras):
@@ -32,18 +32,30 @@ def python_layout(topk_ids, token_lora_mapping, lora_ids, adapter_enabled, exper
 
 
 def check(topk_ids, mapping, lora_ids, enabled, experts, block_size, max_loras):
-    got = moe_lora_align_block_size(torch.tensor(topk_ids, dtype=torch.int32).reshape(len(topk_ids), -1),
-                                    torch.tensor(mapping, dtype=torch.int32), torch.tensor(lora_ids, dtype=torch.int32),
-                                    torch.tensor(enabled, dtype=torch.int32), experts, block_size, max_loras)
+    """Both implementations (torch ops, and the one-launch Triton kernel) against the Python layout."""
+    args = (torch.tensor(topk_ids, dtype=torch.int32).reshape(len(topk_ids), -1), torch.tensor(mapping, dtype=torch.int32),
+            torch.tensor(lora_ids, dtype=torch.int32), torch.tensor(enabled, dtype=torch.int32))
+    got = moe_lora_align_block_size(*args, experts, block_size, max_loras)
+    launched = align_blocks(args[0], experts, block_size, max_loras, args[1], args[2], args[3])
     want = python_layout(topk_ids, mapping, lora_ids, enabled, experts, block_size, max_loras)
-    for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")):
+    for g, t, w, name in zip(got, launched, want, ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")):
         assert g.dtype == torch.int32 and g.tolist() == w, name
+        assert t.dtype == torch.int32 and t.tolist() == w, f"{name} (Triton)"
     return got
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 60, 4), (9, 32, 8)])
+def test_the_base_layout_is_one_slot_holding_every_token(tokens, experts, top_k):
+    g = torch.Generator().manual_seed(tokens)
+    topk = [torch.randperm(experts, generator=g)[:top_k].tolist() for _ in range(tokens)]
+    got = align_blocks(torch.tensor(topk, dtype=torch.int32), experts, 16)
+    want = python_layout(topk, [0] * tokens, [0], [1], experts, 16, 1)
+    assert [t.tolist() for t in got] == [list(w) for w in want]
 
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (3, 1), (16, 4)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("tokens", [1, 5, 17])
 def test_random_batches_mixing_base_tokens_match_the_layout_at_every_active_count(experts, top_k, block_size, tokens):
     g = torch.Generator().manual_seed(tokens * 131 + experts * 7 + block_size)
     max_loras = 4
@@ -106,7 +118,9 @@ def test_the_layout_is_built_inside_a_cuda_graph_for_each_replays_batch():
 
     enabled = torch.ones(max_loras, dtype=torch.int32, device="cuda")
     static = [t.cuda() for t in batch()]
-    align = lambda: moe_lora_align_block_size(*static, enabled, experts, block_size, max_loras)  # noqa: E731
+    torch_ops = lambda: moe_lora_align_block_size(*static, enabled, experts, block_size, max_loras)  # noqa: E731
+    one_launch = lambda: align_blocks(static[0], experts, block_size, max_loras, *static[1:], enabled)  # noqa: E731
+    align = lambda: (*torch_ops(), *one_launch())  # noqa: E731
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -122,5 +136,5 @@ def test_the_layout_is_built_inside_a_cuda_graph_for_each_replays_batch():
         graph.replay()
         want = python_layout(new[0].tolist(), new[1].tolist(), new[2].tolist(), [1] * max_loras, experts, block_size,
                              max_loras)
-        for got, w in zip(out, want):
+        for got, w in zip(out, want + want):
             assert got.cpu().tolist() == w

@@ -2,14 +2,23 @@
 configuration that cannot fit is refused in one line instead of swapping or dying mid-sweep.
 
 The resident terms mirror ``lorabench.runtime.model.LlamaLoRA`` tensor by tensor (its parameters
-and buffers); the rest are allowances: a step's activations and the check's float32 gathers, the
+and buffers; in MoE layers ``runtime.moe.MoEMLP``'s router, experts, expert LoRA slots and routing
+buffers); the rest are allowances: a step's activations and the check's float32 gathers, the
 float32 draw that makes each random weight, CUDA graphs (a fixed part and a part per graph and
 layer, as sweeps on an H200 measured) and the worker process's own runtime.
 """
 
+import math
 from dataclasses import dataclass, replace
 
-from lorabench.config.models import ModelConfig, lora_linears, lora_shares
+from lorabench.config.models import (
+    LORA_LINEARS_PER_LAYER,
+    ModelConfig,
+    layer_lora_linears,
+    lora_shares,
+    moe_layer,
+    moe_lora_shapes,
+)
 from lorabench.kernels import MAX_SLICES
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -64,33 +73,62 @@ def size(b: float) -> str:
     return f"{b / GiB:.1f} GiB" if b >= 0.1 * GiB else f"{b / MiB:.1f} MiB"
 
 
-def _adapter_elements(s: Shape) -> int:
-    """One slot's LoRA weights in one layer, as LlamaLoRA's LoRALinear holds them."""
+def _adapter_elements(s: Shape, i: int = 0) -> int:
+    """One slot's LoRA weights in layer ``i``, as LlamaLoRA's LoRALinear holds them and, in a MoE
+    layer, MoEMLP its expert LoRA."""
     total = 0
-    for name, (k, widths) in lora_linears(s.cfg).items():
+    for name, (k, widths) in layer_lora_linears(s.cfg, i).items():
         a_div, b_div = lora_shares(name, s.cfg.tp, s.fully_sharded)
         total += len(widths) * s.rank // a_div * k + sum(widths) // b_div * s.rank
+    if moe_layer(s.cfg, i):
+        total += sum(math.prod(shape) for shape in moe_lora_shapes(s.cfg, s.rank).values())
     return total
 
 
 def _linears(s: Shape) -> list[tuple[int, int, int]]:
-    """(K, N, slices) of each LoRA linear of one layer."""
-    return [(k, sum(widths), len(widths)) for k, widths in lora_linears(s.cfg).values()]
+    """(K, N, slices) of each distinct LoRA linear the layers have (a dense model: its four)."""
+    found = {}
+    for i in range(s.cfg.layers):
+        for name, (k, widths) in layer_lora_linears(s.cfg, i).items():
+            found.setdefault((name, k, widths), (k, sum(widths), len(widths)))
+    return list(found.values())
+
+
+def _moe_layers(cfg: ModelConfig) -> int:
+    return sum(moe_layer(cfg, i) for i in range(cfg.layers))
+
+
+def expert_lora_bytes_per_slot(cfg: ModelConfig, rank: int, dtype: str) -> int:
+    """One adapter's expert LoRA over every MoE layer (0 for a dense model)."""
+    per_layer = sum(math.prod(shape) for shape in moe_lora_shapes(cfg, rank).values())
+    return DTYPE_BYTES[dtype] * _moe_layers(cfg) * per_layer
 
 
 def model_bytes(s: Shape) -> tuple[int, int, int, int]:
     """What ``LlamaLoRA`` holds as parameters and buffers: (weights with norms, adapter slots, KV
-    cache with the rotary tables, shrink scratch)."""
+    cache with the rotary tables, shrink scratch with the small buffers)."""
     cfg, b = s.cfg, DTYPE_BYTES[s.dtype]
-    per_layer = 2 * cfg.hidden + sum(n * k for k, n, _ in _linears(s))  # two norms, the base linears
-    per_layer += cfg.qkv_bias * (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.o_bias * cfg.hidden  # biases
-    per_layer += cfg.qk_norm * 2 * cfg.head_dim  # Qwen3's q and k norms
-    weights = b * (2 * cfg.vocab * cfg.hidden + cfg.hidden + cfg.layers * per_layer)  # embed, lm_head, final norm
-    adapters = b * cfg.layers * s.max_loras * _adapter_elements(s)
+    attention = 2 * cfg.hidden  # two norms
+    attention += cfg.qkv_bias * (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.o_bias * cfg.hidden  # biases
+    attention += cfg.qk_norm * 2 * cfg.head_dim  # Qwen3's q and k norms, one head wide
+    attention += cfg.qk_norm_full * (cfg.heads + cfg.kv_heads) * cfg.head_dim  # OLMoE's, all heads wide
+    layer_weights = 0
+    for i in range(cfg.layers):  # the base linears: attention, and the dense or shared expert MLP
+        layer_weights += attention + sum(sum(widths) * k for k, widths in layer_lora_linears(cfg, i).values())
+    moe, moe_layers = cfg.moe, _moe_layers(cfg)
+    if moe is not None:  # router, w13 and w2 of every expert, the shared expert's gate
+        e, inter = moe.experts, moe.intermediate
+        layer_weights += moe_layers * (e * cfg.hidden + e * 3 * inter * cfg.hidden
+                                       + (moe.shared_gate and moe.shared_intermediate > 0) * cfg.hidden)
+    weights = b * (2 * cfg.vocab * cfg.hidden + cfg.hidden + layer_weights)  # embed, lm_head, final norm
+    adapters = b * s.max_loras * sum(_adapter_elements(s, i) for i in range(cfg.layers))
     kv_cache = b * cfg.layers * 2 * s.max_tokens * cfg.kv_heads * s.context_len * cfg.head_dim
     kv_cache += 4 * 2 * s.context_len * (cfg.head_dim // 2)  # rope_cos, rope_sin: float32, per position too
-    scratch = 4 * cfg.layers * len(_linears(s)) * s.max_tokens * MAX_SLICES * s.rank
+    scratch = 4 * cfg.layers * LORA_LINEARS_PER_LAYER * s.max_tokens * MAX_SLICES * s.rank
     scratch += 4 * s.max_loras  # each slot's own rank (int32)
+    if moe is not None:  # each MoE layer's routing (topk_ids int64, topk_weights float32), and
+        # each slot's expert LoRA on or off (int32, vLLM's adapter_enabled: max_loras + 1, the last unused)
+        scratch += moe_layers * (8 + 4) * s.max_tokens * moe.top_k + 4 * (s.max_loras + 1)
     return weights, adapters, kv_cache, scratch
 
 
@@ -101,6 +139,9 @@ def step_bytes(s: Shape, cuda: bool) -> int:
     cfg, t = s.cfg, s.max_tokens
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     step = 2 * 4 * t * (4 * cfg.hidden + qkv + 3 * cfg.intermediate + cfg.vocab)
+    if cfg.moe is not None:  # router logits; per routed entry: w13's output, SiLU·mul, w2's output
+        moe = cfg.moe
+        step += 4 * t * (moe.experts + moe.top_k * (2 * moe.intermediate + moe.intermediate + cfg.hidden))
     if cuda and s.dtype == "float32" and cfg.heads != cfg.kv_heads:
         step += DTYPE_BYTES[s.dtype] * 2 * t * cfg.heads * s.context_len * cfg.head_dim
     return step
@@ -118,13 +159,23 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     # Each random weight is drawn in float32 and scaled (two float32 copies) before its cast.
     largest = max([cfg.vocab * cfg.hidden, t * cfg.kv_heads * s.context_len * cfg.head_dim]
                   + [n * k for k, n, _ in linears]
-                  + [s.max_loras * max(slices * s.rank * k, n * s.rank) for k, n, slices in linears])
+                  + [s.max_loras * max(slices * s.rank * k, n * s.rank) for k, n, slices in linears]
+                  + _moe_draws(s))
     draw = (4 if b == 4 else 8) * largest
     buffers = 16 * t + 8 * (2 * t + 2 * s.max_loras + 1)  # input ids, positions, metadata buffers
     step = step_bytes(s, cuda)
     activations = scratch + step + gathers + draw + buffers
     graph_bytes = GRAPHS_FIXED + graphs * (cfg.layers * GRAPH_PER_LAYER + 4 * t * cfg.vocab) + step if cuda else 0
     return MemoryEstimate(weights, adapters, kv_cache, activations, graph_bytes)
+
+
+def _moe_draws(s: Shape) -> list[int]:
+    """Elements of MoEMLP's largest random weights, each drawn whole: w13 [E, 2I, hidden] and every
+    slot's expert LoRA tensor [S, L, E, ...]."""
+    if s.cfg.moe is None:
+        return []
+    w13 = s.cfg.moe.experts * 2 * s.cfg.moe.intermediate * s.cfg.hidden
+    return [w13] + [s.max_loras * math.prod(shape) for shape in moe_lora_shapes(s.cfg, s.rank).values()]
 
 
 def graph_count(counts: list[int], max_loras: int, capture_sizes: list[int], bucket_grid: bool, vllm: bool) -> int:
@@ -148,8 +199,13 @@ def culprit(s: Shape, graphs: int, cuda: bool) -> str:
     total = estimate(s, graphs, cuda).total
     saved_slots = total - estimate(replace(s, max_loras=1), graphs, cuda).total
     saved_context = total - estimate(replace(s, context_len=1), graphs, cuda).total
+    cfg = s.cfg
     if max(saved_slots, saved_context) < total / 2:
-        return f"{s.cfg.name} ({s.cfg.layers} layers, {s.dtype}) at {s.max_tokens} token slots"
+        experts = f", {cfg.moe.experts} experts" if cfg.moe else ""
+        return f"{cfg.name} ({cfg.layers} layers{experts}, {s.dtype}) at {s.max_tokens} token slots"
     if saved_slots >= saved_context:
-        return f"max_loras {s.max_loras}"
+        if cfg.moe is None:
+            return f"max_loras {s.max_loras}"
+        expert = expert_lora_bytes_per_slot(cfg, s.rank, s.dtype)
+        return f"max_loras {s.max_loras} at {size(expert)} of expert LoRA per slot"
     return f"context_len {s.context_len} at {s.max_tokens} token slots"

@@ -8,7 +8,12 @@ slices), o (1), gate_up (2), down (1), each one shrink + expand (or one fused ke
 model id, read with transformers' ``AutoConfig`` (from the local cache when offline; set
 ``HF_HUB_OFFLINE=1``). The presets include real models' published configs, shipped in
 ``model_configs/``, so they work on machines without a network. lorabench builds Llama-style
-dense decoders (``ARCHITECTURES``); anything else is refused in one line.
+dense decoders and mixture-of-experts decoders built the same way around a routed MLP
+(``ARCHITECTURES``); anything else is refused in one line.
+
+In a MoE layer the MLP is ``MoE``'s routed experts (and a shared expert, Qwen2-MoE), and LoRA
+on the experts is expert LoRA as vLLM lays it out (``moe_lora_shapes``); the dense LoRA linears
+a layer has are ``layer_lora_linears``'s.
 """
 
 import json
@@ -20,6 +25,24 @@ from pathlib import Path
 from lorabench.errors import UserError
 
 CONFIG_FOLDER = Path(__file__).with_name("model_configs")
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts MLP's shapes (one TP rank's when the model is sharded)."""
+
+    experts: int  # routed experts per MoE layer (num_experts / num_local_experts)
+    top_k: int  # num_experts_per_tok
+    intermediate: int  # each expert's intermediate size (moe_intermediate_size; Mixtral, OLMoE: intermediate_size)
+    renormalize: bool  # top-k weights renormalised to sum 1 (norm_topk_prob; Mixtral: its softmax over the top k)
+    shared_intermediate: int = 0  # a shared expert's (Qwen2-MoE shared_expert_intermediate_size); 0: none
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid(x · gate) scales the shared expert's output
+    # Layers with a dense MLP instead: mlp_only_layers, and layers off decoder_sparse_step (layer i
+    # is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0).
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list when read back from JSON
 
 
 @dataclass(frozen=True)
@@ -45,22 +68,46 @@ class ModelConfig:
     source: str = "preset"  # a preset, a config.json path or a Hugging Face id
     tp: int = 1
     full_layers: int = field(default=0, compare=False)  # the model's own layer count (``layers`` may be fewer)
+    moe: MoE | None = None  # routed experts in the MoE layers (``moe_layer``); None: a dense decoder
+    qk_norm_full: bool = False  # OLMoE: one RMSNorm over all q features (heads x head_dim), one over all k, before RoPE
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):  # read back from a run.json or a plan
+            object.__setattr__(self, "moe", MoE(**self.moe))
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if not self.full_layers:
             object.__setattr__(self, "full_layers", self.layers)
 
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+
+def moe_layer(cfg: ModelConfig, i: int) -> bool:
+    """Whether layer ``i`` has routed experts (else a dense MLP of ``cfg.intermediate``)."""
+    return cfg.moe is not None and i not in cfg.moe.dense_layers
+
 
 # Hugging Face architectures lorabench builds: Llama-style dense decoders (RMSNorm, RoPE, GQA
-# attention, SiLU-gated MLP), with the per-architecture details ``ModelConfig`` carries.
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# attention, SiLU-gated MLP), with the per-architecture details ``ModelConfig`` carries, and
+# decoders of the same build whose MLP is a mixture of SiLU-gated experts (``MoE``).
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM")
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 BUILT_IN = {
     "llama-2-7b": ModelConfig("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
     "llama-3-8b": ModelConfig("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, rope_theta=500000.0),
     "tiny": ModelConfig("tiny", 2, 128, 4, 2, 256, 512),
+    # Mixtral-like: every layer routed, no shared expert.
+    "tiny-moe": ModelConfig("tiny-moe", 2, 128, 4, 2, 256, 512, architecture="MixtralForCausalLM",
+                            moe=MoE(experts=8, top_k=2, intermediate=64, renormalize=True)),
+    # Qwen2-MoE-like: q, k, v biases, a gated shared expert, layer 1 dense.
+    "tiny-moe-shared": ModelConfig("tiny-moe-shared", 2, 128, 4, 2, 256, 512, qkv_bias=True,
+                                   architecture="Qwen2MoeForCausalLM",
+                                   moe=MoE(experts=6, top_k=2, intermediate=64, renormalize=False,
+                                           shared_intermediate=96, shared_gate=True, dense_layers=(1,))),
 }
 SHIPPED = tuple(sorted(p.stem for p in CONFIG_FOLDER.glob("*.json")))  # real models' config.json
 PRESETS = tuple(BUILT_IN) + SHIPPED
@@ -152,12 +199,14 @@ def _first_line(e: BaseException) -> str:
 
 
 def from_hf(hf, name: str, where: str = "--model", source: str = "") -> ModelConfig:
-    """Shapes from a transformers ``PretrainedConfig`` of a Llama-style dense decoder."""
+    """Shapes from a transformers ``PretrainedConfig`` of a Llama-style dense decoder or of one of
+    the MoE decoders built the same way (``ARCHITECTURES``)."""
     arch = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
     if arch not in ARCHITECTURES:
         raise UserError(f"{where}: {name} is a {arch}; lorabench builds Llama-style dense decoders "
-                        f"({', '.join(ARCHITECTURES)})")
-    for attr, want in (("hidden_act", "silu"), ("mlp_bias", False)):
+                        f"({', '.join(DENSE_ARCHITECTURES)}) and mixture-of-experts decoders "
+                        f"({', '.join(MOE_ARCHITECTURES)})")
+    for attr, want in (("hidden_act", "silu"), ("mlp_bias", False), ("clip_qkv", None)):
         if getattr(hf, attr, want) != want:
             raise UserError(f"{where}: {name} has {attr} = {getattr(hf, attr)!r}; lorabench builds {attr} = {want!r}")
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
@@ -165,14 +214,47 @@ def from_hf(hf, name: str, where: str = "--model", source: str = "") -> ModelCon
     scaling = rope.get("rope_type") or rope.get("type")
     heads = hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
+    qkv_bias = attention_bias or arch == "Qwen2ForCausalLM"
+    if arch == "Qwen2MoeForCausalLM":  # Qwen2's biases on q, k and v (newer transformers name them qkv_bias)
+        qkv_bias = attention_bias or bool(getattr(hf, "qkv_bias", True))
     return ModelConfig(
         name=name, layers=hf.num_hidden_layers, hidden=hf.hidden_size, heads=heads,
         kv_heads=getattr(hf, "num_key_value_heads", None) or heads, intermediate=hf.intermediate_size,
         vocab=hf.vocab_size, rope_theta=float(theta), norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
-        qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=None if scaling in (None, "default") else scaling,
-        architecture=arch, source=source)
+        qkv_bias=qkv_bias, o_bias=attention_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        rope_scaling=None if scaling in (None, "default") else scaling, architecture=arch, source=source,
+        moe=_moe_from_hf(hf, arch, name, where), qk_norm_full=arch == "OlmoeForCausalLM")
+
+
+def _moe_from_hf(hf, arch: str, name: str, where: str) -> MoE | None:
+    """The MoE layers' shapes of a MoE architecture's config (None for a dense one). transformers
+    spells the expert count num_experts or num_local_experts depending on model and version."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+    top_k = getattr(hf, "num_experts_per_tok", None) or 0
+    qwen = arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+    if qwen:
+        inter = getattr(hf, "moe_intermediate_size", None) or 0
+    else:  # Mixtral, OLMoE: intermediate_size is each expert's
+        inter = hf.intermediate_size
+    shared = (getattr(hf, "shared_expert_intermediate_size", None) or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    # Mixtral's softmax over the top-k logits is a softmax renormalised over the top k.
+    renormalize = arch == "MixtralForCausalLM" or bool(getattr(hf, "norm_topk_prob", False))
+    step = getattr(hf, "decoder_sparse_step", None) if qwen else None
+    step = 1 if step is None else step
+    only = set(getattr(hf, "mlp_only_layers", None) or ()) if qwen else set()
+    if not 1 <= top_k <= experts:
+        raise UserError(f"{where}: {name} routes each token to {top_k} of {experts} experts; lorabench builds "
+                        "1 to all of them")
+    if inter < 1:
+        raise UserError(f"{where}: {name}'s experts have intermediate size {inter}; lorabench builds 1 or more")
+    if step < 1:
+        raise UserError(f"{where}: {name} has decoder_sparse_step = {step}; lorabench builds 1 or more")
+    dense = tuple(i for i in range(hf.num_hidden_layers) if i in only or (i + 1) % step)
+    return MoE(experts=experts, top_k=top_k, intermediate=inter, renormalize=renormalize, shared_intermediate=shared,
+               shared_gate=shared > 0, dense_layers=dense)
 
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it over ranks
@@ -185,7 +267,11 @@ def shard(cfg: ModelConfig, tp: int, where: str = "--tp") -> ModelConfig:
     by an all-reduce), embedding and lm_head vocab-parallel. With fewer KV heads than ranks,
     every rank holds one KV head (replicated). LoRA follows the base layer, vLLM's default
     (not ``--fully-sharded-loras``): A whole and B split on column-parallel layers, A split and B
-    whole on row-parallel ones; ``lora_linears`` of the rank's shapes gives exactly those."""
+    whole on row-parallel ones; ``lora_linears`` of the rank's shapes gives exactly those.
+
+    MoE layers as vLLM's tensor-parallel MoE (no expert parallelism): every rank holds every
+    expert, with intermediate / TP of its features (w13 column-parallel, w2 row-parallel, their
+    expert LoRA cut the same way); the shared expert likewise; the router replicated."""
     if tp == 1:
         return cfg
     if cfg.heads % tp:
@@ -193,11 +279,21 @@ def shard(cfg: ModelConfig, tp: int, where: str = "--tp") -> ModelConfig:
     if cfg.kv_heads % tp and tp % cfg.kv_heads:
         raise UserError(f"{where} {tp}: {cfg.name}'s {cfg.kv_heads} KV heads neither split over {tp} ranks "
                         "nor replicate evenly")
-    if cfg.intermediate % tp:
+    dense_mlp = any(not moe_layer(cfg, i) for i in range(cfg.layers))  # a MoE model's may be unused
+    if dense_mlp and cfg.intermediate % tp:
         raise UserError(f"{where} {tp}: {cfg.name}'s intermediate size {cfg.intermediate} does not split over {tp} ranks")
+    moe = cfg.moe
+    if moe is not None:
+        if moe.intermediate % tp:
+            raise UserError(f"{where} {tp}: {cfg.name}'s expert intermediate size {moe.intermediate} does not split "
+                            f"over {tp} ranks")
+        if moe.shared_intermediate % tp:
+            raise UserError(f"{where} {tp}: {cfg.name}'s shared expert intermediate size {moe.shared_intermediate} "
+                            f"does not split over {tp} ranks")
+        moe = replace(moe, intermediate=moe.intermediate // tp, shared_intermediate=moe.shared_intermediate // tp)
     padded = math.ceil(cfg.vocab / VOCAB_PADDING) * VOCAB_PADDING
     return replace(cfg, heads=cfg.heads // tp, kv_heads=max(1, cfg.kv_heads // tp),
-                   intermediate=cfg.intermediate // tp, vocab=math.ceil(padded / tp), tp=tp)
+                   intermediate=cfg.intermediate // tp, vocab=math.ceil(padded / tp), tp=tp, moe=moe)
 
 
 COLUMN_PARALLEL = ("qkv", "gate_up")  # outputs split over the ranks; o and down are row-parallel
@@ -215,8 +311,39 @@ def lora_shares(name: str, tp: int, fully_sharded: bool) -> tuple[int, int]:
     return (tp, 1) if name in COLUMN_PARALLEL else (1, tp)
 
 
+def check_moe_options(cfg: ModelConfig, fully_sharded: bool, where: str = "--fully-sharded-loras") -> None:
+    """Fully sharded LoRA is built for the dense LoRA linears only (``lora_shares``), not for expert LoRA."""
+    if cfg.is_moe and fully_sharded:
+        raise UserError(f"{where}: {cfg.name} is a mixture-of-experts model; expert LoRA is built without it "
+                        "(leave --fully-sharded-loras off)")
+
+
 def lora_linears(cfg: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Each LoRA linear of a layer: (input features K, output slice widths)."""
+    """Each LoRA linear of a dense layer: (input features K, output slice widths)."""
     d = cfg.head_dim
     return {"qkv": (cfg.hidden, (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)), "o": (cfg.heads * d, (cfg.hidden,)),
             "gate_up": (cfg.hidden, (cfg.intermediate, cfg.intermediate)), "down": (cfg.intermediate, (cfg.hidden,))}
+
+
+def layer_lora_linears(cfg: ModelConfig, i: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """The dense LoRA linears layer ``i`` has: qkv and o always; gate_up and down in a dense layer
+    (of ``cfg.intermediate``) or, in a MoE layer, its shared expert's (of ``shared_intermediate``);
+    a MoE layer without a shared expert has only qkv and o (its experts' LoRA: ``moe_lora_shapes``)."""
+    linears = lora_linears(cfg)
+    if not moe_layer(cfg, i):
+        return linears
+    attention = {name: linears[name] for name in ("qkv", "o")}
+    shared = cfg.moe.shared_intermediate
+    if not shared:
+        return attention
+    return attention | {"gate_up": (cfg.hidden, (shared, shared)), "down": (shared, (cfg.hidden,))}
+
+
+def moe_lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
+    """One adapter slot's expert LoRA in one MoE layer, laid out as vLLM's fused-MoE LoRA layer
+    holds it: per slice (w13: gate and up; w2: down), per expert, A [R, K] and B [N, R], with I
+    this rank's expert intermediate size. Empty for a dense model."""
+    if cfg.moe is None:
+        return {}
+    e, i, h, r = cfg.moe.experts, cfg.moe.intermediate, cfg.hidden, rank
+    return {"w13_a": (2, e, r, h), "w13_b": (2, e, i, r), "w2_a": (1, e, r, i), "w2_b": (1, e, h, r)}

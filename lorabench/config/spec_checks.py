@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.flags import Machine
+from lorabench.config.models import check_moe_options
 from lorabench.config.limits import Shape, culprit, estimate, graph_count, size
 from lorabench.config.residency import check_residency
 from lorabench.config.strategies import AUTO, Vllm
@@ -80,6 +81,9 @@ def check_adapters(spec, names) -> None:
         if given:
             raise UserError(f"{names(given[0])}: goes with --adapters N (the residency runs it sets up)")
         return
+    if spec.model_config.moe is not None:
+        raise UserError(f"{names('adapters')}: residency runs load the dense LoRA linears only; {spec.model_config.name}'s "
+                        "expert LoRA loads are not built yet (drop --adapters for its fixed and workload points)")
     if spec.ranks is not None:
         raise UserError(f"{names('adapters')}: not with --ranks (each slot's rank is fixed; a residency run moves "
                         "adapters between slots)")
@@ -94,6 +98,7 @@ def check_fully_sharded(spec, names) -> None:
     """--fully-sharded-loras cuts the rank and the hidden outputs over --tp ranks, and needs an
     all-gather between shrink and expand, which one fused launch has no place for."""
     where, cfg = names("fully_sharded_loras"), spec.model_config
+    check_moe_options(cfg, True, where)
     if spec.tp == 1:
         raise UserError(f"{where}: needs --tp 2 or more (one rank has nothing to shard)")
     if spec.rank % spec.tp:

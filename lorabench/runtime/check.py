@@ -172,7 +172,7 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = No
             key = (i, tuple(case.slots))
             ref = refs.get(key, out.device) if refs is not None else None
             if ref is None:
-                ref = d.reference(case.slots, ids)
+                ref = d.reference(case.slots, ids, reuse_routing=True)
                 if refs is not None:
                     refs.put(key, ref)
             err = row_errors(out, ref)

@@ -207,13 +207,26 @@ class Dispatcher:
         self.load(prep)
         return self.run(prep.route)[: prep.batch_tokens]
 
-    def reference(self, slots: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def reference(self, slots: list[int], input_ids: torch.Tensor | None = None, reuse_routing: bool = False) -> torch.Tensor:
         """The eager plain-torch answer for exactly this batch (no padding, no launch count).
-        It overwrites the metadata: launch the next batch with ``launch``, which reloads it."""
+        It overwrites the metadata: launch the next batch with ``launch``, which reloads it.
+        reuse_routing: MoE layers send each token to the experts the last launched step chose
+        (``runtime.moe``), so the answer differs from that step's only by its LoRA."""
         if input_ids is not None:
             self.input_ids[: len(slots)].copy_(input_ids)
         self.ref_buf.load(self.ref_buf.pack(slots)[0])
-        return self.forward(len(slots), self.max_loras, backend=get_backend("reference"), meta=self.ref_buf.meta)
+        self.model.reuse_routing = reuse_routing
+        try:
+            return self.forward(len(slots), self.max_loras, backend=get_backend("reference"), meta=self.ref_buf.meta)
+        finally:
+            self.model.reuse_routing = False
+
+    def moe_path(self, tokens: int) -> str | None:
+        """The expert-LoRA path the backend takes for a bucket of ``tokens`` (None: a dense model)."""
+        moe = self.model.cfg.moe
+        if moe is None:
+            return None
+        return self.backend.moe_path(tokens, moe.top_k, moe.experts, self.max_loras)
 
     @property
     def num_graphs(self) -> int:

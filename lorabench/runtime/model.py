@@ -1,7 +1,9 @@
 """A compact Llama-style decoder for decode steps, with LoRA on q, k, v, o, gate, up and down.
 
 Llama, Mistral, Qwen2 (biases on q, k, v) and Qwen3 (per-head q and k norms) differ only in
-what ``ModelConfig`` says. Built at a tensor-parallel rank's shapes (``models.shard``), it is
+what ``ModelConfig`` says; so do the MoE decoders (Qwen3-MoE, Mixtral, OLMoE with its
+whole-width q and k norms, Qwen2-MoE with a shared expert), whose MoE layers replace the MLP by
+``runtime.moe.MoEMLP`` and its LoRA by expert LoRA. Built at a tensor-parallel rank's shapes (``models.shard``), it is
 that rank's step without its all-reduces.
 
 One forward = one decode step: ``T`` tokens, one per request, each attending over its own static
@@ -18,12 +20,14 @@ from torch import nn
 from lorabench.config.models import (
     LORA_LINEARS_PER_LAYER,
     ModelConfig,
-    lora_linears,
+    layer_lora_linears,
     lora_shares,
+    moe_layer,
 )
 from lorabench.kernels import MAX_SLICES
-from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, rope_and_cache, silu_mul
+from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, silu_mul
 from lorabench.kernels.meta import LoRAMeta
+from lorabench.runtime.moe import MoEMLP
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,12 @@ class LoRALinear(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded):
+    def __init__(self, cfg: ModelConfig, index, max_loras, rank, max_tokens, context_len, dtype, device, gen,
+                 fully_sharded):
         super().__init__()
         d, kvh = cfg.head_dim, cfg.kv_heads
         args = (max_loras, rank, dtype, device, gen)
-        shapes = lora_linears(cfg)
+        shapes = layer_lora_linears(cfg, index)
         shares = {name: lora_shares(name, cfg.tp, fully_sharded) for name in shapes}
         self.cfg = cfg
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
@@ -91,16 +96,24 @@ class Block(nn.Module):
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(d, dtype=dtype, device=device), False)
             self.k_norm = nn.Parameter(torch.ones(d, dtype=dtype, device=device), False)
+        if cfg.qk_norm_full:  # OLMoE: one norm over all of q, one over all of k
+            self.q_norm = nn.Parameter(torch.ones(cfg.heads * d, dtype=dtype, device=device), False)
+            self.k_norm = nn.Parameter(torch.ones(kvh * d, dtype=dtype, device=device), False)
         self.o = LoRALinear(*shapes["o"], *args, bias=cfg.o_bias, shares=shares["o"])
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
-        self.gate_up = LoRALinear(*shapes["gate_up"], *args, shares=shares["gate_up"])
-        self.down = LoRALinear(*shapes["down"], *args, shares=shares["down"])
+        self.gate_up = LoRALinear(*shapes["gate_up"], *args, shares=shares["gate_up"]) if "gate_up" in shapes else None
+        self.down = LoRALinear(*shapes["down"], *args, shares=shares["down"]) if "down" in shapes else None
+        self.moe = None
+        if moe_layer(cfg, index):  # the dense pair, where there is one, is its shared expert
+            shared = (self.gate_up, self.down) if self.gate_up is not None else None
+            self.gate_up = self.down = None
+            self.moe = MoEMLP(cfg, max_loras, rank, max_tokens, dtype, device, gen, shared)
         # Static KV cache; random, not zero, so attention reads real-looking data.
         cache_shape = (max_tokens, kvh, context_len, d)
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
         self.register_buffer("cache_v", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
 
-    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl):
+    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl, moe_state=None):
         """x: residual stream [T, hidden]; delta: the previous block's output still to be added
         (fused into this block's first norm). Returns (residual stream, this block's delta).
         pdl: PDL-launch the base ops that follow a LoRA kernel (it lets them launch early); the
@@ -110,12 +123,16 @@ class Block(nn.Module):
         qkv = self.qkv(h, lora, scratch[0])
         if cfg.qk_norm:
             qkv = qk_rmsnorm(qkv, self.q_norm, self.k_norm, cfg.heads, cfg.kv_heads, cfg.norm_eps)
+        elif cfg.qk_norm_full:
+            qkv = qk_rmsnorm_full(qkv, self.q_norm, self.k_norm, cfg.norm_eps)
         q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
         )
         attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
         h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
+        if self.moe is not None:  # moe_state: (each slot's expert LoRA enabled [L], reuse the last routing)
+            return x, self.moe(h, lora, scratch, *moe_state, fused, pdl)
         return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused, pdl), lora, scratch[3])
 
 
@@ -134,8 +151,8 @@ class LlamaLoRA(nn.Module):
         self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
         self.embed = nn.Parameter(_randn((cfg.vocab, cfg.hidden), 1.0, dtype, device, gen), False)
         self.layers = nn.ModuleList(
-            Block(cfg, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded)
-            for _ in range(cfg.layers)
+            Block(cfg, i, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded)
+            for i in range(cfg.layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
         self.fused = torch.device(device).type == "cuda"  # fused Triton ops on the GPU, torch twins elsewhere
@@ -153,8 +170,16 @@ class LlamaLoRA(nn.Module):
             raise ValueError(f"slot ranks {own} must be {max_loras} ranks of 1..{rank}")
         self.register_buffer("slot_rank", torch.tensor(own, dtype=torch.int32, device=device), persistent=False)
         for m in self.modules():
-            if isinstance(m, LoRALinear):
+            if isinstance(m, (LoRALinear, MoEMLP)):
                 m.pad(own, rank)
+        # Expert LoRA per slot, vLLM's adapter_enabled ([max_loras + 1], the last unused): 0 where the slot's
+        # adapter has none on its experts.
+        enabled = None
+        if cfg.moe is not None:
+            enabled = torch.ones(max_loras + 1, dtype=torch.int32, device=device)
+            enabled[-1] = 0
+        self.register_buffer("expert_lora_enabled", enabled, persistent=False)
+        self.reuse_routing = False  # MoE layers replay the last step's routing (the check's reference)
 
     def forward(self, input_ids, positions, lora: LoRAStep | None = None):
         t = input_ids.shape[0]
@@ -163,10 +188,16 @@ class LlamaLoRA(nn.Module):
         x, delta = self.embed[input_ids], None
         rope = (self.rope_cos, self.rope_sin)
         pdl = lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
+        moe_state = (self.expert_lora_enabled, self.reuse_routing)
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl)
+            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl, moe_state)
         h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
         return F.linear(h, self.lm_head)
 
     def lora_bytes_per_slot(self) -> int:
-        return sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in self.modules() if isinstance(m, LoRALinear))
+        """One adapter's A and B over every LoRA linear and, in MoE layers, every expert."""
+        dense = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in self.modules() if isinstance(m, LoRALinear))
+        return dense + self.expert_lora_bytes_per_slot()
+
+    def expert_lora_bytes_per_slot(self) -> int:
+        return sum(m.lora_bytes_per_slot() for m in self.modules() if isinstance(m, MoEMLP))

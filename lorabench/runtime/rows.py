@@ -23,6 +23,8 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict) -> tup
            "launch_us_median": float(np.median(s.launch_us)),
            "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
            "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}
+    if d.model.cfg.moe is not None:
+        row["moe_lora_path"] = d.moe_path(row["graph_tokens"])
     if predicted and point.mode == WORKLOAD:
         row["predicted_ms"] = predicted.get((point.workload, c))
     if point.mode == FIXED:

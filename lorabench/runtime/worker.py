@@ -80,6 +80,8 @@ class Worker:
             # one rank is timed alone: the collectives a TP step adds are not in its step_ms
             "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded,
             "slot_ranks": list(job.slot_ranks) or None,
+            **({"experts": cfg.moe.experts, "top_k": cfg.moe.top_k, "moe_intermediate": cfg.moe.intermediate,
+                "shared_intermediate": cfg.moe.shared_intermediate} if cfg.moe else {}),
             "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
             "output_tokens": job.output_tokens if job.residency else None,
             "timing": "cuda_events" if self.cuda else "cpu_wall",
@@ -88,7 +90,9 @@ class Worker:
                     if hasattr(self.backend, "pdl_enabled") else None),
         }
         self.shared: dict = {}  # startup columns every strategy shares: the process, the model, the probe
-        self.refs = References() if len(jobs) > 1 else None  # the check's reference answers, once for every strategy
+        # The check's reference answers, once for every strategy; not for MoE models, whose
+        # reference replays each tested graph's own routing (``runtime.moe``).
+        self.refs = References() if len(jobs) > 1 and cfg.moe is None else None
         self.loader: AdapterLoader | None = None  # after the check: loads overwrite slots
 
     def point_row(self, arm: Arm, point: Point) -> dict:
@@ -169,6 +173,7 @@ class Worker:
         arm.startup.update(
             build_s=build_s, compile_s=compile_s, capture_s=capture_s, startup_s=build_s + compile_s + capture_s,
             num_graphs=d.num_graphs, lora_bytes_per_slot=model.lora_bytes_per_slot(),
+            expert_lora_bytes_per_slot=model.expert_lora_bytes_per_slot() if self.cfg.moe else None,
             triton_cache=("cold" if triton_cache_files() > cache_before else "warm") if compiled else None,
         )
         if self.cuda:

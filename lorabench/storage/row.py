@@ -163,6 +163,15 @@ class Row:
         "operations (a zeroing and a copy of A and of B per slice)")
     load_host_us_median: float | None = column()
     load_ops: int | None = column()
+    experts: int | None = column("MoE models: routed experts per MoE layer, experts per token, each expert's "
+                                 "intermediate size (one rank's) and the shared expert's (0: none)")
+    top_k: int | None = column()
+    moe_intermediate: int | None = column()
+    shared_intermediate: int | None = column()
+    expert_lora_bytes_per_slot: int | None = column("the part of `lora_bytes_per_slot` on the experts (vLLM's "
+                                                    "w13 and w2 A and B of every expert)")
+    moe_lora_path: str | None = column("the expert-LoRA path the bucket's graph runs: `per-entry` (its grid ignores "
+                                       "the active count) or `sorted` (it follows it), the backend's rule")
 
     def to_dict(self) -> dict:
         """The row as a record (column -> value), in the columns' order."""

@@ -1,0 +1,231 @@
+"""Expert LoRA: the LoRA of every routed expert of a MoE layer, updating the per-entry intermediates.
+
+For a projection with slices ``s`` (w13: gate and up; w2: one) and each routed entry ``i`` (token
+``t = i // top_k``, expert ``e``) whose token's slot is an adapter with expert LoRA::
+
+    y[i, slice s] += scale · B[s, slot, e] @ (A[s, slot, e] @ x[row(i)])   (· routing weight, for w2)
+
+Weights as vLLM lays them out (``vllm/lora/layers/fused_moe.py``), slices stacked in front:
+``A [S, L, E, R, K]``, ``B [S, L, E, N_s, R]``. Two Triton paths, each one launch per projection
+with the shrink and the expand fused (h stays in registers; each program recomputes its rows' h
+from A, which then comes from L2):
+
+- **per-entry** (``per_entry_kernel``): one program per routed entry and output tile; its grid
+  does not depend on the adapters, so it serves every adapter token at any launch count;
+- **sorted** (``sorted_kernel``): programs over the base MoE's own expert blocks (no second
+  alignment) x output tiles x ``launch_count`` adapter columns; column ``z`` serves the block's
+  entries of slot ``active_slots[z]``, so the grid follows the active count like the dense kernels.
+
+Which one a step takes is the backend's rule (``path``), a function of the bucket's tokens.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import INTERPRET
+from .meta import LoRAMeta
+from .moe_gemm import BLOCK_M
+
+PER_ENTRY, SORTED = "per-entry", "sorted"
+PER_ENTRY_MAX_ENTRIES = 16  # lorabench's rule: at most this many routed entries take the per-entry path
+
+
+class ExpertCall(NamedTuple):
+    """One projection's expert LoRA in one MoE layer, as the model hands it to a backend."""
+
+    y: torch.Tensor  # [T·top_k, S·N_s] per-entry output, updated in place
+    x: torch.Tensor  # [T, K] (w13: per token) or [T·top_k, K] (w2: per entry)
+    lora_a: torch.Tensor  # [S, L, E, R, K]
+    lora_b: torch.Tensor  # [S, L, E, N_s, R]
+    topk_ids: torch.Tensor  # [T, top_k] experts per token
+    routed: torch.Tensor | None  # [T, top_k] routing weights multiplied in (w2), None (w13)
+    layout: tuple  # the base MoE's (sorted ids [1, P], expert ids [1, M], padded count [1]), blocks of BLOCK_M
+    enabled: torch.Tensor  # [L] int32, non-zero where the slot's adapter has expert LoRA
+
+    @property
+    def x_per_entry(self) -> bool:
+        return self.routed is not None  # w2: its input is the per-entry SiLU·mul output
+
+
+def path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
+    """lorabench's choice: per-entry for few routed entries (each expert then holds about one, so
+    blocks would be mostly padding), sorted above."""
+    del experts, max_loras
+    return PER_ENTRY if tokens * top_k <= PER_ENTRY_MAX_ENTRIES else SORTED
+
+
+@triton.jit
+def _per_entry_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr,
+    topk_ptr,  # [numel] each entry's expert
+    routed_ptr,  # [numel] routing weights (MUL_WEIGHT)
+    token_slot_ptr,  # [T] slot per token, -1 base
+    enabled_ptr,  # [L]
+    K, NS, R, E, numel, top_k, scale,
+    stride_xm,
+    stride_as, stride_al, stride_ae, stride_ar,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    stride_ym,
+    N_TILES: tl.constexpr,  # output tiles per slice
+    X_PER_ENTRY: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    entry = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    token = entry // top_k
+    slot = tl.load(token_slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    if tl.load(enabled_ptr + slot) == 0:
+        return
+    expert = tl.load(topk_ptr + entry).to(tl.int64)
+    if (expert < 0) | (expert >= E):
+        return
+    row = entry if X_PER_ENTRY else token
+    s = pid_n // N_TILES
+    offs_n = (pid_n % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < NS
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
+    h = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        h += tl.sum(a * x[None, :], axis=1)
+    h = (h * scale).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded like a shrink's output
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0).to(tl.float32)
+    delta = tl.sum(b * h[None, :], axis=1)
+    if MUL_WEIGHT:
+        delta *= tl.load(routed_ptr + entry)
+    out = y_ptr + entry * stride_ym + s * NS + offs_n
+    cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _sorted_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr,
+    sorted_ptr,  # [P] the base MoE's entries per expert, in blocks of BLOCK_M, pad value numel
+    expert_ids_ptr,  # [P / BLOCK_M]
+    post_pad_ptr,  # [1]
+    routed_ptr,  # [numel] (MUL_WEIGHT)
+    token_slot_ptr,  # [T]
+    active_ptr,  # [>= launch count] active slots, -1 past the batch's
+    enabled_ptr,  # [L]
+    K, NS, R, numel, top_k, scale,
+    stride_xm,
+    stride_as, stride_al, stride_ae, stride_ar,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    stride_ym,
+    N_TILES: tl.constexpr,
+    X_PER_ENTRY: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # >= 16 for tl.dot
+    UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    z = tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    slot = tl.load(active_ptr + z).to(tl.int64)
+    if slot < 0:
+        return
+    if tl.load(enabled_ptr + slot) == 0:
+        return
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = entry < numel
+    token = entry // top_k
+    mine = valid & (tl.load(token_slot_ptr + token, mask=valid, other=-1) == slot)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rows = entry if X_PER_ENTRY else token
+    s = pid_n // N_TILES
+    offs_n = (pid_n % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < NS
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mine[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        h += tl.dot(x, a)
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+    h = (h * scale).to(y_ptr.dtype.element_ty)
+    if UPCAST:
+        h = h.to(tl.float32)
+        b = b.to(tl.float32)
+    delta = tl.dot(h, b)
+    if MUL_WEIGHT:
+        delta *= tl.load(routed_ptr + entry, mask=mine, other=0.0)[:, None]
+    out = y_ptr + entry[:, None] * stride_ym + s * NS + offs_n[None, :]
+    mask = mine[:, None] & n_mask[None, :]
+    cur = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _strides(call: ExpertCall):
+    a, b = call.lora_a, call.lora_b
+    if a.stride(-1) != 1 or b.stride(-1) != 1 or call.x.stride(-1) != 1 or call.y.stride(-1) != 1:
+        raise ValueError("expert LoRA needs x, y, A and B contiguous in their last dimension")
+    return (call.x.stride(0), *a.stride()[:4], *b.stride()[:4], call.y.stride(0))
+
+
+def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float, path_name: str) -> None:
+    """``call.y += expert LoRA`` on the given path (``PER_ENTRY`` or ``SORTED``): lorabench's kernels."""
+    if launch_count <= 0:
+        return
+    slices, _, experts, rank, k = call.lora_a.shape
+    ns = call.lora_b.shape[3]
+    tokens, top_k = call.topk_ids.shape
+    numel = tokens * top_k
+    if numel == 0:
+        return
+    block_r = max(16, triton.next_power_of_2(rank))
+    routed = call.routed if call.routed is not None else call.y
+    common = dict(X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.routed is not None)
+    if path_name == PER_ENTRY:
+        block_n = 32 if INTERPRET else 128
+        block_k = max(16, min(512, 8192 // block_r))
+        n_tiles = triton.cdiv(ns, block_n)
+        _per_entry_kernel[(numel, slices * n_tiles)](
+            call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, routed, meta.token_slot, call.enabled,
+            k, ns, rank, experts, numel, top_k, scale, *_strides(call),
+            N_TILES=n_tiles, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4, **common,
+        )
+        return
+    sorted_ids, expert_ids, post_pad = call.layout
+    block_n = 32 if INTERPRET else 64
+    block_k = 32 if INTERPRET else (128 if block_r <= 64 else 64)
+    n_tiles = triton.cdiv(ns, block_n)
+    blocks = triton.cdiv(sorted_ids.shape[-1], BLOCK_M)
+    _sorted_kernel[(blocks, slices * n_tiles, launch_count)](
+        call.x, call.lora_a, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot,
+        meta.active_slots, call.enabled, k, ns, rank, numel, top_k, scale, *_strides(call),
+        N_TILES=n_tiles, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+        UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4, **common,
+    )

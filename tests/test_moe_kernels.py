@@ -1,0 +1,164 @@
+"""The MoE ops against plain torch: routing, the grouped expert GEMM, and expert LoRA on both of
+lorabench's paths (and the torch backend's, and vLLM's where it is installed) at every active
+count with base tokens mixed in, a slot without expert LoRA, experts with no entries."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from lorabench.kernels import get_backend, reference, torch_lora
+from lorabench.kernels.moe_align import align_blocks
+from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply, path
+from lorabench.runtime.lora_meta import MetaBuffer
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
+
+
+def routing(tokens, experts, top_k, gen):
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    return ids, weights / weights.sum(1, keepdim=True)
+
+
+def test_route_takes_the_top_k_of_the_softmax_and_renormalises():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 5.0, -1.0, 0.0]], device=DEVICE)
+    for fused in (True, False):
+        ids = torch.empty(2, 2, dtype=torch.int64, device=DEVICE)
+        w = torch.empty(2, 2, dtype=torch.float32, device=DEVICE)
+        route(logits, 2, False, ids, w, fused)
+        probs = torch.softmax(logits, -1)
+        assert ids[0].tolist() == [1, 3]
+        assert sorted(ids[1].tolist()) == [0, 1]  # a tie: both experts, in either order from torch
+        torch.testing.assert_close(w[0], probs[0, [1, 3]])
+        route(logits, 2, True, ids, w, fused)
+        torch.testing.assert_close(w.sum(1), torch.ones(2, device=DEVICE))
+    route(logits, 2, False, ids, w, fused=True)
+    assert ids[1].tolist() == [0, 1]  # the kernel breaks ties to the lower expert id
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 6, 3), (9, 16, 4)])
+def test_the_grouped_gemm_matches_torch_with_and_without_routing_weights(dtype, tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(tokens)
+    ids, weights = routing(tokens, experts, top_k, gen)
+    layout = align_blocks(ids, experts, BLOCK_M)
+    x = torch.randn(tokens, 48, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(experts, 40, 48, generator=gen) * 0.2).to(DEVICE, dtype)
+    got = expert_gemm(x, w, ids, layout)
+    want = torch.stack([x[i // top_k].float() @ w[ids.reshape(-1)[i]].float().T for i in range(tokens * top_k)])
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    entries = torch.randn(tokens * top_k, 48, generator=gen).to(DEVICE, dtype)
+    got = expert_gemm(entries, w, ids, layout, routed=weights, x_per_entry=True)
+    want = expert_gemm(entries, w, ids, layout, routed=weights, x_per_entry=True, fused=False)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+def expert_case(tokens, slots, dtype, w2, gen, experts=6, top_k=2, rank=16, max_loras=4):
+    """One projection's ExpertCall (w13: 2 slices, x per token; w2: 1 slice, x per entry, weights)."""
+    ids, weights = routing(tokens, experts, top_k, gen)
+    k, n, s = (24, 40, 1) if w2 else (40, 24, 2)
+    x = torch.randn(tokens * top_k if w2 else tokens, k, generator=gen).to(DEVICE, dtype)
+    a = (torch.randn(s, max_loras, experts, rank, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    b = (torch.randn(s, max_loras, experts, n, rank, generator=gen) * rank**-0.5).to(DEVICE, dtype)
+    y = torch.randn(tokens * top_k, s * n, generator=gen).to(DEVICE, dtype)
+    enabled = torch.tensor([1, 1, 0, 1, 0][:max_loras + 1], dtype=torch.int32, device=DEVICE)  # slot 2: none
+    buf = MetaBuffer(tokens, max_loras, DEVICE)
+    packed, n_active = buf.pack(slots)
+    buf.load(packed)
+    call = ExpertCall(y, x, a, b, ids, weights if w2 else None, align_blocks(ids, experts, BLOCK_M), enabled)
+    return call, buf.meta, n_active
+
+
+def fresh(call):
+    return call._replace(y=call.y.clone())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("kernel_path", [PER_ENTRY, SORTED])
+def test_expert_lora_matches_the_reference_at_every_active_count_with_base_tokens(dtype, w2, kernel_path):
+    gen = torch.Generator().manual_seed(7)
+    for slots in ([0], [-1], [3, -1, 0, 3, 1], [1, 2, -1, -1, 0, 3], [2, 2, 2]):
+        call, meta, n = expert_case(len(slots), slots, dtype, w2, gen)
+        want = fresh(call)
+        reference.moe_lora_apply(want, meta, 4, 0.5)
+        got = fresh(call)
+        moe_lora_apply(got, meta, n, 0.5, kernel_path)
+        torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
+        slot_of_entry = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
+        untouched = (slot_of_entry < 0) | (slot_of_entry == 2)  # base tokens, and slot 2 has no expert LoRA
+        assert torch.equal(got.y[untouched], call.y[untouched])
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+def test_a_short_grid_drops_slots_on_the_sorted_path_only(w2):
+    gen = torch.Generator().manual_seed(3)
+    slots = [0, 1, 3, -1]
+    call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen)
+    want = fresh(call)
+    reference.moe_lora_apply(want, meta, n, 1.0)
+    per_entry = fresh(call)
+    moe_lora_apply(per_entry, meta, 1, 1.0, PER_ENTRY)  # its grid ignores the count
+    torch.testing.assert_close(per_entry.y, want.y, atol=1e-4, rtol=1e-4)
+    short = fresh(call)
+    moe_lora_apply(short, meta, 1, 1.0, SORTED)
+    rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
+    torch.testing.assert_close(short.y[rows == 0], want.y[rows == 0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(short.y[rows == 3], call.y[rows == 3])  # slot 3 is past a grid of 1
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+def test_the_torch_backend_follows_the_same_paths(w2):
+    gen = torch.Generator().manual_seed(5)
+    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 3):  # 8 entries: per-entry; 24: sorted
+        call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen)
+        for count in (1, n):
+            want = fresh(call)
+            moe_lora_apply(want, meta, count, 0.5, path(len(slots), 2, 6, 4))
+            got = fresh(call)
+            torch_lora.moe_lora_apply(got, meta, count, 0.5)
+            torch.testing.assert_close(got.y, want.y, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_without_entries_and_a_batch_of_base_tokens_leave_y_alone():
+    gen = torch.Generator().manual_seed(11)
+    call, meta, n = expert_case(3, [-1, -1, -1], torch.float32, False, gen, experts=32)
+    for kernel_path in (PER_ENTRY, SORTED):
+        got = fresh(call)
+        moe_lora_apply(got, meta, 4, 1.0, kernel_path)
+        assert torch.equal(got.y, call.y)
+
+
+def test_lorabenchs_rule_takes_the_per_entry_path_for_few_entries():
+    assert path(2, 8, 128, 4) == PER_ENTRY and path(3, 8, 128, 4) == SORTED
+    assert path(8, 2, 8, 16) == PER_ENTRY and path(9, 2, 8, 16) == SORTED
+    assert get_backend("triton").moe_path(2, 8, 128, 4) == PER_ENTRY
+    assert get_backend("vllm").moe_path(8, 8, 128, 4) == PER_ENTRY  # vLLM's: tokens · top_k · 8 <= E · max_loras
+
+
+def vllm_available() -> bool:
+    from lorabench.kernels import vllm_lora
+
+    return vllm_lora.available()
+
+
+# On a GPU only: vLLM's small-batch kernel asks its platform for the SM count, which its CPU platform lacks.
+@pytest.mark.skipif(DEVICE == "cpu" or not vllm_available(), reason="needs a GPU and vLLM's Python files")
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("tokens", [1, 6])  # vLLM's per-token path, then its sorted path
+def test_vllms_fused_moe_lora_matches_the_reference_with_base_tokens(w2, tokens):
+    from lorabench.kernels.vllm_lora import VllmMeta, load_ops
+
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(tokens)
+    slots = [[0], [3, -1, 0, 1, -1, 3]][tokens > 1]
+    call, meta, _ = expert_case(tokens, slots, dtype, w2, gen, experts=4, max_loras=4)
+    kernel_meta = load_ops()[2].make(4, tokens, torch.device(DEVICE))
+    kernel_meta.prepare_tensors(torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+    want = fresh(call)
+    reference.moe_lora_apply(want, meta, 4, 1.0)
+    got = fresh(call)
+    get_backend("vllm").moe_lora_apply(got, VllmMeta(kernel_meta, False), 5, 1.0)
+    torch.testing.assert_close(got.y.float(), want.y.float(), atol=0.1, rtol=TOL[dtype])
