@@ -50,6 +50,8 @@
 #   tune-gpus - the same tune (TUNE_KERNELS, default triton,fused) on GPU 0 alone, then over GPUs 0,1 (--gpus 0,1) and on a
 #            Dask LocalCluster of the two, each timed from process start, into results/tune-gpus/{one,local,dask};
 #            the shapes each tuned, and how many of them chose one GPU's config
+#   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
+#   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers): results/moe/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 # Dask's wheels: .dask-wheels/ beside this checkout (scripts/dask-wheels.sh downloads them), installed here when present.
@@ -143,6 +145,17 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       lorabench sweep --spec sweeps/card.toml --kernels triton,vllm --strategy max,pow2 --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       lorabench sweep --max-loras 128 --strategy max,pow2 --concurrency 1,2,4,8 --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       tar czf "$OUT/confidence.tgz" results/confidence ;;
+    moe-smoke)  # the MoE path end to end at 2 layers of Qwen3-30B-A3B and Mixtral: the kernels' tests, then small sweeps
+      python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py tests/test_moe_align.py 2>&1 | tail -n 5 | tee -a "$OUT/stages.log"
+      for m in qwen3-30b-a3b mixtral-8x7b; do
+        lorabench sweep --model $m --layers 2 --max-loras 4 --concurrency 1,8,64 --strategy max,pow2 --kernels triton,vllm \
+          --iters 10 --warmup 2 --context-len 128 --out results/moe-smoke 2>&1 | tail -n 30 | tee -a "$OUT/stages.log"
+      done
+      tar czf "$OUT/moe-smoke.tgz" results/moe-smoke ;;
+    moe-qwen3 | moe-mixtral)  # sweeps/moe-*.toml: lorabench's expert LoRA vs vLLM's fused_moe_lora: results/moe/
+      /usr/bin/time -f "$stage wall %e s" lorabench sweep --spec sweeps/$stage.toml --out results/moe 2>&1 | tail -n 60 \
+        | tee -a "$OUT/stages.log"
+      tar czf "$OUT/$stage.tgz" results/moe ;;
     models)  # real models' configs at the card's points, triton vs vLLM, ranks 16, 64, 128: results/models/
       for rank in 16 64 128; do
         for spec in llama-3.1-8b llama-3.1-70b-tp4; do

@@ -151,8 +151,8 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     """The memory one worker needs for ``s`` with ``graphs`` captured graphs (none on the CPU)."""
     cfg, b, t = s.cfg, DTYPE_BYTES[s.dtype], s.max_tokens
     weights, adapters, kv_cache, scratch = model_bytes(s)
-    if s.vllm:
-        adapters *= 2
+    if s.vllm:  # its per-slice copies of the dense LoRA linears; expert LoRA is handed over as views
+        adapters += adapters - s.max_loras * expert_lora_bytes_per_slot(s.cfg, s.rank, s.dtype)
     linears = _linears(s)
     # The check's reference gathers each token's A and B, then makes them float32.
     gathers = (b + 4) * t * max(slices * s.rank * k + n * s.rank for k, n, slices in linears)
