@@ -7,10 +7,19 @@ over ``moe_lora_align_block_size``'s layout, then ``fused_moe_lora`` itself, whi
 small-batch persistent, one-shot and shrink/expand kernels by vLLM's own rule. Its grid's adapter
 axis is the count in vLLM's metadata (``meta_args``), which includes the base id -1.
 
+vLLM's config helpers live beside its config package, whose import needs pydantic and a dozen
+serving dependencies a GPU image without a package index lacks; ``vllm_configs`` reproduces
+them (the tuned fused-MoE file for the device when vLLM ships one, else ``get_default_config``'s
+bf16/fp16 branch, then the LoRA adjustments) and a GPU test compares them with vLLM's own.
+
 The alignment op is compiled in vLLM and the Python-files bundle lacks it: lorabench's own
 one-launch Triton equivalent (``moe_align.align_blocks``, tested equal to the layout) stands in.
 vLLM folds the LoRA scale into B when it loads an adapter, so its op takes none: only scale 1 runs.
 """
+
+import functools
+import json
+import os
 
 import torch
 
@@ -21,33 +30,61 @@ _OPS = None
 
 
 def _load(load_ops):
-    """vLLM's MoE LoRA op and config helpers; ``load_ops``: ``vllm_lora.load_ops``, which imports
-    vLLM with the interpreter's and torch's flags handled."""
+    """vLLM's MoE LoRA op; ``load_ops``: ``vllm_lora.load_ops``, which imports vLLM with the
+    interpreter's and torch's flags handled."""
     global _OPS
     if _OPS is None:
         load_ops()
-        from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
         from vllm.lora.ops.triton_ops.fused_moe_lora_op import fused_moe_lora
-        from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys
 
-        _OPS = fused_moe_lora, try_get_optimal_moe_lora_config, _normalize_lora_config_keys
+        _OPS = fused_moe_lora
     return _OPS
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+@functools.cache
+def _tuned_moe_configs(experts: int, inter: int, device_name: str) -> dict[int, dict] | None:
+    """vLLM's shipped fused-MoE configs for (E, N = the expert intermediate size, device), by M."""
+    import vllm.model_executor.layers.fused_moe as fused_moe_pkg
+
+    name = device_name.replace(" ", "_")
+    if "H200" in name.split("_"):
+        name = "NVIDIA_H200"
+    path = os.path.join(os.path.dirname(fused_moe_pkg.__file__), "configs", f"E={experts},N={inter},device_name={name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return {int(m): config for m, config in json.load(f).items()}
+
+
+def _default_moe_config(m: int, experts: int) -> dict:
+    """vLLM 0.33 ``get_default_config``'s branch for bf16/fp16 weights (CUDA)."""
+    return {"BLOCK_SIZE_M": 16 if m <= 32 else 32 if m <= 96 else 64 if m <= 512 else 128,
+            "BLOCK_SIZE_N": 64 if m <= 64 else 128, "BLOCK_SIZE_K": 128 if m <= 64 else 64,
+            "GROUP_SIZE_M": 16 if m // max(experts, 1) > 128 else 1, "SPLIT_K": 1,
+            "num_warps": 4 if m <= 128 else 8, "num_stages": 4 if m <= 32 else 3}
+
+
+def vllm_configs(experts: int, inter: int, rank: int, tokens: int, device: torch.device) -> tuple[dict, dict]:
+    """(shrink, expand) kernel configs as vLLM 0.33's ``try_get_optimal_moe_lora_config`` makes
+    them (no tuned LoRA folder): the base MoE's config for M = tokens, the shrink's BLOCK_SIZE_N
+    capped at the rank, the expand's BLOCK_SIZE_K clamped to [16, rank]; keys upper-cased as
+    ``_normalize_lora_config_keys`` does."""
+    tuned = _tuned_moe_configs(experts, inter, torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    base = dict(tuned[min(tuned, key=lambda x: abs(x - tokens))]) if tuned else _default_moe_config(tokens, experts)
+    base = {(k.upper() if k.islower() and not k.startswith("block_") else k): v for k, v in base.items()}
+    shrink, expand = dict(base), dict(base)
+    shrink["BLOCK_SIZE_N"] = min(base.get("BLOCK_SIZE_N") or 64, _next_power_of_2(rank))
+    expand["BLOCK_SIZE_K"] = max(16, min(base.get("BLOCK_SIZE_K") or 32, _next_power_of_2(rank)))
+    return shrink, expand
 
 
 def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     """vLLM's choice (``moe_align.uses_per_token_path``)."""
     return PER_ENTRY if uses_per_token_path(tokens, top_k, experts, max_loras) else SORTED
-
-
-def _config(get_config, normalize, op_type, w1_shape, w2_shape, rank, top_k, dtype, tokens):
-    try:
-        config = get_config(op_type=op_type, w1_shape=w1_shape, w2_shape=w2_shape, rank=rank, top_k=top_k,
-                            dtype=None if dtype in (torch.float16, torch.bfloat16) else "float32", M=tokens)
-    except NotImplementedError:  # Triton's interpreter on a CPU: vLLM's platform has no device name to look up
-        rank_block = max(16, 1 << (rank - 1).bit_length())
-        config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32 if op_type.endswith("expand") else min(32, rank_block),
-                  "BLOCK_SIZE_K": min(32, rank_block) if op_type.endswith("expand") else 32, "GROUP_SIZE_M": 1}
-    return normalize(config)
 
 
 def moe_lora_apply(call, meta, launch_count: int, scale: float, load_ops) -> None:
@@ -56,16 +93,11 @@ def moe_lora_apply(call, meta, launch_count: int, scale: float, load_ops) -> Non
         return
     if scale != 1.0:
         raise ValueError("vLLM's fused_moe_lora takes no LoRA scale (vLLM folds it into B): run it at scale 1")
-    fused_moe_lora, get_config, normalize = _load(load_ops)
+    fused_moe_lora = _load(load_ops)
     tokens, top_k = call.topk_ids.shape
     slices, max_loras, experts, rank, _ = call.lora_a.shape
-    w13 = call.routed is None
-    hidden = call.lora_a.shape[-1] if w13 else call.lora_b.shape[3]
-    inter = call.lora_b.shape[3] if w13 else call.lora_a.shape[-1]
-    w1_shape, w2_shape = (experts, 2 * inter, hidden), (experts, hidden, inter)
-    op = "fused_moe_lora_w13" if w13 else "fused_moe_lora_w2"
-    shrink, expand = (_config(get_config, normalize, f"{op}_{part}", w1_shape, w2_shape, rank, top_k, call.x.dtype, tokens)
-                      for part in ("shrink", "expand"))
+    inter = call.lora_b.shape[3] if call.routed is None else call.lora_a.shape[-1]
+    shrink, expand = vllm_configs(experts, inter, rank, tokens, call.x.device)
     mapping, _, _, _, lora_ids, no_lora, active = meta.kernel_meta.meta_args(tokens, meta.specialize)
     if meta.frozen_grid is not None:
         active = meta.frozen_grid

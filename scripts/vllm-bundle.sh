@@ -5,7 +5,7 @@
 #
 #   scripts/vllm-bundle.sh [DEST]      (here, with a package index; DEST defaults to .vllm-bundle)
 #
-# DEST gets vllm-py.tgz (vLLM's .py files and its dist-info), the pyzmq wheel vLLM imports on the
+# DEST gets vllm-py.tgz (vLLM's .py files, its dist-info and its tuned fused-MoE configs), the pyzmq wheel vLLM imports on the
 # way, and a sitecustomize.py that registers empty stand-ins for vLLM's compiled modules. Keep DEST
 # out of git (.vllm-bundle/ is ignored) and send it along; scripts/gpu-tests.sh and scripts/h200.sh
 # unpack it when they find it. Env: VLLM_VERSION (default 0.33.0), PYTHON_TAG of the GPU machine's
@@ -26,7 +26,9 @@ wheel, site = sys.argv[1:3]
 needed_third_party = {"vllm/third_party/__init__.py", "vllm/third_party/pynvml.py"}
 with zipfile.ZipFile(wheel) as z:
     for name in z.namelist():
-        if (name.endswith(".py") and "/third_party/" not in name) or ".dist-info/" in name or name in needed_third_party:
+        moe_configs = name.startswith("vllm/model_executor/layers/fused_moe/configs/") and name.endswith(".json")
+        if (name.endswith(".py") and "/third_party/" not in name) or ".dist-info/" in name or name in needed_third_party \
+                or moe_configs:  # the tuned fused-MoE configs vLLM's expert LoRA derives its kernel configs from
             z.extract(name, site)
 PY
 tar czf "$dest/vllm-py.tgz" -C "$tmp/site" .

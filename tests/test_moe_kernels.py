@@ -162,3 +162,38 @@ def test_vllms_fused_moe_lora_matches_the_reference_with_base_tokens(w2, tokens)
     got = fresh(call)
     get_backend("vllm").moe_lora_apply(got, VllmMeta(kernel_meta, False), 5, 1.0)
     torch.testing.assert_close(got.y.float(), want.y.float(), atol=0.1, rtol=TOL[dtype])
+
+
+def test_the_model_replays_the_last_routing_when_asked():
+    from lorabench.config.models import resolve
+    from lorabench.runtime.model import LlamaLoRA
+
+    model = LlamaLoRA(resolve("tiny-moe"), max_loras=2, rank=8, max_tokens=4, context_len=8, dtype=torch.float32,
+                      device=DEVICE)
+    ids, pos = torch.tensor([1, 2, 3], device=DEVICE), torch.tensor([7, 7, 7], device=DEVICE)
+    first = model(ids, pos)
+    routed = [layer.moe.topk_ids[:3].clone() for layer in model.layers]
+    for layer in model.layers:
+        layer.moe.router.data = -layer.moe.router.data  # another router: other experts
+    model.reuse_routing = True
+    torch.testing.assert_close(model(ids, pos), first)
+    model.reuse_routing = False
+    model(ids, pos)
+    assert any(not torch.equal(layer.moe.topk_ids[:3], r) for layer, r in zip(model.layers, routed))
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or not vllm_available(), reason="needs a GPU and vLLM's Python files")
+def test_vllms_kernel_configs_are_the_ones_vllm_makes():
+    try:
+        from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
+    except ImportError:
+        pytest.skip("vLLM's config package needs dependencies this machine lacks")
+    from lorabench.kernels.vllm_moe_lora import vllm_configs
+
+    for experts, inter, hidden, top_k in ((128, 768, 2048, 8), (8, 14336, 4096, 2)):
+        for tokens in (1, 8, 64):
+            ours = vllm_configs(experts, inter, 16, tokens, torch.device("cuda"))
+            for part, mine in zip(("shrink", "expand"), ours):
+                theirs = try_get_optimal_moe_lora_config(f"fused_moe_lora_w13_{part}", (experts, 2 * inter, hidden),
+                                                         (experts, hidden, inter), 16, top_k, None, tokens)
+                assert {k.upper(): v for k, v in theirs.items()} == {k.upper(): v for k, v in mine.items()}

@@ -76,7 +76,7 @@ class MoEMLP(nn.Module):
     def lora_bytes_per_slot(self) -> int:
         return sum(w[:, 0].nbytes for w in (self.w13_a, self.w13_b, self.w2_a, self.w2_b))
 
-    def forward(self, h, lora, scratch, enabled: torch.Tensor, fused: bool, reuse_routing: bool, pdl: bool):
+    def forward(self, h, lora, scratch, enabled: torch.Tensor, reuse_routing: bool, fused: bool, pdl: bool):
         """h: the normed residual stream [T, hidden]; returns the MLP's output [T, hidden]."""
         t, moe = h.shape[0], self.moe
         ids, weights = self.topk_ids[:t], self.topk_weights[:t]
