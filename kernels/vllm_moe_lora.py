@@ -48,12 +48,13 @@ def _next_power_of_2(n: int) -> int:
 @functools.cache
 def _tuned_moe_configs(experts: int, inter: int, device_name: str) -> dict[int, dict] | None:
     """vLLM's shipped fused-MoE configs for (E, N = the expert intermediate size, device), by M."""
-    import vllm.model_executor.layers.fused_moe as fused_moe_pkg
+    import vllm  # the package's folder only: importing vllm.model_executor.layers.fused_moe needs pydantic
 
     name = device_name.replace(" ", "_")
     if "H200" in name.split("_"):
         name = "NVIDIA_H200"
-    path = os.path.join(os.path.dirname(fused_moe_pkg.__file__), "configs", f"E={experts},N={inter},device_name={name}.json")
+    folder = os.path.join(os.path.dirname(vllm.__file__), "model_executor", "layers", "fused_moe", "configs")
+    path = os.path.join(folder, f"E={experts},N={inter},device_name={name}.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:

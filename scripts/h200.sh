@@ -146,7 +146,8 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       lorabench sweep --max-loras 128 --strategy max,pow2 --concurrency 1,2,4,8 --out results/confidence 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
       tar czf "$OUT/confidence.tgz" results/confidence ;;
     moe-smoke)  # the MoE path end to end at 2 layers of Qwen3-30B-A3B and Mixtral: the kernels' tests, then small sweeps
-      python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py tests/test_moe_align.py 2>&1 | tail -n 5 | tee -a "$OUT/stages.log"
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/test_moe_kernels.py tests/test_moe_align.py >"$OUT/moe-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe-tests.log" | tail -n 20 | tee -a "$OUT/stages.log"
       for m in qwen3-30b-a3b mixtral-8x7b; do
         lorabench sweep --model $m --layers 2 --max-loras 4 --concurrency 1,8,64 --strategy max,pow2 --kernels triton,vllm \
           --iters 10 --warmup 2 --context-len 128 --out results/moe-smoke 2>&1 | tail -n 30 | tee -a "$OUT/stages.log"
