@@ -1,0 +1,56 @@
+"""BENCHMARKS.md's MoE tables from one run of sweeps/moe-*.toml: per (max_loras, c, n) the step and
+the LoRA overhead (step at n minus the no-LoRA step at the same c, same configuration) of
+lorabench's expert-LoRA kernels and of vLLM's, their ratio, the overhead as a share of the base
+step, and the bytes floor: the adapter bytes the step's active experts hold (at most c·top_k
+(slot, expert) pairs, at most n·E), over the worker's measured copy bandwidth.
+
+    python scripts/moe_figures.py RUN_DIR [--points 4:1:1,4:8:4,16:32:8,16:64:16]
+"""
+
+import argparse
+
+import pandas as pd
+
+
+def table(df: pd.DataFrame, kernels: str, strategy: str) -> pd.DataFrame:
+    fixed = df[(df["mode"] == "fixed") & (df.kernels == kernels) & (df.strategy == strategy) & (df.status == "ok")]
+    base = fixed[fixed.n_active == 0].set_index(["max_loras", "concurrency"]).step_ms_median
+    out = fixed[fixed.n_active > 0].copy()
+    out["base_ms"] = [base.get((r.max_loras, r.concurrency)) for r in out.itertuples()]
+    out["overhead_ms"] = out.step_ms_median - out.base_ms
+    return out.set_index(["max_loras", "concurrency", "n_active"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run")
+    ap.add_argument("--points", default="4:1:1,4:8:4,16:32:8,16:64:16")
+    args = ap.parse_args()
+    df = pd.read_parquet(f"{args.run}/points.parquet")
+    first = df.iloc[0]
+    layers_bytes = first.expert_lora_bytes_per_slot / first.experts  # one (slot, expert) pair, every layer
+    ours = table(df, "triton", "pow2")
+    for strategy, label in (("max", "vLLM default"), ("pow2", "vLLM --specialize-active-lora")):
+        theirs = table(df, "vllm", strategy)
+        print(f"\n{first.model}: lorabench (pow2) vs {label}")
+        print("| max_loras, c, n | base step ms | lorabench +ms | vLLM +ms | ratio | lorabench share | floor µs | x floor |"
+              " paths (ours / vLLM) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        keys = sorted(set(ours.index) & set(theirs.index))
+        wanted = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+        for key in keys if strategy == "max" else [k for k in keys if k in wanted]:
+            o, t = ours.loc[key], theirs.loc[key]
+            pairs = min(key[1] * first.top_k, key[2] * first.experts)
+            floor_us = pairs * layers_bytes / (o.probe_copy_gbs * 1e9) * 1e6 if pd.notna(o.probe_copy_gbs) else float("nan")
+            mark = " **" if key in wanted else ""
+            print(f"| {key[0]}, {key[1]}, {key[2]}{mark} | {o.base_ms:.3f} | {o.overhead_ms:.3f} | {t.overhead_ms:.3f} | "
+                  f"{o.overhead_ms / t.overhead_ms:.2f} | {o.overhead_ms / o.base_ms:+.1%} | {floor_us:.0f} | "
+                  f"{o.overhead_ms * 1e3 / floor_us:.1f} | {o.moe_lora_path} / {t.moe_lora_path} |")
+    checks = df.groupby(["kernels", "strategy", "max_loras"]).check_detail.first()
+    print("\nchecks:")
+    for key, detail in checks.items():
+        print(f"- {key}: {str(detail)[:300]}")
+
+
+if __name__ == "__main__":
+    main()
