@@ -53,8 +53,8 @@ import triton.language as tl
 
 from . import MAX_SLICES
 from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
-from . import moe_lora as _moe_lora
 from .meta import LoRAMeta
+from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
 from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles
 
 NEEDS_ZEROED_SCRATCH = False
@@ -301,15 +301,3 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         RANKED=meta.slot_rank is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
-
-
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    """Which expert-LoRA path a bucket of ``tokens`` takes (``moe_lora.path``)."""
-    return _moe_lora.path(tokens, top_k, experts, max_loras)
-
-
-def moe_lora_apply(call, meta: LoRAMeta, launch_count: int, scale: float) -> None:
-    """Expert LoRA with lorabench's kernels (``kernels.moe_lora``), on ``moe_path``'s path."""
-    tokens, top_k = call.topk_ids.shape
-    _moe_lora.moe_lora_apply(call, meta, launch_count, scale,
-                             moe_path(tokens, top_k, call.lora_a.shape[2], call.lora_a.shape[1]))

@@ -16,7 +16,7 @@ from A, which then comes from L2):
   alignment) x output tiles x ``launch_count`` adapter columns; column ``z`` serves the block's
   entries of slot ``active_slots[z]``, so the grid follows the active count like the dense kernels.
 
-Which one a step takes is the backend's rule (``path``), a function of the bucket's tokens.
+Which one a step takes is the backend's rule (``moe_path``), a function of the bucket's tokens.
 """
 
 from typing import NamedTuple
@@ -41,20 +41,29 @@ class ExpertCall(NamedTuple):
     lora_a: torch.Tensor  # [S, L, E, R, K]
     lora_b: torch.Tensor  # [S, L, E, N_s, R]
     topk_ids: torch.Tensor  # [T, top_k] experts per token
-    routed: torch.Tensor | None  # [T, top_k] routing weights multiplied in (w2), None (w13)
+    topk_weights: torch.Tensor  # [T, top_k] float32 routing weights
+    mul_weight: bool  # w2: multiply each entry's update by its routing weight; w13: not
     layout: tuple  # the base MoE's (sorted ids [1, P], expert ids [1, M], padded count [1]), blocks of BLOCK_M
     enabled: torch.Tensor  # [L] int32, non-zero where the slot's adapter has expert LoRA
 
     @property
     def x_per_entry(self) -> bool:
-        return self.routed is not None  # w2: its input is the per-entry SiLU·mul output
+        return self.mul_weight  # w2: its input is the per-entry SiLU·mul output
 
 
-def path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     """lorabench's choice: per-entry for few routed entries (each expert then holds about one, so
     blocks would be mostly padding), sorted above."""
     del experts, max_loras
     return PER_ENTRY if tokens * top_k <= PER_ENTRY_MAX_ENTRIES else SORTED
+
+
+@triton.jit
+def _output_tile(pid_n, NS, R, N_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program column ``pid_n``'s slice, its output columns within the slice and the rank's lanes."""
+    offs_n = (pid_n % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    return pid_n // N_TILES, offs_n, offs_n < NS, offs_r, offs_r < R
 
 
 @triton.jit
@@ -88,11 +97,7 @@ def _per_entry_kernel(
     if (expert < 0) | (expert >= E):
         return
     row = entry if X_PER_ENTRY else token
-    s = pid_n // N_TILES
-    offs_n = (pid_n % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < NS
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
+    s, offs_n, n_mask, offs_r, r_mask = _output_tile(pid_n, NS, R, N_TILES, BLOCK_N, BLOCK_R)
     a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
     h = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -156,11 +161,7 @@ def _sorted_kernel(
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     rows = entry if X_PER_ENTRY else token
-    s = pid_n // N_TILES
-    offs_n = (pid_n % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < NS
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
+    s, offs_n, n_mask, offs_r, r_mask = _output_tile(pid_n, NS, R, N_TILES, BLOCK_N, BLOCK_R)
     a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -195,19 +196,22 @@ def _strides(call: ExpertCall):
     return (call.x.stride(0), *a.stride()[:4], *b.stride()[:4], call.y.stride(0))
 
 
-def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float, path_name: str) -> None:
-    """``call.y += expert LoRA`` on the given path (``PER_ENTRY`` or ``SORTED``): lorabench's kernels."""
+def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
+                   path_name: str | None = None) -> None:
+    """``call.y += expert LoRA`` with lorabench's kernels, on ``path_name`` (``PER_ENTRY`` or
+    ``SORTED``; None: the one ``moe_path`` chooses). The triton and fused backends' MoE op."""
     if launch_count <= 0:
         return
-    slices, _, experts, rank, k = call.lora_a.shape
+    slices, max_loras, experts, rank, k = call.lora_a.shape
     ns = call.lora_b.shape[3]
     tokens, top_k = call.topk_ids.shape
     numel = tokens * top_k
     if numel == 0:
         return
+    path_name = path_name or moe_path(tokens, top_k, experts, max_loras)
     block_r = max(16, triton.next_power_of_2(rank))
-    routed = call.routed if call.routed is not None else call.y
-    common = dict(X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.routed is not None)
+    routed = call.topk_weights
+    common = dict(X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight)
     if path_name == PER_ENTRY:
         block_n = 32 if INTERPRET else 128
         block_k = max(16, min(512, 8192 // block_r))

@@ -48,7 +48,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
 def expert_lora_delta(call, token_slot: torch.Tensor, scale: float) -> torch.Tensor:
     """The expert LoRA update of every routed entry, float32 [T·top_k, S·N_s]: each entry of an
     adapter token (whose slot has expert LoRA, ``call.enabled``) gets its slot's A and B of the
-    entry's expert, times its routing weight for w2 (``call.routed``); zero rows otherwise.
+    entry's expert, times its routing weight for w2 (``call.mul_weight``); zero rows otherwise.
     ``call``: a ``kernels.moe_lora.ExpertCall``."""
     tokens, top_k = call.topk_ids.shape
     slices, max_loras, experts = call.lora_a.shape[:3]
@@ -64,8 +64,8 @@ def expert_lora_delta(call, token_slot: torch.Tensor, scale: float) -> torch.Ten
         h = scale * torch.einsum("tk,trk->tr", x, call.lora_a[i, s, e].float())
         parts.append(torch.einsum("tnr,tr->tn", call.lora_b[i, s, e].float(), h))
     delta = torch.cat(parts, dim=1) * use.float()[:, None]
-    if call.routed is not None:
-        delta = delta * call.routed.reshape(-1, 1).float()
+    if call.mul_weight:
+        delta = delta * call.topk_weights.reshape(-1, 1).float()
     return delta
 
 
@@ -73,7 +73,3 @@ def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
     """In-place reference expert LoRA: every adapter entry served, whatever the grid."""
     del launch_count
     call.y[:, : call.lora_b.shape[0] * call.lora_b.shape[3]] += expert_lora_delta(call, meta.token_slot, scale).to(call.y.dtype)
-
-
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    return "reference"

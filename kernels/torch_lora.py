@@ -9,6 +9,7 @@ import torch
 
 from . import moe_lora as _moe_lora
 from .meta import LoRAMeta
+from .moe_lora import moe_path  # noqa: F401 (the grid semantics follow lorabench's Triton paths)
 
 NEEDS_ZEROED_SCRATCH = False
 
@@ -32,11 +33,6 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         y[:, n0:n1] += torch.bmm(lora_b[idx, n0:n1, :rank], part).squeeze(2)
 
 
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    """As lorabench's Triton kernels choose (``moe_lora.path``): the grid semantics follow it."""
-    return _moe_lora.path(tokens, top_k, experts, max_loras)
-
-
 def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
     """Expert LoRA in torch ops with the Triton paths' semantics: on the sorted path an entry is
     served only if its slot is among ``active_slots[:launch_count]``; on the per-entry path every
@@ -54,8 +50,8 @@ def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
     served &= call.enabled.long()[s] != 0
     x = call.x if call.x_per_entry else call.x.repeat_interleave(top_k, dim=0)
     weight = served.to(x.dtype) * scale
-    if call.routed is not None:
-        weight = weight * call.routed.reshape(-1).to(x.dtype)
+    if call.mul_weight:
+        weight = weight * call.topk_weights.reshape(-1).to(x.dtype)
     ns = call.lora_b.shape[3]
     for i in range(slices):
         h = torch.bmm(call.lora_a[i, s, e], x.unsqueeze(2))  # [numel, R, 1]

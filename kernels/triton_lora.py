@@ -40,8 +40,8 @@ from .lora_configs import (  # noqa: F401
     shape_key,
     shrink_config,
 )
-from . import moe_lora as _moe_lora
 from .meta import LoRAMeta
+from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
 from .shrink import lora_shrink
 from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles  # noqa: F401
 
@@ -71,15 +71,3 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     h = scratch[:tokens, :slices * rank]
     lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
     lora_expand(h, lora_b, y, slice_starts, meta, launch_count)
-
-
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    """Which expert-LoRA path a bucket of ``tokens`` takes (``moe_lora.path``)."""
-    return _moe_lora.path(tokens, top_k, experts, max_loras)
-
-
-def moe_lora_apply(call, meta: LoRAMeta, launch_count: int, scale: float) -> None:
-    """Expert LoRA with lorabench's kernels (``kernels.moe_lora``), on ``moe_path``'s path."""
-    tokens, top_k = call.topk_ids.shape
-    _moe_lora.moe_lora_apply(call, meta, launch_count, scale,
-                             moe_path(tokens, top_k, call.lora_a.shape[2], call.lora_a.shape[1]))

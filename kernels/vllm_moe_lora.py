@@ -97,7 +97,7 @@ def moe_lora_apply(call, meta, launch_count: int, scale: float, load_ops) -> Non
     fused_moe_lora = _load(load_ops)
     tokens, top_k = call.topk_ids.shape
     slices, max_loras, experts, rank, _ = call.lora_a.shape
-    inter = call.lora_b.shape[3] if call.routed is None else call.lora_a.shape[-1]
+    inter = call.lora_a.shape[-1] if call.mul_weight else call.lora_b.shape[3]
     shrink, expand = vllm_configs(experts, inter, rank, tokens, call.x.device)
     mapping, _, _, _, lora_ids, no_lora, active = meta.kernel_meta.meta_args(tokens, meta.specialize)
     if meta.frozen_grid is not None:
@@ -110,15 +110,14 @@ def moe_lora_apply(call, meta, launch_count: int, scale: float, load_ops) -> Non
     else:
         sorted_ids, expert_ids, post_pad = align_blocks(call.topk_ids, experts, int(shrink.get("BLOCK_SIZE_M") or 64),
                                                         max_loras, mapping, lora_ids, enabled)
-    weights = call.routed if call.routed is not None else torch.ones_like(call.topk_ids, dtype=torch.float32)
     y = call.y.view(tokens, top_k, call.y.shape[-1])
     a = [call.lora_a[i] for i in range(slices)]
     b = [call.lora_b[i] for i in range(slices)]
     fused_moe_lora(
-        y, call.x, a, b, weights, sorted_ids, expert_ids, post_pad, mapping, rank, top_k, lora_ids, active, enabled,
+        y, call.x, a, b, call.topk_weights, sorted_ids, expert_ids, post_pad, mapping, rank, top_k, lora_ids, active, enabled,
         shrink.get("BLOCK_SIZE_M", 64), shrink.get("BLOCK_SIZE_N", 64), shrink.get("BLOCK_SIZE_K", 32),
         shrink.get("GROUP_SIZE_M", 8), shrink.get("NUM_WARPS", 4), shrink.get("NUM_STAGES", 3), shrink.get("SPLIT_K", 1),
         expand.get("BLOCK_SIZE_M", 64), expand.get("BLOCK_SIZE_N", 64), expand.get("BLOCK_SIZE_K", 32),
         expand.get("GROUP_SIZE_M", 8), expand.get("NUM_WARPS", 4), expand.get("NUM_STAGES", 3), expand.get("SPLIT_K", 1),
-        call.routed is not None, False, 0, True,
+        call.mul_weight, False, 0, True,
     )

@@ -9,7 +9,8 @@ from conftest import DEVICE
 from lorabench.kernels import get_backend, reference, torch_lora
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
-from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply, path
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply
+from lorabench.kernels.moe_lora import moe_path as path
 from lorabench.runtime.lora_meta import MetaBuffer
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
@@ -67,7 +68,7 @@ def expert_case(tokens, slots, dtype, w2, gen, experts=6, top_k=2, rank=16, max_
     buf = MetaBuffer(tokens, max_loras, DEVICE)
     packed, n_active = buf.pack(slots)
     buf.load(packed)
-    call = ExpertCall(y, x, a, b, ids, weights if w2 else None, align_blocks(ids, experts, BLOCK_M), enabled)
+    call = ExpertCall(y, x, a, b, ids, weights, w2, align_blocks(ids, experts, BLOCK_M), enabled)
     return call, buf.meta, n_active
 
 

@@ -85,12 +85,12 @@ class MoEMLP(nn.Module):
         layout = base_layout(ids, moe.experts, fused)
         gate_up = expert_gemm(h, self.w13, ids, layout, fused=fused)  # [T·top_k, 2I], per entry
         if lora is not None:
-            call = ExpertCall(gate_up, h, self.w13_a, self.w13_b, ids, None, layout, enabled)
+            call = ExpertCall(gate_up, h, self.w13_a, self.w13_b, ids, weights, False, layout, enabled)
             lora.backend.moe_lora_apply(call, lora.meta, lora.launch_count, lora.scale)
         act = silu_mul(gate_up, fused)
         down = expert_gemm(act, self.w2, ids, layout, routed=weights, x_per_entry=True, fused=fused)
         if lora is not None:
-            call = ExpertCall(down, act, self.w2_a, self.w2_b, ids, weights, layout, enabled)
+            call = ExpertCall(down, act, self.w2_a, self.w2_b, ids, weights, True, layout, enabled)
             lora.backend.moe_lora_apply(call, lora.meta, lora.launch_count, lora.scale)
         out = down.view(t, moe.top_k, -1).sum(dim=1)
         if self.shared_gate_up is not None:
