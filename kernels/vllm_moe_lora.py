@@ -35,10 +35,18 @@ def _load(load_ops):
     global _OPS
     if _OPS is None:
         load_ops()
-        from vllm.lora.ops.triton_ops.fused_moe_lora_op import fused_moe_lora
+        from vllm.lora.ops.triton_ops import fused_moe_lora_op
 
-        _OPS = fused_moe_lora
+        # Its one-shot kernel asks the device's opt-in shared memory per block through a compiled
+        # vLLM op the bundle lacks; torch reads the same attribute.
+        fused_moe_lora_op.get_max_shared_memory_bytes = _max_shared_memory_bytes
+        _OPS = fused_moe_lora_op.fused_moe_lora
     return _OPS
+
+
+def _max_shared_memory_bytes(gpu: int = 0) -> int:
+    """vLLM's ``get_max_shared_memory_bytes``: cudaDevAttrMaxSharedMemoryPerBlockOptin."""
+    return int(torch.cuda.get_device_properties(gpu).shared_memory_per_block_optin)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -13,7 +13,8 @@ from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_a
 from lorabench.kernels.moe_lora import moe_path as path
 from lorabench.runtime.lora_meta import MetaBuffer
 
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+# Triton's dot takes fp32 operands as TF32 on the GPU (10-bit mantissa): fp32 checks loosen there.
+TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 1e-2, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
 
 
@@ -102,11 +103,12 @@ def test_a_short_grid_drops_slots_on_the_sorted_path_only(w2):
     reference.moe_lora_apply(want, meta, n, 1.0)
     per_entry = fresh(call)
     moe_lora_apply(per_entry, meta, 1, 1.0, PER_ENTRY)  # its grid ignores the count
-    torch.testing.assert_close(per_entry.y, want.y, atol=1e-4, rtol=1e-4)
+    tol = TOL[torch.float32]
+    torch.testing.assert_close(per_entry.y, want.y, atol=tol, rtol=tol)
     short = fresh(call)
     moe_lora_apply(short, meta, 1, 1.0, SORTED)
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
-    torch.testing.assert_close(short.y[rows == 0], want.y[rows == 0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(short.y[rows == 0], want.y[rows == 0], atol=tol, rtol=tol)
     assert torch.equal(short.y[rows == 3], call.y[rows == 3])  # slot 3 is past a grid of 1
 
 
@@ -120,7 +122,7 @@ def test_the_torch_backend_follows_the_same_paths(w2):
             moe_lora_apply(want, meta, count, 0.5, path(len(slots), 2, 6, 4))
             got = fresh(call)
             torch_lora.moe_lora_apply(got, meta, count, 0.5)
-            torch.testing.assert_close(got.y, want.y, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.y, want.y, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
 def test_experts_without_entries_and_a_batch_of_base_tokens_leave_y_alone():
