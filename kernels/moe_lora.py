@@ -6,15 +6,19 @@ For a projection with slices ``s`` (w13: gate and up; w2: one) and each routed e
     y[i, slice s] += scale · B[s, slot, e] @ (A[s, slot, e] @ x[row(i)])   (· routing weight, for w2)
 
 Weights as vLLM lays them out (``vllm/lora/layers/fused_moe.py``), slices stacked in front:
-``A [S, L, E, R, K]``, ``B [S, L, E, N_s, R]``. Two Triton paths, each one launch per projection
-with the shrink and the expand fused (h stays in registers; each program recomputes its rows' h
-from A, which then comes from L2):
+``A [S, L, E, R, K]``, ``B [S, L, E, N_s, R]``. Two Triton paths:
 
-- **per-entry** (``per_entry_kernel``): one program per routed entry and output tile; its grid
-  does not depend on the adapters, so it serves every adapter token at any launch count;
-- **sorted** (``sorted_kernel``): programs over the base MoE's own expert blocks (no second
-  alignment) x output tiles x ``launch_count`` adapter columns; column ``z`` serves the block's
-  entries of slot ``active_slots[z]``, so the grid follows the active count like the dense kernels.
+- **per-entry** (``per_entry_kernel``): one launch per projection, the shrink and the expand
+  fused: one program per routed entry and output tile, each recomputing its entry's h from A (a
+  few entries: A comes from L2); its grid does not depend on the adapters, so it serves every
+  adapter token at any launch count;
+- **sorted** (``sorted_shrink_kernel``, then ``sorted_expand_kernel``): programs over the base
+  MoE's own expert blocks (no second alignment) x ``launch_count`` adapter columns; column ``z``
+  serves the block's entries of slot ``active_slots[z]``, so the grid follows the active count
+  like the dense kernels. The shrink writes each entry's h once (A read once per block and slot),
+  and the expand's programs per output tile read it back: a fused kernel recomputing h in every
+  output tile read A tens of times over (Mixtral's w13 has 224 tiles of 64) and cost more than
+  the second launch saves.
 
 Which one a step takes is the backend's rule (``moe_path``), a function of the bucket's tokens.
 """
@@ -31,6 +35,7 @@ from .moe_gemm import BLOCK_M
 
 PER_ENTRY, SORTED = "per-entry", "sorted"
 PER_ENTRY_MAX_ENTRIES = 16  # lorabench's rule: at most this many routed entries take the per-entry path
+PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
 
 
 class ExpertCall(NamedTuple):
@@ -78,7 +83,8 @@ def _per_entry_kernel(
     stride_as, stride_al, stride_ae, stride_ar,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_ym,
-    N_TILES: tl.constexpr,  # output tiles per slice
+    GROUPS: tl.constexpr,  # program columns per slice
+    N_LOOP: tl.constexpr,  # output tiles each program walks, its h computed once
     X_PER_ENTRY: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -97,7 +103,9 @@ def _per_entry_kernel(
     if (expert < 0) | (expert >= E):
         return
     row = entry if X_PER_ENTRY else token
-    s, offs_n, n_mask, offs_r, r_mask = _output_tile(pid_n, NS, R, N_TILES, BLOCK_N, BLOCK_R)
+    s = pid_n // GROUPS
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
     a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
     h = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -109,59 +117,74 @@ def _per_entry_kernel(
         h += tl.sum(a * x[None, :], axis=1)
     h = (h * scale).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded like a shrink's output
     b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
-    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                other=0.0).to(tl.float32)
-    delta = tl.sum(b * h[None, :], axis=1)
+    weight = 1.0
     if MUL_WEIGHT:
-        delta *= tl.load(routed_ptr + entry)
-    out = y_ptr + entry * stride_ym + s * NS + offs_n
-    cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+        weight = tl.load(routed_ptr + entry)
+    for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
+        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NS
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                    other=0.0).to(tl.float32)
+        delta = tl.sum(b * h[None, :], axis=1) * weight
+        out = y_ptr + entry * stride_ym + s * NS + offs_n
+        cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _sorted_kernel(
-    x_ptr, a_ptr, b_ptr, y_ptr,
+def _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M: tl.constexpr):
+    """Block ``pid_m``'s entries and which of them are ``slot``'s (a padding entry is no one's)."""
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = entry < numel
+    mine = valid & (tl.load(token_slot_ptr + entry // top_k, mask=valid, other=-1) == slot)
+    return entry, mine
+
+
+@triton.jit
+def _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M: tl.constexpr):
+    """Adapter column ``z``'s slot for block ``pid_m``, or -1 where it has nothing to do: a column
+    past the batch's active slots, a slot without expert LoRA, a block past the padded count."""
+    slot = tl.load(active_ptr + z).to(tl.int64)
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        slot = -1
+    if slot >= 0:
+        if tl.load(enabled_ptr + slot) == 0:
+            slot = -1
+    return slot
+
+
+@triton.jit
+def _sorted_shrink_kernel(
+    x_ptr, a_ptr, h_ptr,
     sorted_ptr,  # [P] the base MoE's entries per expert, in blocks of BLOCK_M, pad value numel
     expert_ids_ptr,  # [P / BLOCK_M]
     post_pad_ptr,  # [1]
-    routed_ptr,  # [numel] (MUL_WEIGHT)
     token_slot_ptr,  # [T]
     active_ptr,  # [>= launch count] active slots, -1 past the batch's
     enabled_ptr,  # [L]
-    K, NS, R, numel, top_k, scale,
+    K, R, numel, top_k, scale,
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
-    stride_bs, stride_bl, stride_be, stride_bn,
-    stride_ym,
-    N_TILES: tl.constexpr,
+    stride_hs, stride_hp,  # h [S, P, R]
     X_PER_ENTRY: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= 16 for tl.dot
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
 ):
+    """h[s, p] = scale · A[s, slot, e] @ x[row(p)] for the block's entries p of the column's slot."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    z = tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
-        return
-    slot = tl.load(active_ptr + z).to(tl.int64)
+    s = tl.program_id(1)
+    slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
     if slot < 0:
         return
-    if tl.load(enabled_ptr + slot) == 0:
-        return
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = entry < numel
-    token = entry // top_k
-    mine = valid & (tl.load(token_slot_ptr + token, mask=valid, other=-1) == slot)
+    entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rows = entry if X_PER_ENTRY else token
-    s, offs_n, n_mask, offs_r, r_mask = _output_tile(pid_n, NS, R, N_TILES, BLOCK_N, BLOCK_R)
+    rows = entry if X_PER_ENTRY else entry // top_k
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
     a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -174,9 +197,44 @@ def _sorted_kernel(
             x = x.to(tl.float32)
             a = a.to(tl.float32)
         h += tl.dot(x, a)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    out = h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :]
+    tl.store(out, (h * scale).to(h_ptr.dtype.element_ty), mask=mine[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _sorted_expand_kernel(
+    h_ptr, b_ptr, y_ptr,
+    sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    routed_ptr,  # [numel] (MUL_WEIGHT)
+    token_slot_ptr, active_ptr, enabled_ptr,
+    NS, R, numel, top_k,
+    stride_hs, stride_hp,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    stride_ym,
+    N_TILES: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """y[p, slice s, tile] += B[s, slot, e][tile] @ h[s, p] (· routing weight) for the same entries."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
+    if slot < 0:
+        return
+    entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    s, offs_n, n_mask, offs_r, r_mask = _output_tile(pid_n, NS, R, N_TILES, BLOCK_N, BLOCK_R)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.load(h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :],
+                mask=mine[:, None] & r_mask[None, :], other=0.0)
     b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
     b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
-    h = (h * scale).to(y_ptr.dtype.element_ty)
     if UPCAST:
         h = h.to(tl.float32)
         b = b.to(tl.float32)
@@ -216,20 +274,31 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
         block_n = 32 if INTERPRET else 128
         block_k = max(16, min(512, 8192 // block_r))
         n_tiles = triton.cdiv(ns, block_n)
-        _per_entry_kernel[(numel, slices * n_tiles)](
+        n_loop = triton.cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
+        groups = triton.cdiv(n_tiles, n_loop)
+        _per_entry_kernel[(numel, slices * groups)](
             call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, routed, meta.token_slot, call.enabled,
             k, ns, rank, experts, numel, top_k, scale, *_strides(call),
-            N_TILES=n_tiles, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4, **common,
+            GROUPS=groups, N_LOOP=n_loop, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4, **common,
         )
         return
     sorted_ids, expert_ids, post_pad = call.layout
+    padded = sorted_ids.shape[-1]
+    blocks = triton.cdiv(padded, BLOCK_M)
+    upcast = INTERPRET and call.x.dtype == torch.bfloat16
+    x_s, a_s0, a_s1, a_s2, a_s3, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
+    h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
+    _sorted_shrink_kernel[(blocks, slices, launch_count)](
+        call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
+        k, rank, numel, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
+        X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M, BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64),
+        BLOCK_R=block_r, UPCAST=upcast, num_warps=4,
+    )
     block_n = 32 if INTERPRET else 64
-    block_k = 32 if INTERPRET else (128 if block_r <= 64 else 64)
     n_tiles = triton.cdiv(ns, block_n)
-    blocks = triton.cdiv(sorted_ids.shape[-1], BLOCK_M)
-    _sorted_kernel[(blocks, slices * n_tiles, launch_count)](
-        call.x, call.lora_a, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot,
-        meta.active_slots, call.enabled, k, ns, rank, numel, top_k, scale, *_strides(call),
-        N_TILES=n_tiles, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-        UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4, **common,
+    _sorted_expand_kernel[(blocks, slices * n_tiles, launch_count)](
+        h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
+        call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
+        N_TILES=n_tiles, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        UPCAST=upcast, num_warps=4,
     )

@@ -11,6 +11,7 @@ from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
 from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply
 from lorabench.kernels.moe_lora import moe_path as path
+from lorabench.kernels import moe_lora as moe_lora_module
 from lorabench.runtime.lora_meta import MetaBuffer
 
 # Triton's dot takes fp32 operands as TF32 on the GPU (10-bit mantissa): fp32 checks loosen there.
@@ -57,10 +58,11 @@ def test_the_grouped_gemm_matches_torch_with_and_without_routing_weights(dtype, 
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
 
 
-def expert_case(tokens, slots, dtype, w2, gen, experts=6, top_k=2, rank=16, max_loras=4):
+def expert_case(tokens, slots, dtype, w2, gen, experts=6, top_k=2, rank=16, max_loras=4, n_out=None):
     """One projection's ExpertCall (w13: 2 slices, x per token; w2: 1 slice, x per entry, weights)."""
     ids, weights = routing(tokens, experts, top_k, gen)
     k, n, s = (24, 40, 1) if w2 else (40, 24, 2)
+    n = n_out or n
     x = torch.randn(tokens * top_k if w2 else tokens, k, generator=gen).to(DEVICE, dtype)
     a = (torch.randn(s, max_loras, experts, rank, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
     b = (torch.randn(s, max_loras, experts, n, rank, generator=gen) * rank**-0.5).to(DEVICE, dtype)
@@ -92,6 +94,20 @@ def test_expert_lora_matches_the_reference_at_every_active_count_with_base_token
         slot_of_entry = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
         untouched = (slot_of_entry < 0) | (slot_of_entry == 2)  # base tokens, and slot 2 has no expert LoRA
         assert torch.equal(got.y[untouched], call.y[untouched])
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2, monkeypatch):
+    """Wide outputs (Mixtral's 14336) make each per-entry program walk several tiles with one h."""
+    monkeypatch.setattr(moe_lora_module, "PER_ENTRY_GROUPS", 1)
+    gen = torch.Generator().manual_seed(13)
+    slots = [0, -1, 3, 1]
+    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU
+    want = fresh(call)
+    reference.moe_lora_apply(want, meta, n, 0.5)
+    got = fresh(call)
+    moe_lora_apply(got, meta, n, 0.5, PER_ENTRY)
+    torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
 
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
