@@ -52,6 +52,7 @@
 #            the shapes each tuned, and how many of them chose one GPU's config
 #   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
 #   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers): results/moe/
+#   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 # Dask's wheels: .dask-wheels/ beside this checkout (scripts/dask-wheels.sh downloads them), installed here when present.
@@ -157,6 +158,13 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       /usr/bin/time -f "$stage wall %e s" lorabench sweep --spec sweeps/$stage.toml --out results/moe 2>&1 | tail -n 60 \
         | tee -a "$OUT/stages.log"
       tar czf "$OUT/$stage.tgz" results/moe ;;
+    moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/
+      /usr/bin/time -f "moe-adapters wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
+        --spec sweeps/moe-adapters.toml --out results/moe-adapters 2>&1 | tail -n 12 | tee -a "$OUT/stages.log"
+      run=$(ls -td results/moe-adapters/2*/ | head -1)
+      lorabench recommend "$run" --adapters 64 --workload zipf:1 2>&1 | tee -a "$OUT/recommend.log" | tail -n 16 \
+        | tee -a "$OUT/stages.log"
+      tar czf "$OUT/moe-adapters.tgz" results/moe-adapters ;;
     models)  # real models' configs at the card's points, triton vs vLLM, ranks 16, 64, 128: results/models/
       for rank in 16 64 128; do
         for spec in llama-3.1-8b llama-3.1-70b-tp4; do

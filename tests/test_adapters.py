@@ -17,6 +17,7 @@ from lorabench.runtime.adapters import LOADS, AdapterLoader, time_loads
 from lorabench.runtime.check import row_errors
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA, LoRALinear
+from lorabench.runtime.moe import MoEMLP
 from lorabench.runtime.timing import time_steps
 from lorabench.storage.samples import read_loads, read_samples
 
@@ -44,6 +45,37 @@ def test_a_load_copies_every_slice_of_every_linear_into_the_slot():
             assert torch.equal(x.lora_a[other], a[other]) and torch.equal(x.lora_b[other], b[other])
     if HAS_CUDA:
         assert all(h.is_pinned() for part in loader.bank for pair in part for h in pair)
+
+
+def test_a_moe_load_copies_every_experts_lora_as_vllm_does():
+    m = LlamaLoRA(resolve("tiny-moe"), max_loras=3, rank=8, max_tokens=8, context_len=16, dtype=DTYPE,
+                  device=DEVICE, seed=0)
+    loader = AdapterLoader(m)
+    experts = [x for x in m.modules() if isinstance(x, MoEMLP)]
+    dense = sum(len(x.slice_starts) - 1 for x in m.modules() if isinstance(x, LoRALinear))
+    assert experts and loader.ops == 4 * (dense + 3 * len(experts))  # w13's gate and up, w2: each A and B
+    before = [[w.clone() for w in (x.w13_a, x.w13_b, x.w2_a, x.w2_b)] for x in experts]
+    loader.load(0, 1)  # bank 1 holds slot 1's adapter
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    for x, old in zip(experts, before):
+        for w, o in zip((x.w13_a, x.w13_b, x.w2_a, x.w2_b), old):
+            assert torch.equal(w[:, 0], o[:, 1]) and torch.equal(w[:, 1:], o[:, 1:])
+
+
+def test_a_moe_sweep_with_adapters_times_expert_loads_and_recommend_prices_them(tmp_path, capsys):
+    code = main(["sweep", "--out", str(tmp_path), "--max-loras", "2", "--concurrency", "1,4", "--strategy", "max",
+                 "--kernels", "torch", "--iters", "8", "--warmup", "1", "--context-len", "16", "--workload", "uniform",
+                 "--adapters", "6", "--output-tokens", "4", "--device", DEVICE, "--model", "tiny-moe"])
+    assert code == 0
+    run = next(tmp_path.glob("*/points.parquet")).parent
+    df = pd.read_parquet(run / "points.parquet")
+    assert (df.status == "ok").all() and (df["mode"] == "residency").sum() == 1
+    assert df.load_alone_ms_median.notna().all() and (df.load_ops == 4 * 2 * (4 + 3)).all()
+    # per layer: q, k, v and o's slices, and the experts' w13 gate, up and w2 (tiny-moe: every MLP a MoE)
+    assert (df.lora_bytes_per_slot > df.expert_lora_bytes_per_slot).all()
+    assert main(["recommend", str(run), "--adapters", "6", "--workload", "uniform", "--output-tokens", "4"]) == 0
+    assert "--max-loras 2" in capsys.readouterr().out
 
 
 def test_loads_are_timed_in_a_step_and_alone():

@@ -3,6 +3,10 @@ for every LoRA linear of every layer and every slice of it, the slot's A and B a
 (``reset_lora``) and the adapter's copied in from pinned host memory (``set_lora``:
 ``copy_(..., non_blocking=True)``), on the step's own stream, so the step that needs the adapter
 waits for the copies. Host time of issuing them counts too: a step's CUDA events enclose both.
+A MoE layer's expert LoRA loads as vLLM's ``FusedMoEWithLoRA.set_lora`` loads it: per slice of
+w13 and for w2, the slot's A ``[E, R, K]`` and B ``[E, N, R]`` of every expert zeroed and copied
+whole (vLLM also writes an enabled flag per layer; lorabench keeps one for the model, set once
+when the model is built, so those 2 small writes per layer are not made).
 
 The host holds a small bank of adapters in pinned memory, each with one slot's shapes (the
 adapter at the slots' rank, as the model pads it), copied from the model's own slots; adapter
@@ -19,6 +23,7 @@ import torch
 
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA, LoRALinear
+from lorabench.runtime.moe import MoEMLP
 from lorabench.runtime.timing import Events, time_steps
 
 BANK = 2  # adapters held in pinned host memory
@@ -40,6 +45,10 @@ class AdapterLoader:
                 for s in range(slices):
                     self.parts.append((m.lora_a, slice(s * rows, (s + 1) * rows),
                                        m.lora_b, slice(m.slice_starts[s], m.slice_starts[s + 1])))
+            elif isinstance(m, MoEMLP):  # [S, L, E, ...]: each slice's slot is one contiguous block
+                every = slice(None)
+                for a, b in ((m.w13_a, m.w13_b), (m.w2_a, m.w2_b)):
+                    self.parts.extend((a[s], every, b[s], every) for s in range(a.shape[0]))
         pin = self.cuda
 
         def host(t: torch.Tensor) -> torch.Tensor:
