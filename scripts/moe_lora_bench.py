@@ -1,0 +1,160 @@
+"""Expert LoRA alone, every MoE layer of a model, one CUDA graph per step, on the GPU. (GPU only.)
+
+    python scripts/moe_lora_bench.py [--model qwen3-30b-a3b] [--max-loras 4]
+                                     [--points 1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4] [--json OUT.json]
+
+For each point (tokens : active adapters), one graph holds w13's and w2's expert LoRA of every MoE
+layer (each layer its own A and B in vLLM's layout, its own random routing, rank 16, bf16), as a
+decode step runs them, without the base MoE: the figure vLLM's issue tracker quotes for
+``fused_moe_lora``. Variants, all in the same process and timed in alternating turns:
+lorabench's per-entry path and sorted path (grid = the active count), each forced, and lorabench's
+rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
+(max_loras + 1) and with ``--specialize-active-lora``'s. Each variant's output is checked against
+the plain-torch reference on the first layer before it is timed. The sweep (``lorabench sweep``)
+measures whole steps; this isolates the expert-LoRA kernels and the path threshold.
+"""
+
+import argparse
+import json
+import random
+
+import numpy as np
+import torch
+
+from lorabench.config.batches import fixed_batch
+from lorabench.config.models import moe_layer, resolve
+from lorabench.kernels import reference
+from lorabench.kernels.moe_align import align_blocks
+from lorabench.kernels.moe_gemm import BLOCK_M
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply, moe_path
+from lorabench.runtime.graphs import capture_graph
+from lorabench.runtime.lora_meta import MetaBuffer
+from lorabench.runtime.timing import replay_ms
+
+RANK, REPLAYS, TOLERANCE = 16, 30, 5e-2  # bf16: relative error of the update against fp32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (TRITON_INTERPRET=1): a smoke of the script only
+
+
+def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall, ExpertCall]]:
+    """(w13's call, w2's call) of every MoE layer, each layer's tensors its own."""
+    dev, dt = torch.device(DEVICE), torch.bfloat16
+    e, k, h, inter = cfg.moe.experts, cfg.moe.top_k, cfg.hidden, cfg.moe.intermediate
+
+    def randn(*shape, std=1.0):
+        return torch.randn(*shape, device=dev, dtype=dt, generator=gen) * std
+
+    enabled = torch.ones(max_loras + 1, dtype=torch.int32, device=dev)
+    x = randn(tokens, h)
+    calls = []
+    for i in range(cfg.layers):
+        if not moe_layer(cfg, i):
+            continue
+        ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k, device=dev, generator=gen)
+        weights /= weights.sum(1, keepdim=True)
+        layout = align_blocks(ids, e, BLOCK_M)
+        w13 = ExpertCall(randn(tokens * k, 2 * inter), x, randn(2, max_loras, e, RANK, h, std=h**-0.5),
+                         randn(2, max_loras, e, inter, RANK, std=RANK**-0.5), ids, weights, False, layout, enabled)
+        w2 = ExpertCall(randn(tokens * k, h), randn(tokens * k, inter), randn(1, max_loras, e, RANK, inter, std=inter**-0.5),
+                        randn(1, max_loras, e, h, RANK, std=RANK**-0.5), ids, weights, True, layout, enabled)
+        calls.append((w13, w2))
+    return calls
+
+
+def variants(cfg, tokens: int, max_loras: int, slots: list[int]) -> dict:
+    """name -> (apply(call), the meta it reads, the path it runs)."""
+    buf = MetaBuffer(tokens, max_loras, torch.device(DEVICE))
+    packed, n = buf.pack(slots)
+    buf.load(packed)
+    e, k = cfg.moe.experts, cfg.moe.top_k
+    out = {
+        "lorabench": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0), moe_path(tokens, k, e, max_loras)),
+        "lorabench per-entry": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY), PER_ENTRY),
+        "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
+    }
+    try:
+        from lorabench.kernels import vllm_moe_lora
+        from lorabench.kernels.vllm_lora import VllmMeta, load_ops
+
+        kernel_meta = load_ops()[2].make(max_loras, tokens, torch.device(DEVICE))
+        kernel_meta.prepare_tensors(torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+        vpath = vllm_moe_lora.moe_path(tokens, k, e, max_loras)
+        for name, specialize in (("vllm", False), ("vllm --specialize-active-lora", True)):
+            meta = VllmMeta(kernel_meta, specialize)
+            out[name] = (lambda c, m=meta: vllm_moe_lora.moe_lora_apply(c, m, max_loras + 1, 1.0, load_ops), vpath)
+    except ImportError as err:
+        print(f"vLLM's kernels not measured: {err}")
+    return out, buf.meta
+
+
+def check(apply, calls, meta) -> float:
+    """Relative error of the first layer's updates against the reference."""
+    worst = 0.0
+    for call in calls[0]:
+        before = call.y.clone()
+        want = call._replace(y=before.float())
+        reference.moe_lora_apply(want, meta, 1, 1.0)
+        apply(call)
+        got = call.y.float() - before.float()
+        ref = want.y - before.float()
+        worst = max(worst, ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item())
+        call.y.copy_(before)
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--points", default="1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg = resolve(args.model)
+    if cfg.moe is None:
+        ap.error(f"{args.model} is not a mixture-of-experts model")
+    points = []
+    for p in args.points.split(","):
+        fields = p.split(":")
+        if len(fields) != 2 or not all(f.isdigit() for f in fields):
+            ap.error(f"point {p!r} is not tokens:active")
+        points.append(tuple(int(f) for f in fields))
+    print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU: no timings'}, {cfg.name}: expert LoRA of every MoE layer (w13 + w2, rank {RANK}, bf16), "
+          f"max_loras {args.max_loras}; ms per step, median of {REPLAYS} graph replays [p10, p90]")
+    rows = []
+    for tokens, active in points:
+        gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
+        calls = layer_calls(cfg, tokens, args.max_loras, gen)
+        slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens))
+        chosen, meta = variants(cfg, tokens, args.max_loras, slots)
+        graphs = {}
+        for name, (apply, path) in chosen.items():
+            err = check(apply, calls, meta)
+
+            def step(apply=apply):
+                for w13, w2 in calls:
+                    apply(w13)
+                    apply(w2)
+
+            graphs[name] = (capture_graph(step) if DEVICE == "cuda" else step, path, err)
+        times = {name: [] for name in graphs}
+        for _ in range(REPLAYS if DEVICE == "cuda" else 1):
+            for name, (g, _, _) in graphs.items():
+                times[name].append(replay_ms(g) if DEVICE == "cuda" else float("nan"))
+        for name, (_, path, err) in graphs.items():
+            t = np.array(times[name])
+            row = {"model": cfg.name, "max_loras": args.max_loras, "tokens": tokens, "active": active, "variant": name,
+                   "path": path, "ms": float(np.median(t)), "p10": float(np.percentile(t, 10)),
+                   "p90": float(np.percentile(t, 90)), "rel_err": err, "correct": err < TOLERANCE, "samples": t.tolist()}
+            rows.append(row)
+            flag = "" if row["correct"] else "  WRONG"
+            print(f"c={tokens:<3d} n={active:<3d} {name:30s} {path:9s} {row['ms']:7.3f} [{row['p10']:.3f}, {row['p90']:.3f}]"
+                  f"  err {err:.1e}{flag}")
+        del calls, graphs
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
