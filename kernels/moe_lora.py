@@ -144,7 +144,7 @@ def _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_
 def _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M: tl.constexpr):
     """Adapter column ``z``'s slot for block ``pid_m``, or -1 where it has nothing to do: a column
     past the batch's active slots, a slot without expert LoRA, a block past the padded count."""
-    slot = tl.load(active_ptr + z).to(tl.int64)
+    slot = tl.load(active_ptr + z)  # int32: the branches below keep its type
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         slot = -1
     if slot >= 0:
@@ -178,6 +178,7 @@ def _sorted_shrink_kernel(
     slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
     if slot < 0:
         return
+    slot = slot.to(tl.int64)
     entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
@@ -225,6 +226,7 @@ def _sorted_expand_kernel(
     slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
     if slot < 0:
         return
+    slot = slot.to(tl.int64)
     entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
