@@ -62,7 +62,7 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
 
 
 def variants(cfg, tokens: int, max_loras: int, slots: list[int]) -> dict:
-    """name -> (apply(call), the meta it reads, the path it runs)."""
+    """({name: (apply(call), the path it runs)}, the batch's LoRAMeta the reference reads)."""
     buf = MetaBuffer(tokens, max_loras, torch.device(DEVICE))
     packed, n = buf.pack(slots)
     buf.load(packed)
