@@ -22,3 +22,8 @@ def test_a_moe_sweep_checks_every_graph_and_records_the_expert_lora_path(tmp_pat
     assert (df.lora_bytes_per_slot > df.expert_lora_bytes_per_slot).all()  # attention LoRA too
     paths = df.groupby("concurrency").moe_lora_path.unique().to_dict()
     assert list(paths[1]) == ["per-entry"] and list(paths[12]) == ["sorted"]  # 2 vs 24 routed entries
+    assert main(["report", str(next(tmp_path.glob("*/points.parquet")).parent)]) == 0
+    report = next(tmp_path.glob("*/report.md")).read_text()
+    section = report.split("## Expert LoRA's path")[1].split("\n## ")[0]
+    assert "| 1 | 1 | per-entry |" in section and "| 12 | 12 | sorted |" in section
+    assert "per-entry (specialisation moot for the experts) at c = 1" in section

@@ -11,6 +11,7 @@ from lorabench.commands.report.agnostic import agnostic_md
 from lorabench.commands.report.backends import backends_md, padding_md
 from lorabench.commands.report.correctness import correctness_md, hypothesis_verdict  # noqa: F401  (tests read it here)
 from lorabench.commands.report.labels import strategies, unit
+from lorabench.commands.report.moe import moe_md
 from lorabench.commands.report.recommendation import recommendation_md
 from lorabench.commands.report.roofline import roofline_md
 from lorabench.commands.tables import cell, index, markdown_table, mib
@@ -162,6 +163,7 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
         out += backends_md(over, cfg, u, plots["backends"], samples)
     out += padding_md(over, u, samples)
     out += agnostic_md(over, cfg, u)
+    out += moe_md(over, u)
     out += roofline_md(fl, plots.get("roofline"))
     if not exp.empty:
         out += [f"## Expected step under each workload ({u})", "",
