@@ -64,14 +64,6 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
 
 
 @triton.jit
-def _output_tile(pid_n, NS, R, N_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program column ``pid_n``'s slice, its output columns within the slice and the rank's lanes."""
-    offs_n = (pid_n % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    return pid_n // N_TILES, offs_n, offs_n < NS, offs_r, offs_r < R
-
-
-@triton.jit
 def _per_entry_kernel(
     x_ptr, a_ptr, b_ptr, y_ptr,
     topk_ptr,  # [numel] each entry's expert
@@ -213,14 +205,15 @@ def _sorted_expand_kernel(
     stride_hs, stride_hp,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_ym,
-    N_TILES: tl.constexpr,
+    GROUPS: tl.constexpr,  # program columns per slice
+    N_LOOP: tl.constexpr,  # output tiles each program walks, its h and routing weights loaded once
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """y[p, slice s, tile] += B[s, slot, e][tile] @ h[s, p] (· routing weight) for the same entries."""
+    """y[p, slice s, tiles] += B[s, slot, e][tiles] @ h[s, p] (· routing weight) for the same entries."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
@@ -231,22 +224,31 @@ def _sorted_expand_kernel(
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    s, offs_n, n_mask, offs_r, r_mask = _output_tile(pid_n, NS, R, N_TILES, BLOCK_N, BLOCK_R)
+    s = pid_n // GROUPS
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.load(h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :],
                 mask=mine[:, None] & r_mask[None, :], other=0.0)
-    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
-    b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None], other=0.0)
     if UPCAST:
         h = h.to(tl.float32)
-        b = b.to(tl.float32)
-    delta = tl.dot(h, b)
     if MUL_WEIGHT:
-        delta *= tl.load(routed_ptr + entry, mask=mine, other=0.0)[:, None]
-    out = y_ptr + entry[:, None] * stride_ym + s * NS + offs_n[None, :]
-    mask = mine[:, None] & n_mask[None, :]
-    cur = tl.load(out, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        weight = tl.load(routed_ptr + entry, mask=mine, other=0.0)
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
+        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NS
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None],
+                    other=0.0)
+        if UPCAST:
+            b = b.to(tl.float32)
+        delta = tl.dot(h, b)
+        if MUL_WEIGHT:
+            delta *= weight[:, None]
+        out = y_ptr + entry[:, None] * stride_ym + s * NS + offs_n[None, :]
+        mask = mine[:, None] & n_mask[None, :]
+        cur = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _strides(call: ExpertCall):
@@ -256,10 +258,25 @@ def _strides(call: ExpertCall):
     return (call.x.stride(0), *a.stride()[:4], *b.stride()[:4], call.y.stride(0))
 
 
+def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, int]:
+    """The sorted expand's (program columns per slice, output tiles each walks). ``programs``
+    None: one program per tile (what the committed MoE figures ran). Else the fewest columns that
+    still give about ``programs`` programs per adapter column over the ``busy`` (block, slice) pairs
+    that can hold entries (at most min(entries, experts) blocks per slice): every program of an
+    adapter column that has nothing to do still costs a launch slot, and at 16 slots those empty
+    programs cost Qwen3-30B-A3B's step 0.2 ms per column."""
+    if programs is None:
+        return n_tiles, 1
+    groups = max(1, min(n_tiles, triton.cdiv(programs, max(1, busy))))
+    n_loop = triton.cdiv(n_tiles, groups)
+    return triton.cdiv(n_tiles, n_loop), n_loop
+
+
 def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
-                   path_name: str | None = None) -> None:
+                   path_name: str | None = None, expand_programs: int | None = None) -> None:
     """``call.y += expert LoRA`` with lorabench's kernels, on ``path_name`` (``PER_ENTRY`` or
-    ``SORTED``; None: the one ``moe_path`` chooses). The triton and fused backends' MoE op."""
+    ``SORTED``; None: the one ``moe_path`` chooses), the sorted expand's programs per adapter column
+    as ``expand_groups`` says. The triton and fused backends' MoE op."""
     if launch_count <= 0:
         return
     slices, max_loras, experts, rank, k = call.lora_a.shape
@@ -297,10 +314,10 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
         BLOCK_R=block_r, UPCAST=upcast, num_warps=4,
     )
     block_n = 32 if INTERPRET else 64
-    n_tiles = triton.cdiv(ns, block_n)
-    _sorted_expand_kernel[(blocks, slices * n_tiles, launch_count)](
+    groups, n_loop = expand_groups(triton.cdiv(ns, block_n), min(numel, experts) * slices, expand_programs)
+    _sorted_expand_kernel[(blocks, slices * groups, launch_count)](
         h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
         call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
-        N_TILES=n_tiles, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
         UPCAST=upcast, num_warps=4,
     )

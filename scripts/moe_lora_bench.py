@@ -2,6 +2,10 @@
 
     python scripts/moe_lora_bench.py [--model qwen3-30b-a3b] [--max-loras 4]
                                      [--points 1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4] [--json OUT.json]
+                                     [--expand-programs 512,2048]
+
+A point ``tokens:active:launch`` gives lorabench's kernels ``launch`` adapter columns (``max``'s
+graphs launch max_loras) instead of the active count.
 
 For each point (tokens : active adapters), one graph holds w13's and w2's expert LoRA of every MoE
 layer (each layer its own A and B in vLLM's layout, its own random routing, rank 16, bf16), as a
@@ -61,17 +65,24 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
     return calls
 
 
-def variants(cfg, tokens: int, max_loras: int, slots: list[int]) -> dict:
-    """({name: (apply(call), the path it runs)}, the batch's LoRAMeta the reference reads)."""
+def variants(cfg, tokens: int, max_loras: int, slots: list[int], expand_programs: list[int] = (),
+             launch: int | None = None) -> dict:
+    """({name: (apply(call), the path it runs)}, the batch's LoRAMeta the reference reads);
+    ``expand_programs``: the sorted path again with its expand grouped to about that many programs
+    per adapter column (``expand_groups``), one variant each; ``launch``: lorabench's adapter columns
+    (None: the active count, as pow2's graphs at a power of two; max_loras: as max's graphs)."""
     buf = MetaBuffer(tokens, max_loras, torch.device(DEVICE))
     packed, n = buf.pack(slots)
     buf.load(packed)
+    n = launch or n
     e, k = cfg.moe.experts, cfg.moe.top_k
     out = {
         "lorabench": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0), moe_path(tokens, k, e, max_loras)),
         "lorabench per-entry": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY), PER_ENTRY),
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
     }
+    for p in expand_programs:
+        out[f"lorabench sorted /{p}"] = (lambda c, p=p: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, p), SORTED)
     try:
         from lorabench.kernels import vllm_moe_lora
         from lorabench.kernels.vllm_lora import VllmMeta, load_ops
@@ -108,6 +119,9 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--points", default="1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--expand-programs", default="",
+                    help="comma-separated: the sorted path also with its expand grouped to about this many programs "
+                         "per adapter column")
     args = ap.parse_args()
     cfg = resolve(args.model)
     if cfg.moe is None:
@@ -115,17 +129,21 @@ def main() -> None:
     points = []
     for p in args.points.split(","):
         fields = p.split(":")
-        if len(fields) != 2 or not all(f.isdigit() for f in fields):
-            ap.error(f"point {p!r} is not tokens:active")
-        points.append(tuple(int(f) for f in fields))
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
+            ap.error(f"point {p!r} is not tokens:active[:launch]")
+        tokens, active, *launch = (int(f) for f in fields)
+        if launch and not active <= launch[0] <= args.max_loras:
+            ap.error(f"point {p!r}: its launch count must lie between the active count and --max-loras")
+        points.append((tokens, active, launch[0] if launch else None))
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU: no timings'}, {cfg.name}: expert LoRA of every MoE layer (w13 + w2, rank {RANK}, bf16), "
           f"max_loras {args.max_loras}; ms per step, median of {REPLAYS} graph replays [p10, p90]")
     rows = []
-    for tokens, active in points:
+    for tokens, active, launch in points:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens))
-        chosen, meta = variants(cfg, tokens, args.max_loras, slots)
+        grouped = [int(v) for v in args.expand_programs.split(",") if v]
+        chosen, meta = variants(cfg, tokens, args.max_loras, slots, grouped, launch)
         graphs = {}
         for name, (apply, path) in chosen.items():
             err = check(apply, calls, meta)
@@ -142,12 +160,12 @@ def main() -> None:
                 times[name].append(replay_ms(g) if DEVICE == "cuda" else float("nan"))
         for name, (_, path, err) in graphs.items():
             t = np.array(times[name])
-            row = {"model": cfg.name, "max_loras": args.max_loras, "tokens": tokens, "active": active, "variant": name,
+            row = {"model": cfg.name, "max_loras": args.max_loras, "tokens": tokens, "active": active, "launch": launch or active, "variant": name,
                    "path": path, "ms": float(np.median(t)), "p10": float(np.percentile(t, 10)),
                    "p90": float(np.percentile(t, 90)), "rel_err": err, "correct": err < TOLERANCE, "samples": t.tolist()}
             rows.append(row)
             flag = "" if row["correct"] else "  WRONG"
-            print(f"c={tokens:<3d} n={active:<3d} {name:30s} {path:9s} {row['ms']:7.3f} [{row['p10']:.3f}, {row['p90']:.3f}]"
+            print(f"c={tokens:<3d} n={active:<3d} g={launch or active:<3d} {name:30s} {path:9s} {row['ms']:7.3f} [{row['p10']:.3f}, {row['p90']:.3f}]"
                   f"  err {err:.1e}{flag}")
         del calls, graphs
         torch.cuda.empty_cache()

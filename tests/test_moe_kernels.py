@@ -9,7 +9,7 @@ from conftest import DEVICE
 from lorabench.kernels import get_backend, reference, torch_lora
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
-from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, expand_groups, moe_lora_apply
 from lorabench.kernels.moe_lora import moe_path as path
 from lorabench.kernels import moe_lora as moe_lora_module
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -108,6 +108,34 @@ def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2,
     got = fresh(call)
     moe_lora_apply(got, meta, n, 0.5, PER_ENTRY)
     torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("programs", [1, 2, 10**6], ids=["one-column", "two-tiles-each", "a-tile-each"])
+def test_sorted_expand_programs_walking_several_output_tiles_match_the_reference(w2, programs):
+    """The sorted expand with fewer program columns than output tiles (each walking several with
+    one h), and with a partial last group; base tokens and a slot without expert LoRA mixed in."""
+    gen = torch.Generator().manual_seed(17)
+    slots = [0, -1, 3, 1, 2, 3]
+    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU
+    want = fresh(call)
+    reference.moe_lora_apply(want, meta, n, 0.5)
+    got = fresh(call)
+    moe_lora_apply(got, meta, n, 0.5, SORTED, expand_programs=programs)
+    torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
+    rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
+    assert torch.equal(got.y[(rows < 0) | (rows == 2)], call.y[(rows < 0) | (rows == 2)])
+
+
+def test_expand_groups_cover_every_tile_with_the_fewest_columns_for_the_programs_asked():
+    assert expand_groups(24, 256, None) == (24, 1)  # one program per tile
+    assert expand_groups(12, 256, 1024) == (4, 3)  # Qwen3-30B-A3B w13 at 64 tokens: 128 blocks x 2 slices
+    assert expand_groups(12, 16, 1024) == (12, 1)  # few busy blocks: every tile its own program
+    assert expand_groups(3, 8, 16) == (2, 2)  # a partial last group: 2 columns walk tiles 0-1 and 2
+    for tiles in range(1, 40):
+        for busy in (1, 7, 300):
+            groups, loop = expand_groups(tiles, busy, 512)
+            assert groups * loop >= tiles > (groups - 1) * loop  # every tile, no empty column
 
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
