@@ -3,6 +3,7 @@ spec-file key and the checks of its value follow, and the options rows copy from
 columns of the row, of the same type. The next option is one declaration."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,12 @@ def test_the_next_option_is_one_declaration():
 def test_a_flag_on_by_default_is_turned_off_by_no():
     assert OPTIONS["check"].flags == ("--no-check",) and OPTIONS["fully_sharded_loras"].flags == ("--fully-sharded-loras",)
     assert OPTIONS["rank"].flags == ("--rank", "--max-lora-rank")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "sweeps").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_sweep_spec_builds_on_an_h200(path):
+    """The specs BENCHMARKS.md's commands name: each key known, each value valid, each model built,
+    on a machine like the one they were written for (memory not checked: unknown)."""
+    spec, _ = build_spec({}, path, Machine(cuda=True, gpu_name="NVIDIA H200"))
+    assert spec.model_config is not None and spec.concurrency
