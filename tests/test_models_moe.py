@@ -67,7 +67,7 @@ def test_a_transformers_too_old_for_the_model_type_reads_the_files_own_values(na
 def test_the_built_in_tiny_moe_presets():
     moe, shared = resolve("tiny-moe"), resolve("tiny-moe-shared")
     assert (moe.layers, moe.hidden, moe.heads, moe.kv_heads, moe.intermediate, moe.vocab) == (2, 128, 4, 2, 256, 512)
-    assert moe.moe == MoE(experts=8, top_k=2, intermediate=64, renormalize=True) and not moe.qkv_bias
+    assert moe.moe == MoE(experts=16, top_k=2, intermediate=64, renormalize=True) and not moe.qkv_bias
     assert shared.moe == MoE(experts=6, top_k=2, intermediate=64, renormalize=False, shared_intermediate=96,
                              shared_gate=True, dense_layers=(1,))
     assert shared.qkv_bias and [moe_layer(shared, i) for i in range(2)] == [True, False]
