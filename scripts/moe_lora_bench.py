@@ -2,7 +2,7 @@
 
     python scripts/moe_lora_bench.py [--model qwen3-30b-a3b] [--max-loras 4]
                                      [--points 1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4] [--json OUT.json]
-                                     [--expand-programs 512,2048]
+                                     [--expand-programs 512,2048] [--base-tokens 1]
 
 A point ``tokens:active:launch`` gives lorabench's kernels ``launch`` adapter columns (``max``'s
 graphs launch max_loras) instead of the active count.
@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--points", default="1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--base-tokens", type=int, default=0,
+                    help="this many of each point's tokens use no adapter (slot -1): vLLM's active_lora_ids then "
+                         "start with -1, which --specialize-active-lora's grid may cut an adapter for")
     ap.add_argument("--expand-programs", default="",
                     help="comma-separated: the sorted path also with its expand grouped to about this many programs "
                          "per adapter column")
@@ -134,6 +137,9 @@ def main() -> None:
         tokens, active, *launch = (int(f) for f in fields)
         if launch and not active <= launch[0] <= args.max_loras:
             ap.error(f"point {p!r}: its launch count must lie between the active count and --max-loras")
+        if not 1 <= active <= min(tokens - args.base_tokens, args.max_loras):
+            ap.error(f"point {p!r}: {active} active adapters do not fit {tokens} tokens with --base-tokens "
+                     f"{args.base_tokens} and --max-loras {args.max_loras}")
         points.append((tokens, active, launch[0] if launch else None))
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU: no timings'}, {cfg.name}: expert LoRA of every MoE layer (w13 + w2, rank {RANK}, bf16), "
           f"max_loras {args.max_loras}; ms per step, median of {REPLAYS} graph replays [p10, p90]")
@@ -141,7 +147,7 @@ def main() -> None:
     for tokens, active, launch in points:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
-        slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens))
+        slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
         grouped = [int(v) for v in args.expand_programs.split(",") if v]
         chosen, meta = variants(cfg, tokens, args.max_loras, slots, grouped, launch)
         graphs = {}
@@ -160,7 +166,8 @@ def main() -> None:
                 times[name].append(replay_ms(g) if DEVICE == "cuda" else float("nan"))
         for name, (_, path, err) in graphs.items():
             t = np.array(times[name])
-            row = {"model": cfg.name, "max_loras": args.max_loras, "tokens": tokens, "active": active, "launch": launch or active, "variant": name,
+            row = {"model": cfg.name, "max_loras": args.max_loras, "tokens": tokens, "active": active, "launch": launch or active,
+                   "base_tokens": args.base_tokens, "variant": name,
                    "path": path, "ms": float(np.median(t)), "p10": float(np.percentile(t, 10)),
                    "p90": float(np.percentile(t, 90)), "rel_err": err, "correct": err < TOLERANCE, "samples": t.tolist()}
             rows.append(row)
