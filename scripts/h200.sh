@@ -52,6 +52,9 @@
 #            the shapes each tuned, and how many of them chose one GPU's config
 #   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
 #   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers): results/moe/
+#   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
+#            paths (and the sorted expand grouped to 512, 2048 programs) at pow2's and max's launch counts vs vLLM's
+#            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]): $OUT/bench-<model>.json
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
@@ -158,6 +161,12 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       /usr/bin/time -f "$stage wall %e s" lorabench sweep --spec sweeps/$stage.toml --out results/moe 2>&1 | tail -n 60 \
         | tee -a "$OUT/stages.log"
       tar czf "$OUT/$stage.tgz" results/moe ;;
+    moe-bench)  # the expert LoRA alone: which path, which expand grouping, and vLLM's specialised sorted path's check
+      for m in qwen3-30b-a3b mixtral-8x7b; do
+        python3 scripts/moe_lora_bench.py --model "$m" --max-loras "${MB_LORAS:-16}" \
+          --points "${MB_POINTS:-2:1,2:1:16,8:4,8:4:16,32:8,32:8:16,64:16}" --expand-programs 512,2048 --base-tokens 1 \
+          --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
+      done ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/
       /usr/bin/time -f "moe-adapters wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
         --spec sweeps/moe-adapters.toml --out results/moe-adapters 2>&1 | tail -n 12 | tee -a "$OUT/stages.log"
