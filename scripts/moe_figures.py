@@ -24,14 +24,20 @@ from lorabench.storage.samples import read_samples, step_times
 
 
 def table(df: pd.DataFrame, kernels: str, strategy: str) -> pd.DataFrame:
+    """The backend's fixed points with n > 0, each with its run's n = 0 step, keyed (run, max_loras, c, n)."""
     fixed = df[(df["mode"] == "fixed") & (df.kernels == kernels) & (df.strategy == strategy) & (df.status == "ok")]
-    base = fixed[fixed.n_active == 0].set_index(["max_loras", "concurrency"])
+    base = fixed[fixed.n_active == 0].set_index(["run", "max_loras", "concurrency"])
     out = fixed[fixed.n_active > 0].copy()
-    key = list(zip(out.max_loras, out.concurrency))
+    key = list(zip(out.run, out.max_loras, out.concurrency))
     out["base_ms"] = [base.step_ms_median.get(k) for k in key]
     out["base_point"] = [base.point.get(k) for k in key]
     out["overhead_ms"] = out.step_ms_median - out.base_ms
-    return out.set_index(["max_loras", "concurrency", "n_active"])
+    return out.dropna(subset=["base_ms"]).set_index(["run", "max_loras", "concurrency", "n_active"])
+
+
+def interval(rs: Resampler, samples: dict, statistic, points):
+    """The statistic's 95 % interval, or None where a point kept too few samples or none."""
+    return rs.interval(statistic) if all(p in samples for p in points) else None
 
 
 def main() -> None:
@@ -42,6 +48,7 @@ def main() -> None:
     parts, samples = [], {}
     for i, run in enumerate(args.run):  # points are keyed (run, point): each run numbers its own
         part = pd.read_parquet(Path(run) / "points.parquet")
+        part["run"] = i
         part["point"] = [(i, int(p)) for p in part.point]
         parts.append(part)
         samples.update({(i, int(p)): x for p, x in step_times(read_samples(Path(run))).items()})
@@ -50,6 +57,7 @@ def main() -> None:
     first = df.iloc[0]
     layers_bytes = first.expert_lora_bytes_per_slot / first.experts  # one (slot, expert) pair, every layer
     dense_bytes = first.lora_bytes_per_slot - first.expert_lora_bytes_per_slot  # one adapter's attention LoRA
+    wanted = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
     ours = table(df, "triton", "pow2")
     for strategy, label in (("max", "vLLM default"), ("pow2", "vLLM --specialize-active-lora")):
         theirs = table(df, "vllm", strategy)
@@ -57,43 +65,42 @@ def main() -> None:
         print("| max_loras, c, n | base step ms | lorabench +ms | vLLM +ms | ratio [95 % interval] | lorabench share |"
               " floor µs | x floor | paths (ours / vLLM) |")
         print("|---|---|---|---|---|---|---|---|---|")
-        keys = sorted(set(ours.index) & set(theirs.index))
-        wanted = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
-        for key in keys if strategy == "max" else [k for k in keys if k in wanted]:
+        for key in sorted(set(ours.index) & set(theirs.index)):  # both backends within one run
+            point = tuple(int(v) for v in key[1:])
+            if strategy != "max" and point not in wanted:
+                continue
             o, t = ours.loc[key], theirs.loc[key]
-            pairs = min(key[1] * first.top_k, key[2] * first.experts)
-            floor_bytes = pairs * layers_bytes + key[2] * dense_bytes
+            pairs = min(point[1] * first.top_k, point[2] * first.experts)
+            floor_bytes = pairs * layers_bytes + point[2] * dense_bytes
             floor_us = floor_bytes / (o.probe_copy_gbs * 1e9) * 1e6 if pd.notna(o.probe_copy_gbs) else float("nan")
-            mark = " **" if key in wanted else ""
-            if o.point[0] != t.point[0] or o.base_point is None or t.base_point is None:
-                continue  # measured in different runs
             on, o0, tn, t0 = o.point, o.base_point, t.point, t.base_point
-            iv = rs.interval(lambda m: (m[on] - m[o0]) / (m[tn] - m[t0]))  # noqa: B023  (called here, at once)
+            iv = interval(rs, samples, lambda m: (m[on] - m[o0]) / (m[tn] - m[t0]), (on, o0, tn, t0))  # noqa: B023
             spread = f" [{iv.low:.2f}, {iv.high:.2f}]" if iv is not None else " [no interval]"
-            print(f"| {int(key[0])}, {int(key[1])}, {int(key[2])}{mark} | {o.base_ms:.3f} | {o.overhead_ms:.3f} | {t.overhead_ms:.3f} | "
+            mark = " **" if point in wanted else ""
+            print(f"| {point[0]}, {point[1]}, {point[2]}{mark} | {o.base_ms:.3f} | {o.overhead_ms:.3f} | {t.overhead_ms:.3f} | "
                   f"{o.overhead_ms / t.overhead_ms:.2f}{spread} | {o.overhead_ms / o.base_ms:+.1%} | {floor_us:.0f} | "
                   f"{o.overhead_ms * 1e3 / floor_us:.1f} | {o.moe_lora_path} / {t.moe_lora_path} |")
-    print(f"\n{first.model}: overhead ms at n = 1, max vs pow2 (path)")
+    print(f"\n{first.model}: overhead ms at n = 1, max vs pow2 (path; pow2's step against max's, same worker)")
     print("| backend | max_loras | " + " | ".join(f"c={c}" for c in sorted(df.concurrency.unique())) + " |")
     print("|---|---|" + "---|" * df.concurrency.nunique())
     for kernels in ("triton", "vllm"):
         tabs = {s: table(df, kernels, s) for s in ("max", "pow2")}
-        for max_loras in sorted(df.max_loras.unique()):
+        for run, max_loras in sorted(set(zip(df.run, df.max_loras))):
             cells = []
             for c in sorted(df.concurrency.unique()):
-                key = (max_loras, c, 1)
+                key = (run, max_loras, c, 1)
                 if key not in tabs["max"].index or key not in tabs["pow2"].index:
                     cells.append("-")
                     continue
                 m, p = tabs["max"].loc[key], tabs["pow2"].loc[key]
-                iv = rs.interval(ratio_pct(m.point, p.point)) if m.point[0] == p.point[0] else None
+                iv = interval(rs, samples, ratio_pct(m.point, p.point), (m.point, p.point))
                 step = f", step {iv.estimate:+.1f} % [{iv.low:+.1f}, {iv.high:+.1f}]" if iv is not None else ""
                 cells.append(f"{m.overhead_ms:.3f} / {p.overhead_ms:.3f} ({p.moe_lora_path}{step})")
             print(f"| {kernels} | {max_loras} | " + " | ".join(cells) + " |")
-    checks = df.groupby(["kernels", "strategy", "max_loras"]).check_detail.first()
+    checks = df.groupby(["run", "kernels", "strategy", "max_loras"]).check_detail.first()
     print("\nchecks:")
-    for key, detail in checks.items():
-        print(f"- {key}: {str(detail)[:300]}")
+    for (run, *key), detail in checks.items():
+        print(f"- {args.run[run]} {tuple(key)}: {str(detail)[:300]}")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,14 @@ def main() -> None:
                     help="comma-separated: the sorted path also with its expand grouped to about this many programs "
                          "per adapter column")
     args = ap.parse_args()
+    if args.base_tokens < 0:
+        ap.error(f"--base-tokens {args.base_tokens}: a count of tokens, 0 or more")
+    try:
+        grouped = [int(v) for v in args.expand_programs.split(",") if v]
+    except ValueError:
+        ap.error(f"--expand-programs {args.expand_programs!r}: comma-separated program counts")
+    if any(v < 1 for v in grouped):
+        ap.error(f"--expand-programs {args.expand_programs!r}: each count at least 1")
     cfg = resolve(args.model)
     if cfg.moe is None:
         ap.error(f"{args.model} is not a mixture-of-experts model")
@@ -148,7 +156,6 @@ def main() -> None:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
-        grouped = [int(v) for v in args.expand_programs.split(",") if v]
         chosen, meta = variants(cfg, tokens, args.max_loras, slots, grouped, launch)
         graphs = {}
         for name, (apply, path) in chosen.items():

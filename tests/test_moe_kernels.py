@@ -111,10 +111,14 @@ def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2,
 
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-@pytest.mark.parametrize("programs", [1, 2, 10**6], ids=["one-column", "two-tiles-each", "a-tile-each"])
-def test_sorted_expand_programs_walking_several_output_tiles_match_the_reference(w2, programs):
+@pytest.mark.parametrize("groups,n_loop", [(3, 1), (1, 3), (2, 2), (2, 3)],
+                         ids=["a-tile-each", "one-column", "partial-last-group", "a-column-past-the-end"])
+def test_sorted_expand_programs_walking_several_output_tiles_match_the_reference(w2, groups, n_loop, monkeypatch):
     """The sorted expand with fewer program columns than output tiles (each walking several with
-    one h), and with a partial last group; base tokens and a slot without expert LoRA mixed in."""
+    one h): 3 tiles of 32 over 72 outputs (the last partial), in columns of 1, 2 and 3 tiles, one
+    group walking past the slice's end; base tokens and a slot without expert LoRA mixed in."""
+    monkeypatch.setattr(moe_lora_module, "expand_groups", lambda n_tiles, busy, programs: (groups, n_loop))
+    programs = 1
     gen = torch.Generator().manual_seed(17)
     slots = [0, -1, 3, 1, 2, 3]
     call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU

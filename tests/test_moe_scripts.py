@@ -1,5 +1,5 @@
 """The MoE scripts behind BENCHMARKS.md, on the CPU (no timings): the expert-LoRA bench checks
-every variant it would time, and the figures script reads its runs."""
+every variant it would time, and the figures script reads the committed runs."""
 
 import json
 import subprocess
@@ -29,8 +29,27 @@ def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped
     assert {(r["tokens"], r["active"], r["launch"], r["base_tokens"]) for r in rows} == {(2, 1, 4, 1), (12, 2, 2, 1)}
 
 
-@pytest.mark.parametrize("point", ["1:2:1", "1:1:9", "one", "2:0", "2:3"])
-def test_the_expert_lora_bench_refuses_a_bad_point_in_one_line(point):
-    done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", "--points", point)
+@pytest.mark.parametrize("args,what", [(["--points", "1:2:1"], "point"), (["--points", "1:1:9"], "point"),
+                                       (["--points", "one"], "point"), (["--points", "2:0"], "point"),
+                                       (["--points", "2:3"], "point"), (["--base-tokens", "-1"], "--base-tokens"),
+                                       (["--expand-programs", "x"], "--expand-programs"),
+                                       (["--expand-programs", "0"], "--expand-programs")])
+def test_the_expert_lora_bench_refuses_bad_input_in_one_line(args, what):
+    done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("moe_lora_bench.py: error: point")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"moe_lora_bench.py: error: {what}")
+
+
+def test_the_figures_script_pairs_backends_within_each_run_with_and_without_samples(tmp_path):
+    run_dir = ROOT / "results" / "moe" / "qwen3-30b-a3b-ml4"
+    done = run("scripts/moe_figures.py", str(run_dir), str(run_dir))  # the same run twice: kept apart
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 4, 1, 1 **")]
+    assert len(rows) == 4 and len(set(rows)) == 2  # vs vLLM's default and its specialised grid, once per run
+    assert "0.50 [0.50, 0.51]" in rows[0]  # the ratio BENCHMARKS.md quotes, with its interval
+    bare = tmp_path / "run"
+    bare.mkdir()
+    (bare / "points.parquet").symlink_to(run_dir / "points.parquet")  # no samples/
+    done = run("scripts/moe_figures.py", str(bare))
+    assert done.returncode == 0, done.stderr
+    assert "0.50 [no interval]" in done.stdout
