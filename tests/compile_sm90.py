@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import base_ops, expand, fused_lora, launch, shrink, triton_lora
+from lorabench.kernels import base_ops, expand, fused_lora, launch, moe_align, moe_gemm, moe_lora, shrink, triton_lora
 
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -107,7 +107,10 @@ def record_launches():
     assert not launch.INTERPRET, "compile what the GPU runs: run without TRITON_INTERPRET"
     recs = {}
     for module, name in [(shrink, "_shrink_kernel"), (expand, "_expand_kernel"), (fused_lora, "_fused_kernel"),
-                         (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel")]:
+                         (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel"),
+                         (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
+                         (moe_lora, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
+                         (moe_lora, "_sorted_expand_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         setattr(module, name, recs[name])
@@ -142,6 +145,36 @@ def launch_everything(dtype, tokens):
     base_ops.rope_and_cache(torch.empty(tokens, (32 + 16) * 128, dtype=dtype), torch.empty(64, 64), torch.empty(64, 64),
                             torch.empty(tokens, dtype=torch.int64), cache, cache, 32, 8, pdl=True)
     base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), pdl=True)
+
+
+def launch_moe(dtype, tokens):
+    """The MoE launchers at Qwen3-30B-A3B's and Mixtral-8x7B's shapes (tensors allocated, never
+    touched): routing, the alignment (the base MoE's and vLLM's per slot), the grouped GEMMs, and
+    the expert LoRA of w13 and w2 on the per-entry path, the sorted path, and the sorted path with
+    its expand grouped (several output tiles per program)."""
+    loras, rank = 4, 16
+    meta = MetaBuffer(tokens, loras, "cpu").meta
+    for hidden, experts, top_k, inter in ((2048, 128, 8, 768), (4096, 8, 2, 14336)):
+        numel = tokens * top_k
+        ids, weights = torch.empty(tokens, top_k, dtype=torch.int64), torch.empty(tokens, top_k, dtype=torch.float32)
+        moe_gemm.route(torch.empty(tokens, experts, dtype=torch.float32), top_k, True, ids, weights)
+        layout = moe_align.align_blocks(ids, experts, moe_gemm.BLOCK_M)
+        moe_align.align_blocks(ids, experts, 16, loras, torch.empty(tokens, dtype=torch.int32),
+                               torch.empty(loras + 1, dtype=torch.int32), torch.empty(loras, dtype=torch.int32))
+        x, act = torch.empty(tokens, hidden, dtype=dtype), torch.empty(numel, inter, dtype=dtype)
+        moe_gemm.expert_gemm(x, torch.empty(experts, 2 * inter, hidden, dtype=dtype), ids, layout)
+        moe_gemm.expert_gemm(act, torch.empty(experts, hidden, inter, dtype=dtype), ids, layout, weights, x_per_entry=True)
+        enabled = torch.empty(loras, dtype=torch.int32)
+        w13 = moe_lora.ExpertCall(torch.empty(numel, 2 * inter, dtype=dtype), x,
+                                  torch.empty(2, loras, experts, rank, hidden, dtype=dtype),
+                                  torch.empty(2, loras, experts, inter, rank, dtype=dtype), ids, weights, False, layout, enabled)
+        w2 = moe_lora.ExpertCall(torch.empty(numel, hidden, dtype=dtype), act,
+                                 torch.empty(1, loras, experts, rank, inter, dtype=dtype),
+                                 torch.empty(1, loras, experts, hidden, rank, dtype=dtype), ids, weights, True, layout, enabled)
+        for call in (w13, w2):
+            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY)
+            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED)
+            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, expand_programs=512)
 
 
 def launch_ranks(dtype, tokens):
@@ -200,6 +233,8 @@ def main(part: str) -> int:
     for dtype in (torch.float16, torch.bfloat16):
         for tokens in (1, 8, 128):  # 128: more than one token tile, the slot-sorted tiles
             launch_everything(dtype, tokens)
+        for tokens in (1, 64):
+            launch_moe(dtype, tokens)
     for tokens in (1, 128):
         launch_ranks(torch.float16, tokens)
     compiled, seen = 0, set()
