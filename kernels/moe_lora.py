@@ -139,16 +139,46 @@ def _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_
 
 
 @triton.jit
-def _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M: tl.constexpr):
-    """Adapter column ``z``'s slot for block ``pid_m``, or -1 where it has nothing to do: a column
-    past the batch's active slots, a slot without expert LoRA, a block past the padded count."""
-    slot = tl.load(active_ptr + z)  # int32: the branches below keep its type
-    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
-        slot = -1
+def _column_slot(z, active_ptr, enabled_ptr):
+    """Adapter column ``z``'s slot, or -1 where it has nothing to do: a column past the batch's
+    active slots, a slot without expert LoRA."""
+    slot = tl.load(active_ptr + z)  # int32: the branch below keeps its type
     if slot >= 0:
         if tl.load(enabled_ptr + slot) == 0:
             slot = -1
     return slot
+
+
+@triton.jit
+def _shrink_block(
+    pid_m, slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
+    K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar, stride_hs, stride_hp,
+    X_PER_ENTRY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Block ``pid_m``'s h for slot ``slot``'s entries, slice ``s`` (nothing when it holds none)."""
+    entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rows = entry if X_PER_ENTRY else entry // top_k
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mine[:, None] & k_mask[None, :],
+                        other=0.0)
+            a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None],
+                        other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                a = a.to(tl.float32)
+            h += tl.dot(x, a)
+        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        out = h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :]
+        tl.store(out, (h * scale).to(h_ptr.dtype.element_ty), mask=mine[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -164,6 +194,7 @@ def _sorted_shrink_kernel(
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
     stride_hs, stride_hp,  # h [S, P, R]
+    BLOCK_PROGRAMS: tl.constexpr,  # 0: one program per block; else this many, each walking every BLOCK_PROGRAMS-th
     X_PER_ENTRY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,34 +202,60 @@ def _sorted_shrink_kernel(
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
 ):
     """h[s, p] = scale · A[s, slot, e] @ x[row(p)] for the block's entries p of the column's slot."""
-    pid_m = tl.program_id(0)
     s = tl.program_id(1)
-    slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
+    slot = _column_slot(tl.program_id(2), active_ptr, enabled_ptr)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
+    used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M  # the blocks that hold entries
+    if BLOCK_PROGRAMS == 0:
+        if tl.program_id(0) < used:
+            _shrink_block(tl.program_id(0), slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
+                          K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                          stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
+    else:
+        for pid_m in range(tl.program_id(0), used, BLOCK_PROGRAMS):
+            _shrink_block(pid_m, slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
+                          K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                          stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
+
+
+@triton.jit
+def _expand_block(
+    pid_m, slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr, token_slot_ptr,
+    NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be, stride_bn, stride_ym,
+    GROUPS: tl.constexpr, N_LOOP: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Block ``pid_m``'s update of its group ``pid_n`` of output tiles for slot ``slot``'s entries."""
     entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
-    if tl.max(mine.to(tl.int32), axis=0) == 0:
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rows = entry if X_PER_ENTRY else entry // top_k
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mine[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None],
-                    other=0.0)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        s = pid_n // GROUPS
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = tl.load(h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :],
+                    mask=mine[:, None] & r_mask[None, :], other=0.0)
         if UPCAST:
-            x = x.to(tl.float32)
-            a = a.to(tl.float32)
-        h += tl.dot(x, a)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    out = h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :]
-    tl.store(out, (h * scale).to(h_ptr.dtype.element_ty), mask=mine[:, None] & r_mask[None, :])
+            h = h.to(tl.float32)
+        if MUL_WEIGHT:
+            weight = tl.load(routed_ptr + entry, mask=mine, other=0.0)
+        b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+        for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
+            offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < NS
+            b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None],
+                        other=0.0)
+            if UPCAST:
+                b = b.to(tl.float32)
+            delta = tl.dot(h, b)
+            if MUL_WEIGHT:
+                delta *= weight[:, None]
+            out = y_ptr + entry[:, None] * stride_ym + s * NS + offs_n[None, :]
+            mask = mine[:, None] & n_mask[None, :]
+            cur = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -211,6 +268,7 @@ def _sorted_expand_kernel(
     stride_hs, stride_hp,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_ym,
+    BLOCK_PROGRAMS: tl.constexpr,  # as the shrink's
     GROUPS: tl.constexpr,  # program columns per slice
     N_LOOP: tl.constexpr,  # output tiles each program walks, its h and routing weights loaded once
     MUL_WEIGHT: tl.constexpr,
@@ -220,41 +278,22 @@ def _sorted_expand_kernel(
     UPCAST: tl.constexpr,
 ):
     """y[p, slice s, tiles] += B[s, slot, e][tiles] @ h[s, p] (· routing weight) for the same entries."""
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = _column_slot(pid_m, tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M)
+    slot = _column_slot(tl.program_id(2), active_ptr, enabled_ptr)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
-    entry, mine = _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_M)
-    if tl.max(mine.to(tl.int32), axis=0) == 0:
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    s = pid_n // GROUPS
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    h = tl.load(h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :],
-                mask=mine[:, None] & r_mask[None, :], other=0.0)
-    if UPCAST:
-        h = h.to(tl.float32)
-    if MUL_WEIGHT:
-        weight = tl.load(routed_ptr + entry, mask=mine, other=0.0)
-    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
-    for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
-        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < NS
-        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None],
-                    other=0.0)
-        if UPCAST:
-            b = b.to(tl.float32)
-        delta = tl.dot(h, b)
-        if MUL_WEIGHT:
-            delta *= weight[:, None]
-        out = y_ptr + entry[:, None] * stride_ym + s * NS + offs_n[None, :]
-        mask = mine[:, None] & n_mask[None, :]
-        cur = tl.load(out, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M
+    if BLOCK_PROGRAMS == 0:
+        if tl.program_id(0) < used:
+            _expand_block(tl.program_id(0), slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
+                          token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
+                          stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
+    else:
+        for pid_m in range(tl.program_id(0), used, BLOCK_PROGRAMS):
+            _expand_block(pid_m, slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
+                          token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
+                          stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
 
 
 def _strides(call: ExpertCall):
@@ -262,6 +301,15 @@ def _strides(call: ExpertCall):
     if a.stride(-1) != 1 or b.stride(-1) != 1 or call.x.stride(-1) != 1 or call.y.stride(-1) != 1:
         raise ValueError("expert LoRA needs x, y, A and B contiguous in their last dimension")
     return (call.x.stride(0), *a.stride()[:4], *b.stride()[:4], call.y.stride(0))
+
+
+class SortedTiling(NamedTuple):
+    """How the sorted path's programs cover its work; the defaults are what the committed MoE
+    figures ran. ``scripts/moe_lora_bench.py`` times the others side by side."""
+
+    expand_programs: int | None = None  # the expand's programs per adapter column (``expand_groups``); None: one per tile
+    block_programs: int | None = None  # programs over the expert blocks, each walking every block_programs-th
+    # block that holds entries; None: one per block of the static worst case, most of them empty at small batches
 
 
 def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, int]:
@@ -279,10 +327,10 @@ def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, i
 
 
 def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
-                   path_name: str | None = None, expand_programs: int | None = None) -> None:
+                   path_name: str | None = None, tiling: SortedTiling = SortedTiling()) -> None:
     """``call.y += expert LoRA`` with lorabench's kernels, on ``path_name`` (``PER_ENTRY`` or
-    ``SORTED``; None: the one ``moe_path`` chooses), the sorted expand's programs per adapter column
-    as ``expand_groups`` says. The triton and fused backends' MoE op."""
+    ``SORTED``; None: the one ``moe_path`` chooses), the sorted path's programs as ``tiling`` says.
+    The triton and fused backends' MoE op."""
     if launch_count <= 0:
         return
     slices, max_loras, experts, rank, k = call.lora_a.shape
@@ -313,17 +361,19 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     upcast = INTERPRET and call.x.dtype == torch.bfloat16
     x_s, a_s0, a_s1, a_s2, a_s3, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
-    _sorted_shrink_kernel[(blocks, slices, launch_count)](
+    walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
+    stride = tiling.block_programs or 0  # the kernels' BLOCK_PROGRAMS: 0 = one program per block
+    _sorted_shrink_kernel[(walkers, slices, launch_count)](
         call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
         k, rank, numel, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
-        X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M, BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64),
+        BLOCK_PROGRAMS=stride, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M, BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64),
         BLOCK_R=block_r, UPCAST=upcast, num_warps=4,
     )
     block_n = 32 if INTERPRET else 64
-    groups, n_loop = expand_groups(triton.cdiv(ns, block_n), min(numel, experts) * slices, expand_programs)
-    _sorted_expand_kernel[(blocks, slices * groups, launch_count)](
+    groups, n_loop = expand_groups(triton.cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
+    _sorted_expand_kernel[(walkers, slices * groups, launch_count)](
         h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
         call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
-        GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_PROGRAMS=stride, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
         UPCAST=upcast, num_warps=4,
     )

@@ -53,7 +53,7 @@
 #   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
 #   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers): results/moe/
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
-#            paths (and the sorted expand grouped to 512, 2048 programs) at pow2's and max's launch counts vs vLLM's
+#            paths (and the sorted path with its expand grouped to 512, 2048 programs, its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]): $OUT/bench-<model>.json
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
@@ -166,7 +166,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       [ "$l" -ge 16 ] && points="2:1,2:1:$l,8:4,8:4:$l,32:8,32:8:$l,64:16"
       for m in qwen3-30b-a3b mixtral-8x7b; do
         python3 scripts/moe_lora_bench.py --model "$m" --max-loras "$l" \
-          --points "${MB_POINTS:-$points}" --expand-programs 512,2048 --base-tokens 1 \
+          --points "${MB_POINTS:-$points}" --expand-programs 512,2048 --block-programs 132 --base-tokens 1 \
           --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
       done ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/

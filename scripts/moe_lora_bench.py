@@ -2,7 +2,7 @@
 
     python scripts/moe_lora_bench.py [--model qwen3-30b-a3b] [--max-loras 4]
                                      [--points 1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4] [--json OUT.json]
-                                     [--expand-programs 512,2048] [--base-tokens 1]
+                                     [--expand-programs 512,2048] [--block-programs 64] [--base-tokens 1]
 
 A point ``tokens:active:launch`` gives lorabench's kernels ``launch`` adapter columns (``max``'s
 graphs launch max_loras) instead of the active count.
@@ -30,7 +30,7 @@ from lorabench.config.models import moe_layer, resolve
 from lorabench.kernels import reference
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M
-from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, moe_lora_apply, moe_path
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, SortedTiling, moe_lora_apply, moe_path
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.timing import replay_ms
@@ -65,12 +65,11 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
     return calls
 
 
-def variants(cfg, tokens: int, max_loras: int, slots: list[int], expand_programs: list[int] = (),
+def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[SortedTiling] = (),
              launch: int | None = None) -> dict:
     """({name: (apply(call), the path it runs)}, the batch's LoRAMeta the reference reads);
-    ``expand_programs``: the sorted path again with its expand grouped to about that many programs
-    per adapter column (``expand_groups``), one variant each; ``launch``: lorabench's adapter columns
-    (None: the active count, as pow2's graphs at a power of two; max_loras: as max's graphs)."""
+    ``tilings``: the sorted path again under each (``SortedTiling``); ``launch``: lorabench's adapter
+    columns (None: the active count, as pow2's graphs at a power of two; max_loras: as max's graphs)."""
     buf = MetaBuffer(tokens, max_loras, torch.device(DEVICE))
     packed, n = buf.pack(slots)
     buf.load(packed)
@@ -81,8 +80,10 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], expand_programs
         "lorabench per-entry": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY), PER_ENTRY),
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
     }
-    for p in expand_programs:
-        out[f"lorabench sorted /{p}"] = (lambda c, p=p: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, p), SORTED)
+    for t in tilings:
+        name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else "") + (
+            f" b{t.block_programs}" if t.block_programs else "")
+        out[name] = (lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, t), SORTED)
     try:
         from lorabench.kernels import vllm_moe_lora
         from lorabench.kernels.vllm_lora import VllmMeta, load_ops
@@ -124,16 +125,24 @@ def main() -> None:
                          "start with -1, which --specialize-active-lora's grid may cut an adapter for")
     ap.add_argument("--expand-programs", default="",
                     help="comma-separated: the sorted path also with its expand grouped to about this many programs "
-                         "per adapter column")
+                         "per adapter column (variant 'sorted xN')")
+    ap.add_argument("--block-programs", default="",
+                    help="comma-separated: the sorted path also with this many programs walking the expert blocks "
+                         "that hold entries (variant 'sorted bN'); with --expand-programs, every pair too")
     args = ap.parse_args()
     if args.base_tokens < 0:
         ap.error(f"--base-tokens {args.base_tokens}: a count of tokens, 0 or more")
-    try:
-        grouped = [int(v) for v in args.expand_programs.split(",") if v]
-    except ValueError:
-        ap.error(f"--expand-programs {args.expand_programs!r}: comma-separated program counts")
-    if any(v < 1 for v in grouped):
-        ap.error(f"--expand-programs {args.expand_programs!r}: each count at least 1")
+    counts = {}
+    for flag in ("expand_programs", "block_programs"):
+        text = getattr(args, flag)
+        try:
+            counts[flag] = [int(v) for v in text.split(",") if v]
+        except ValueError:
+            ap.error(f"--{flag.replace('_', '-')} {text!r}: comma-separated program counts")
+        if any(v < 1 for v in counts[flag]):
+            ap.error(f"--{flag.replace('_', '-')} {text!r}: each count at least 1")
+    tilings = [SortedTiling(e, b) for e in [None, *counts["expand_programs"]] for b in [None, *counts["block_programs"]]
+               if e or b]
     cfg = resolve(args.model)
     if cfg.moe is None:
         ap.error(f"{args.model} is not a mixture-of-experts model")
@@ -156,7 +165,7 @@ def main() -> None:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
-        chosen, meta = variants(cfg, tokens, args.max_loras, slots, grouped, launch)
+        chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch)
         graphs = {}
         for name, (apply, path) in chosen.items():
             err = check(apply, calls, meta)

@@ -174,7 +174,8 @@ def launch_moe(dtype, tokens):
         for call in (w13, w2):
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY)
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED)
-            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, expand_programs=512)
+            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(expand_programs=512))
+            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(512, 64))
 
 
 def launch_ranks(dtype, tokens):

@@ -9,7 +9,7 @@ from conftest import DEVICE
 from lorabench.kernels import get_backend, reference, torch_lora
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
-from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, expand_groups, moe_lora_apply
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, SortedTiling, expand_groups, moe_lora_apply
 from lorabench.kernels.moe_lora import moe_path as path
 from lorabench.kernels import moe_lora as moe_lora_module
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -125,10 +125,33 @@ def test_sorted_expand_programs_walking_several_output_tiles_match_the_reference
     want = fresh(call)
     reference.moe_lora_apply(want, meta, n, 0.5)
     got = fresh(call)
-    moe_lora_apply(got, meta, n, 0.5, SORTED, expand_programs=programs)
+    moe_lora_apply(got, meta, n, 0.5, SORTED, SortedTiling(expand_programs=programs))
     torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
     assert torch.equal(got.y[(rows < 0) | (rows == 2)], call.y[(rows < 0) | (rows == 2)])
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("tiling", [SortedTiling(block_programs=1), SortedTiling(block_programs=3),
+                                    SortedTiling(block_programs=10**6), SortedTiling(expand_programs=1, block_programs=2)],
+                         ids=["one-walker", "three-walkers", "a-walker-each", "grouped-and-walked"])
+def test_sorted_programs_walking_the_expert_blocks_match_the_reference_at_every_active_count(w2, tiling):
+    """Fewer programs than expert blocks, each walking every k-th block that holds entries (the
+    static worst case has mostly empty blocks): every active count, base tokens, a slot without
+    expert LoRA; at the batch's launch count against the reference, at a short one (which drops
+    the slots past it) against the default tiling."""
+    gen = torch.Generator().manual_seed(19)
+    for slots in ([0], [-1, 1], [3, -1, 0, 3, 1], [1, 2, -1, -1, 0, 3] * 2):
+        call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen)
+        want = fresh(call)
+        reference.moe_lora_apply(want, meta, n, 0.5)
+        got = fresh(call)
+        moe_lora_apply(got, meta, n, 0.5, SORTED, tiling)
+        torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
+        short, walked = fresh(call), fresh(call)
+        moe_lora_apply(short, meta, 1, 0.5, SORTED)
+        moe_lora_apply(walked, meta, 1, 0.5, SORTED, tiling)
+        torch.testing.assert_close(walked.y.float(), short.y.float(), atol=TOL[DTYPES[0]], rtol=TOL[DTYPES[0]])
 
 
 def test_expand_groups_cover_every_tile_with_the_fewest_columns_for_the_programs_asked():

@@ -19,12 +19,12 @@ def run(*args) -> subprocess.CompletedProcess:
 def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped_and_with_base_tokens(tmp_path):
     out = tmp_path / "bench.json"
     done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", "--points", "2:1:4,12:2",
-               "--expand-programs", "1,512", "--base-tokens", "1", "--json", str(out))
+               "--expand-programs", "1,512", "--block-programs", "1", "--base-tokens", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
     names = {r["variant"] for r in rows if r["variant"].startswith("lorabench")}
-    assert names == {"lorabench", "lorabench per-entry", "lorabench sorted", "lorabench sorted /1",
-                     "lorabench sorted /512"}
+    assert names == {"lorabench", "lorabench per-entry", "lorabench sorted", "lorabench sorted x1", "lorabench sorted x512",
+                     "lorabench sorted b1", "lorabench sorted x1 b1", "lorabench sorted x512 b1"}
     assert all(r["correct"] for r in rows)
     assert {(r["tokens"], r["active"], r["launch"], r["base_tokens"]) for r in rows} == {(2, 1, 4, 1), (12, 2, 2, 1)}
 
@@ -33,7 +33,8 @@ def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped
                                        (["--points", "one"], "point"), (["--points", "2:0"], "point"),
                                        (["--points", "2:3"], "point"), (["--base-tokens", "-1"], "--base-tokens"),
                                        (["--expand-programs", "x"], "--expand-programs"),
-                                       (["--expand-programs", "0"], "--expand-programs")])
+                                       (["--expand-programs", "0"], "--expand-programs"),
+                                       (["--block-programs", "-2"], "--block-programs")])
 def test_the_expert_lora_bench_refuses_bad_input_in_one_line(args, what):
     done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
