@@ -51,7 +51,8 @@
 #            Dask LocalCluster of the two, each timed from process start, into results/tune-gpus/{one,local,dask};
 #            the shapes each tuned, and how many of them chose one GPU's config
 #   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
-#   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers): results/moe/
+#   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers; MOE_LORAS picks one
+#            max_loras, STAGE_TIMEOUT stops it resumably): results/moe/
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
 #            paths (and the sorted path with its expand grouped to 512, 2048 programs, its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]): $OUT/bench-<model>.json
@@ -158,8 +159,11 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       done
       tar czf "$OUT/moe-smoke.tgz" results/moe-smoke ;;
     moe-qwen3 | moe-mixtral)  # sweeps/moe-*.toml: lorabench's expert LoRA vs vLLM's fused_moe_lora: results/moe/
-      /usr/bin/time -f "$stage wall %e s" lorabench sweep --spec sweeps/$stage.toml --out results/moe 2>&1 | tail -n 60 \
-        | tee -a "$OUT/stages.log"
+      # One spec takes longer than a 10-minute call: MOE_LORAS (e.g. 4, then 16) splits it, STAGE_TIMEOUT stops
+      # it with its finished rows kept (then: lorabench sweep --resume results/moe/<run>).
+      lor=(); [ -n "${MOE_LORAS:-}" ] && lor=(--max-loras "$MOE_LORAS")
+      /usr/bin/time -f "$stage wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
+        --spec sweeps/$stage.toml "${lor[@]}" --out results/moe 2>&1 | tail -n 60 | tee -a "$OUT/stages.log"
       tar czf "$OUT/$stage.tgz" results/moe ;;
     moe-bench)  # the expert LoRA alone: which path, which expand grouping, and vLLM's specialised sorted path's check
       l=${MB_LORAS:-16}; points="2:1,2:1:$l,8:4,8:4:$l,64:$l"  # every point fits l >= 4
