@@ -18,9 +18,11 @@ Weights as vLLM lays them out (``vllm/lora/layers/fused_moe.py``), slices stacke
   like the dense kernels. The shrink writes each entry's h once (A read once per block and slot),
   and the expand's programs per output tile read it back: a fused kernel recomputing h in every
   output tile read A tens of times over (Mixtral's w13 has 224 tiles of 64) and cost more than
-  the second launch saves.
+  the second launch saves. ``SortedTiling`` sets how many programs cover the blocks and the
+  output tiles (by default one per block of the static worst case and one per tile).
 
-Which one a step takes is the backend's rule (``moe_path``), a function of the bucket's tokens.
+Which one a step takes is the backend's rule (``moe_path``), a function of the bucket's tokens and
+the layer's experts.
 """
 
 from typing import NamedTuple
