@@ -90,3 +90,16 @@ def test_every_shipped_sweep_spec_builds_on_an_h200(path):
     on a machine like the one they were written for (memory not checked: unknown)."""
     spec, _ = build_spec({}, path, Machine(cuda=True, gpu_name="NVIDIA H200"))
     assert spec.model_config is not None and spec.concurrency
+
+
+def test_active_counts_keep_n_0_and_skip_counts_a_concurrency_cannot_reach(tmp_path):
+    spec, _ = build_spec({"max_loras": [4], "concurrency": [1, 8], "strategy": ["max"], "active_counts": [4, 2],
+                          "out": str(tmp_path), "device": "cpu"}, None, Machine(cuda=False))
+    assert spec.active_counts == [0, 2, 4]
+    (job,) = plan(spec)
+    fixed = [(p.concurrency, p.n_active) for p in job.points if p.n_active is not None]
+    assert fixed == [(1, 0), (8, 0), (8, 2), (8, 4)]
+    every, _ = build_spec({"max_loras": [4], "concurrency": [1, 8], "strategy": ["max"], "out": str(tmp_path),
+                           "device": "cpu"}, None, Machine(cuda=False))
+    assert [(p.concurrency, p.n_active) for p in plan(every)[0].points if p.n_active is not None] == \
+        [(1, 0), (1, 1)] + [(8, n) for n in range(5)]

@@ -108,7 +108,7 @@ COPIED = [name for name in OPTIONS if name in {f.name for f in fields(Job)} - PE
 
 def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = "") -> list[Job]:
     """The workers' jobs, each with its points: for every concurrency c, every n in
-    0..min(c, max_loras) in fixed mode, then one workload run per workload. With --adapters the
+    0..min(c, max_loras) (or those of --active-counts, and 0) in fixed mode, then one workload run per workload. With --adapters the
     workload runs are residency runs, of the largest concurrency's clients only (the smaller
     concurrencies are the batch sizes its steps take). vLLM's kernels skip strategies vLLM has no
     grid for."""
@@ -122,6 +122,8 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                 points = []
                 for c in spec.concurrency:
                     for n in range(min(c, max_loras) + 1):
+                        if n and spec.active_counts is not None and n not in spec.active_counts:
+                            continue
                         points.append(Point(index, FIXED, c, n_active=n))
                         index += 1
                     if spec.adapters is None:

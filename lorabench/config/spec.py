@@ -157,6 +157,14 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
             raise UserError(f"{names('workload')}: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     check_adapters(spec, names)
+    if spec.active_counts is not None:
+        spec.active_counts = sorted(set(spec.active_counts) | {0})
+        if max(spec.active_counts) > max(spec.max_loras):
+            raise UserError(f"{names('active_counts')}: {max(spec.active_counts)} adapters cannot be active with at most "
+                            f"{max(spec.max_loras)} slots (--max-loras)")
+        if spec.adapters is not None or AUTO in spec.strategy:
+            raise UserError(f"{names('active_counts')}: residency runs (--adapters) and strategy auto price every active "
+                            "count; measure them all")
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
     if spec.fully_sharded_loras:
         check_fully_sharded(spec, names)

@@ -56,6 +56,11 @@ class SweepSpec:
     out: str = option("results", "Output root; the run goes to OUT/<run_id>")
     capture_sizes: list[int] | None = option(None, f"Batch buckets that get graphs, {LIST}", shown="the concurrency values",
                                              column=True)
+    active_counts: list[int] | None = option(None, f"Active adapter counts to measure at each concurrency, {LIST} (n = 0, "
+                                             "the step every overhead is taken against, always; a count above "
+                                             "min(c, max_loras) is skipped there): a workload whose mix reaches a "
+                                             "count left out gets no expected step",
+                                             shown="every n from 0 to min(c, max_loras)", minimum=0)
     check: bool = option(True, "Skip the correctness check of each configuration (the `correct` column)")
     auto_from: str | None = option(None, "Strategy auto: the run whose points price the capture sets (see "
                                    "`lorabench recommend`)")
