@@ -141,10 +141,14 @@ def _block_of_slot(pid_m, slot, sorted_ptr, token_slot_ptr, numel, top_k, BLOCK_
 
 
 @triton.jit
-def _column_slot(z, active_ptr, enabled_ptr):
+def _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M: tl.constexpr, BLOCK_PROGRAMS: tl.constexpr):
     """Adapter column ``z``'s slot, or -1 where it has nothing to do: a column past the batch's
-    active slots, a slot without expert LoRA."""
-    slot = tl.load(active_ptr + z)  # int32: the branch below keeps its type
+    active slots, a slot without expert LoRA, and (one program per block) a block past the padded
+    count, asked first so that its load is issued with the slot's."""
+    slot = tl.load(active_ptr + z)  # int32: the branches below keep its type
+    if BLOCK_PROGRAMS == 0:
+        if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+            slot = -1
     if slot >= 0:
         if tl.load(enabled_ptr + slot) == 0:
             slot = -1
@@ -205,17 +209,17 @@ def _sorted_shrink_kernel(
 ):
     """h[s, p] = scale · A[s, slot, e] @ x[row(p)] for the block's entries p of the column's slot."""
     s = tl.program_id(1)
-    slot = _column_slot(tl.program_id(2), active_ptr, enabled_ptr)
+    slot = _column_slot(tl.program_id(0), tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M,
+                        BLOCK_PROGRAMS)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
-    used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M  # the blocks that hold entries
     if BLOCK_PROGRAMS == 0:
-        if tl.program_id(0) < used:
-            _shrink_block(tl.program_id(0), slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
-                          K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
-                          stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
+        _shrink_block(tl.program_id(0), slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
+                      K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                      stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
     else:
+        used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M  # the blocks that hold entries
         for pid_m in range(tl.program_id(0), used, BLOCK_PROGRAMS):
             _shrink_block(pid_m, slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
                           K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
@@ -281,17 +285,17 @@ def _sorted_expand_kernel(
 ):
     """y[p, slice s, tiles] += B[s, slot, e][tiles] @ h[s, p] (· routing weight) for the same entries."""
     pid_n = tl.program_id(1)
-    slot = _column_slot(tl.program_id(2), active_ptr, enabled_ptr)
+    slot = _column_slot(tl.program_id(0), tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M,
+                        BLOCK_PROGRAMS)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
-    used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M
     if BLOCK_PROGRAMS == 0:
-        if tl.program_id(0) < used:
-            _expand_block(tl.program_id(0), slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
-                          token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
-                          stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
+        _expand_block(tl.program_id(0), slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
+                      token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
+                      stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
     else:
+        used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M
         for pid_m in range(tl.program_id(0), used, BLOCK_PROGRAMS):
             _expand_block(pid_m, slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
                           token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
@@ -363,6 +367,8 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     upcast = INTERPRET and call.x.dtype == torch.bfloat16
     x_s, a_s0, a_s1, a_s2, a_s3, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
+    if tiling.block_programs is not None and tiling.block_programs < 1:
+        raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
     walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
     stride = tiling.block_programs or 0  # the kernels' BLOCK_PROGRAMS: 0 = one program per block
     _sorted_shrink_kernel[(walkers, slices, launch_count)](

@@ -99,6 +99,8 @@ CASES = {
     "sweep active counts above the slots": sweep("--max-loras", "4", "--active-counts", "1,8",
                                                  "--active-counts: 8 adapters cannot be active with at most 4 slots"),
     "sweep active counts negative": sweep("--active-counts", "-1", "--active-counts"),
+    "sweep active counts of no adapter step": sweep("--concurrency", "1,2", "--max-loras", "4", "--active-counts", "0,4",
+                                                    "--active-counts: 0,4 measures no adapter step"),
     "sweep active counts with residency": sweep("--active-counts", "1", "--adapters", "8",
                                                 "--active-counts: residency runs (--adapters) and strategy auto"),
     "sweep unknown strategy": sweep("--strategy", "fastest", "unknown strategy"),

@@ -162,6 +162,10 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         if max(spec.active_counts) > max(spec.max_loras):
             raise UserError(f"{names('active_counts')}: {max(spec.active_counts)} adapters cannot be active with at most "
                             f"{max(spec.max_loras)} slots (--max-loras)")
+        reach = min(max(spec.concurrency), max(spec.max_loras))
+        if not any(1 <= n <= reach for n in spec.active_counts):
+            raise UserError(f"{names('active_counts')}: {','.join(map(str, spec.active_counts))} measures no adapter "
+                            f"step: at most {reach} adapters are active at these concurrencies and slots")
         if spec.adapters is not None or AUTO in spec.strategy:
             raise UserError(f"{names('active_counts')}: residency runs (--adapters) and strategy auto price every active "
                             "count; measure them all")

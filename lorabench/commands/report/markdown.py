@@ -54,6 +54,16 @@ def model_md(r) -> list[str]:
     return out
 
 
+def active_counts_md(run_info: dict) -> list[str]:
+    """The header's line for a run that measured some active counts only (``--active-counts``)."""
+    counts = (run_info.get("spec") or {}).get("active_counts")
+    if counts is None:
+        return []
+    return [f"- active counts measured: n = {', '.join(map(str, counts))} only (--active-counts); a workload whose mix "
+            "reaches another count has no expected step ('-' below), and a decision covers only the concurrencies "
+            "where every count its workload reaches was measured"]
+
+
 def auto_md(df: pd.DataFrame, exp: pd.DataFrame, run_info: dict, u: str, samples=None) -> list[str]:
     """Strategy auto: what the cost model (from the --auto-from run) predicted for the chosen
     set, next to what this run measured for it; the measured median against the prediction with
@@ -131,6 +141,7 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
         f"- sweep wall time: {wall}; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
         f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %, or a GPU slowdown or clock drop)",
         f"- timing: {u}; median of {_steps(df, r)} steps per point after {int(r.warmup)} warm-up steps",
+        *active_counts_md(run_info),
         f"- intervals: {INTERVALS if samples is not None else 'none: ' + NO_SAMPLES + ' (decisions on medians alone)'}",
         *gpu_md(view.gpus),
         "",

@@ -19,7 +19,7 @@ def moe_md(over: pd.DataFrame, u: str) -> list[str]:
         return []
     one = over[over.n_active == 1]
     if one.empty:
-        return []
+        return ["## Expert LoRA's path", "", "Not tabled: the run measured no n = 1 point (see --active-counts).", ""]
     strats = sorted(one.strategy.unique(), key=lambda s: (s != BASELINE, s))
     against = [s for s in strats if s != BASELINE] if BASELINE in strats else []  # each set's step vs max's
     out = ["## Expert LoRA's path", "",
