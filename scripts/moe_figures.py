@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lorabench.analysis.intervals import interval_of
 from lorabench.stats import Resampler, ratio_pct
 from lorabench.storage.samples import read_samples, step_times
 
@@ -33,11 +34,6 @@ def table(df: pd.DataFrame, kernels: str, strategy: str) -> pd.DataFrame:
     out["base_point"] = [base.point.get(k) for k in key]
     out["overhead_ms"] = out.step_ms_median - out.base_ms
     return out.dropna(subset=["base_ms"]).set_index(["run", "max_loras", "concurrency", "n_active"])
-
-
-def interval(rs: Resampler, samples: dict, statistic, points):
-    """The statistic's 95 % interval, or None where a point kept too few samples or none."""
-    return rs.interval(statistic) if all(p in samples for p in points) else None
 
 
 def main() -> None:
@@ -74,7 +70,7 @@ def main() -> None:
             floor_bytes = pairs * layers_bytes + point[2] * dense_bytes
             floor_us = floor_bytes / (o.probe_copy_gbs * 1e9) * 1e6 if pd.notna(o.probe_copy_gbs) else float("nan")
             on, o0, tn, t0 = o.point, o.base_point, t.point, t.base_point
-            iv = interval(rs, samples, lambda m: (m[on] - m[o0]) / (m[tn] - m[t0]), (on, o0, tn, t0))  # noqa: B023
+            iv, _ = interval_of(rs, lambda m: (m[on] - m[o0]) / (m[tn] - m[t0]), (on, o0, tn, t0))  # noqa: B023
             spread = f" [{iv.low:.2f}, {iv.high:.2f}]" if iv is not None else " [no interval]"
             mark = " **" if point in wanted else ""
             print(f"| {point[0]}, {point[1]}, {point[2]}{mark} | {o.base_ms:.3f} | {o.overhead_ms:.3f} | {t.overhead_ms:.3f} | "
@@ -93,7 +89,7 @@ def main() -> None:
                     cells.append("-")
                     continue
                 m, p = tabs["max"].loc[key], tabs["pow2"].loc[key]
-                iv = interval(rs, samples, ratio_pct(m.point, p.point), (m.point, p.point))
+                iv, _ = interval_of(rs, ratio_pct(m.point, p.point), (m.point, p.point))
                 step = f", step {iv.estimate:+.1f} % [{iv.low:+.1f}, {iv.high:+.1f}]" if iv is not None else ""
                 cells.append(f"{m.overhead_ms:.3f} / {p.overhead_ms:.3f} ({p.moe_lora_path}{step})")
             print(f"| {kernels} | {max_loras} | " + " | ".join(cells) + " |")

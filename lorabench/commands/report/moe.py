@@ -8,7 +8,7 @@ from lorabench.commands.tables import markdown_table
 from lorabench.config.backends import label_order
 from lorabench.config.strategies import BASELINE
 
-PER_ENTRY = "per-entry"
+PER_ENTRY = "per-entry"  # the rows' moe_lora_path value (kernels.moe_lora.PER_ENTRY: the report imports no triton)
 
 
 def moe_md(over: pd.DataFrame, u: str) -> list[str]:
