@@ -361,14 +361,14 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
             GROUPS=groups, N_LOOP=n_loop, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4, **common,
         )
         return
+    if tiling.block_programs is not None and tiling.block_programs < 1:
+        raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
     sorted_ids, expert_ids, post_pad = call.layout
     padded = sorted_ids.shape[-1]
     blocks = triton.cdiv(padded, BLOCK_M)
     upcast = INTERPRET and call.x.dtype == torch.bfloat16
     x_s, a_s0, a_s1, a_s2, a_s3, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
-    if tiling.block_programs is not None and tiling.block_programs < 1:
-        raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
     walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
     stride = tiling.block_programs or 0  # the kernels' BLOCK_PROGRAMS: 0 = one program per block
     _sorted_shrink_kernel[(walkers, slices, launch_count)](
