@@ -19,9 +19,7 @@ Weights as vLLM lays them out (``vllm/lora/layers/fused_moe.py``), slices stacke
   and the expand's programs per output tile read it back: a fused kernel recomputing h in every
   output tile read A tens of times over (Mixtral's w13 has 224 tiles of 64) and cost more than
   the second launch saves. ``SortedTiling`` sets how many programs cover the blocks and the
-  output tiles (by default one per block of the static worst case and one per tile), and whether
-  the adapter columns are the grid's third axis or a loop in each program (a column with nothing to
-  do in a block then costs a load instead of a program).
+  output tiles (by default one per block of the static worst case and one per tile).
 
 Which one a step takes is the backend's rule (``moe_path``), a function of the bucket's tokens and
 the layer's experts.
@@ -158,23 +156,6 @@ def _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _walk(pid_m, pid_z, columns, post_pad_ptr, BLOCK_M: tl.constexpr, BLOCK_PROGRAMS: tl.constexpr,
-          COLUMN_LOOP: tl.constexpr):
-    """The (first, stop, step) of the blocks and the (first, stop) of the adapter columns a program
-    covers: its own block or every BLOCK_PROGRAMS-th that holds entries; its own column or, in a
-    column loop, every launched one (a column with nothing to do then costs one load, not a program)."""
-    if BLOCK_PROGRAMS == 0:
-        first, stop, step = pid_m, pid_m + 1, 1
-    else:
-        first, stop, step = pid_m, (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M, BLOCK_PROGRAMS
-    if COLUMN_LOOP:
-        z_first, z_stop = 0, columns
-    else:
-        z_first, z_stop = pid_z, pid_z + 1
-    return first, stop, step, z_first, z_stop
-
-
-@triton.jit
 def _shrink_block(
     pid_m, slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
     K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar, stride_hs, stride_hp,
@@ -216,12 +197,10 @@ def _sorted_shrink_kernel(
     active_ptr,  # [>= launch count] active slots, -1 past the batch's
     enabled_ptr,  # [L]
     K, R, numel, top_k, scale,
-    columns,  # the launch count: adapter columns (COLUMN_LOOP: each program loops over them)
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
     stride_hs, stride_hp,  # h [S, P, R]
     BLOCK_PROGRAMS: tl.constexpr,  # 0: one program per block; else this many, each walking every BLOCK_PROGRAMS-th
-    COLUMN_LOOP: tl.constexpr,  # the adapter columns a loop in each program instead of the grid's third axis
     X_PER_ENTRY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -230,25 +209,21 @@ def _sorted_shrink_kernel(
 ):
     """h[s, p] = scale · A[s, slot, e] @ x[row(p)] for the block's entries p of the column's slot."""
     s = tl.program_id(1)
-    if (BLOCK_PROGRAMS == 0) and (not COLUMN_LOOP):  # one program per (block, column): the measured default
-        slot = _column_slot(tl.program_id(0), tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M,
-                            BLOCK_PROGRAMS)
-        if slot < 0:
-            return
-        _shrink_block(tl.program_id(0), slot.to(tl.int64), s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr,
-                      token_slot_ptr, K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae,
-                      stride_ar, stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
+    slot = _column_slot(tl.program_id(0), tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M,
+                        BLOCK_PROGRAMS)
+    if slot < 0:
+        return
+    slot = slot.to(tl.int64)
+    if BLOCK_PROGRAMS == 0:
+        _shrink_block(tl.program_id(0), slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
+                      K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                      stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
     else:
-        first, stop, step, z_first, z_stop = _walk(tl.program_id(0), tl.program_id(2), columns, post_pad_ptr,
-                                                   BLOCK_M, BLOCK_PROGRAMS, COLUMN_LOOP)
-        for pid_m in range(first, stop, step):
-            for z in range(z_first, z_stop):
-                slot = _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M, BLOCK_PROGRAMS)
-                if slot >= 0:
-                    _shrink_block(pid_m, slot.to(tl.int64), s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr,
-                                  token_slot_ptr, K, R, numel, top_k, scale, stride_xm, stride_as, stride_al,
-                                  stride_ae, stride_ar, stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R,
-                                  UPCAST)
+        used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M  # the blocks that hold entries
+        for pid_m in range(tl.program_id(0), used, BLOCK_PROGRAMS):
+            _shrink_block(pid_m, slot, s, x_ptr, a_ptr, h_ptr, sorted_ptr, expert_ids_ptr, token_slot_ptr,
+                          K, R, numel, top_k, scale, stride_xm, stride_as, stride_al, stride_ae, stride_ar,
+                          stride_hs, stride_hp, X_PER_ENTRY, BLOCK_M, BLOCK_K, BLOCK_R, UPCAST)
 
 
 @triton.jit
@@ -296,12 +271,10 @@ def _sorted_expand_kernel(
     routed_ptr,  # [numel] (MUL_WEIGHT)
     token_slot_ptr, active_ptr, enabled_ptr,
     NS, R, numel, top_k,
-    columns,  # as the shrink's
     stride_hs, stride_hp,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_ym,
     BLOCK_PROGRAMS: tl.constexpr,  # as the shrink's
-    COLUMN_LOOP: tl.constexpr,  # as the shrink's
     GROUPS: tl.constexpr,  # program columns per slice
     N_LOOP: tl.constexpr,  # output tiles each program walks, its h and routing weights loaded once
     MUL_WEIGHT: tl.constexpr,
@@ -312,25 +285,21 @@ def _sorted_expand_kernel(
 ):
     """y[p, slice s, tiles] += B[s, slot, e][tiles] @ h[s, p] (· routing weight) for the same entries."""
     pid_n = tl.program_id(1)
-    if (BLOCK_PROGRAMS == 0) and (not COLUMN_LOOP):  # one program per (block, column, tile group), as measured
-        slot = _column_slot(tl.program_id(0), tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M,
-                            BLOCK_PROGRAMS)
-        if slot < 0:
-            return
-        _expand_block(tl.program_id(0), slot.to(tl.int64), pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr,
-                      routed_ptr, token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl,
-                      stride_be, stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
+    slot = _column_slot(tl.program_id(0), tl.program_id(2), post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M,
+                        BLOCK_PROGRAMS)
+    if slot < 0:
+        return
+    slot = slot.to(tl.int64)
+    if BLOCK_PROGRAMS == 0:
+        _expand_block(tl.program_id(0), slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
+                      token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
+                      stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
     else:
-        first, stop, step, z_first, z_stop = _walk(tl.program_id(0), tl.program_id(2), columns, post_pad_ptr,
-                                                   BLOCK_M, BLOCK_PROGRAMS, COLUMN_LOOP)
-        for pid_m in range(first, stop, step):
-            for z in range(z_first, z_stop):
-                slot = _column_slot(pid_m, z, post_pad_ptr, active_ptr, enabled_ptr, BLOCK_M, BLOCK_PROGRAMS)
-                if slot >= 0:
-                    _expand_block(pid_m, slot.to(tl.int64), pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr,
-                                  routed_ptr, token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs,
-                                  stride_bl, stride_be, stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M,
-                                  BLOCK_N, BLOCK_R, UPCAST)
+        used = (tl.load(post_pad_ptr) + BLOCK_M - 1) // BLOCK_M
+        for pid_m in range(tl.program_id(0), used, BLOCK_PROGRAMS):
+            _expand_block(pid_m, slot, pid_n, h_ptr, b_ptr, y_ptr, sorted_ptr, expert_ids_ptr, routed_ptr,
+                          token_slot_ptr, NS, R, numel, top_k, stride_hs, stride_hp, stride_bs, stride_bl, stride_be,
+                          stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
 
 
 def _strides(call: ExpertCall):
@@ -347,8 +316,6 @@ class SortedTiling(NamedTuple):
     expand_programs: int | None = None  # the expand's programs per adapter column (``expand_groups``); None: one per tile
     block_programs: int | None = None  # programs over the expert blocks, each walking every block_programs-th
     # block that holds entries; None: one per block of the static worst case, most of them empty at small batches
-    column_loop: bool = False  # each program loops over the launched adapter columns (the loop's length
-    # follows the active count as the grid's third axis did); False: one program per column
 
 
 def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, int]:
@@ -404,18 +371,17 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
     walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
     stride = tiling.block_programs or 0  # the kernels' BLOCK_PROGRAMS: 0 = one program per block
-    column_axis = 1 if tiling.column_loop else launch_count
-    _sorted_shrink_kernel[(walkers, slices, column_axis)](
+    _sorted_shrink_kernel[(walkers, slices, launch_count)](
         call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
-        k, rank, numel, top_k, scale, launch_count, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
-        BLOCK_PROGRAMS=stride, COLUMN_LOOP=tiling.column_loop, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M, BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64),
+        k, rank, numel, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
+        BLOCK_PROGRAMS=stride, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M, BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64),
         BLOCK_R=block_r, UPCAST=upcast, num_warps=4,
     )
     block_n = 32 if INTERPRET else 64
     groups, n_loop = expand_groups(triton.cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
-    _sorted_expand_kernel[(walkers, slices * groups, column_axis)](
+    _sorted_expand_kernel[(walkers, slices * groups, launch_count)](
         h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
-        call.enabled, ns, rank, numel, top_k, launch_count, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
-        BLOCK_PROGRAMS=stride, COLUMN_LOOP=tiling.column_loop, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
+        BLOCK_PROGRAMS=stride, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
         UPCAST=upcast, num_warps=4,
     )

@@ -2,8 +2,7 @@
 
     python scripts/moe_lora_bench.py [--model qwen3-30b-a3b] [--max-loras 4]
                                      [--points 1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4] [--json OUT.json]
-                                     [--expand-programs 512,2048] [--block-programs 64] [--column-loop]
-                                     [--base-tokens 1]
+                                     [--expand-programs 512,2048] [--block-programs 64] [--base-tokens 1]
 
 A point ``tokens:active:launch`` gives lorabench's kernels ``launch`` adapter columns (``max``'s
 graphs launch max_loras) instead of the active count.
@@ -82,8 +81,8 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
     }
     for t in tilings:
-        name = "lorabench sorted" + (" loop" if t.column_loop else "") + (
-            f" x{t.expand_programs}" if t.expand_programs else "") + (f" b{t.block_programs}" if t.block_programs else "")
+        name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else "") + (
+            f" b{t.block_programs}" if t.block_programs else "")
         out[name] = (lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, t), SORTED)
     try:
         from lorabench.kernels import vllm_moe_lora
@@ -130,9 +129,6 @@ def main() -> None:
     ap.add_argument("--block-programs", default="",
                     help="comma-separated: the sorted path also with this many programs walking the expert blocks "
                          "that hold entries (variant 'sorted bN'); with --expand-programs, every pair too")
-    ap.add_argument("--column-loop", action="store_true",
-                    help="the sorted path also with each program looping over the adapter columns (variant "
-                         "'sorted loop'), under every --expand-programs / --block-programs tiling too")
     args = ap.parse_args()
     if args.base_tokens < 0:
         ap.error(f"--base-tokens {args.base_tokens}: a count of tokens, 0 or more")
@@ -145,9 +141,8 @@ def main() -> None:
             ap.error(f"--{flag.replace('_', '-')} {text!r}: comma-separated program counts")
         if any(v < 1 for v in counts[flag]):
             ap.error(f"--{flag.replace('_', '-')} {text!r}: each count at least 1")
-    loops = [False, True] if args.column_loop else [False]
-    tilings = [SortedTiling(e, b, c) for c in loops for e in [None, *counts["expand_programs"]]
-               for b in [None, *counts["block_programs"]] if e or b or c]
+    tilings = [SortedTiling(e, b) for e in [None, *counts["expand_programs"]] for b in [None, *counts["block_programs"]]
+               if e or b]
     cfg = resolve(args.model)
     if cfg.moe is None:
         ap.error(f"{args.model} is not a mixture-of-experts model")

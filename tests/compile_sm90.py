@@ -176,8 +176,6 @@ def launch_moe(dtype, tokens):
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED)
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(expand_programs=512))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(512, 64))
-            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(column_loop=True))
-            moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(512, 132, True))
 
 
 def launch_ranks(dtype, tokens):

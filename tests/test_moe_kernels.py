@@ -133,15 +133,11 @@ def test_sorted_expand_programs_walking_several_output_tiles_match_the_reference
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 @pytest.mark.parametrize("tiling", [SortedTiling(block_programs=1), SortedTiling(block_programs=3),
-                                    SortedTiling(block_programs=10**6), SortedTiling(expand_programs=1, block_programs=2),
-                                    SortedTiling(column_loop=True), SortedTiling(block_programs=3, column_loop=True),
-                                    SortedTiling(expand_programs=1, block_programs=2, column_loop=True)],
-                         ids=["one-walker", "three-walkers", "a-walker-each", "grouped-and-walked", "column-loop",
-                              "walked-column-loop", "grouped-walked-column-loop"])
+                                    SortedTiling(block_programs=10**6), SortedTiling(expand_programs=1, block_programs=2)],
+                         ids=["one-walker", "three-walkers", "a-walker-each", "grouped-and-walked"])
 def test_sorted_programs_walking_the_expert_blocks_match_the_reference_at_every_active_count(w2, tiling):
     """Fewer programs than expert blocks, each walking every k-th block that holds entries (the
-    static worst case has mostly empty blocks), and the adapter columns looped in each program:
-    every active count, base tokens, a slot without
+    static worst case has mostly empty blocks): every active count, base tokens, a slot without
     expert LoRA; at the batch's launch count against the reference, at a short one (which drops
     the slots past it) against the default tiling."""
     gen = torch.Generator().manual_seed(19)
