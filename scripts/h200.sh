@@ -170,7 +170,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       [ "$l" -ge 16 ] && points="2:1,2:1:$l,8:4,8:4:$l,32:8,32:8:$l,64:16"
       for m in qwen3-30b-a3b mixtral-8x7b; do
         python3 scripts/moe_lora_bench.py --model "$m" --max-loras "$l" \
-          --points "${MB_POINTS:-$points}" --expand-programs 512,2048 --block-programs 132 --base-tokens 1 \
+          --points "${MB_POINTS:-$points}" --expand-programs 2048 --block-programs 132 --base-tokens 1 \
           --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
       done ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/

@@ -81,7 +81,7 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
     }
     for t in tilings:
-        name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else "") + (
+        name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else " per-tile") + (
             f" b{t.block_programs}" if t.block_programs else "")
         out[name] = (lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, t), SORTED)
     try:
@@ -125,7 +125,8 @@ def main() -> None:
                          "start with -1, which --specialize-active-lora's grid may cut an adapter for")
     ap.add_argument("--expand-programs", default="",
                     help="comma-separated: the sorted path also with its expand grouped to about this many programs "
-                         "per adapter column (variant 'sorted xN')")
+                         "per adapter column (variant 'sorted xN'; 'sorted' is the default grouping, 'sorted per-tile' "
+                         "one program per output tile)")
     ap.add_argument("--block-programs", default="",
                     help="comma-separated: the sorted path also with this many programs walking the expert blocks "
                          "that hold entries (variant 'sorted bN'); with --expand-programs, every pair too")
@@ -141,8 +142,9 @@ def main() -> None:
             ap.error(f"--{flag.replace('_', '-')} {text!r}: comma-separated program counts")
         if any(v < 1 for v in counts[flag]):
             ap.error(f"--{flag.replace('_', '-')} {text!r}: each count at least 1")
-    tilings = [SortedTiling(e, b) for e in [None, *counts["expand_programs"]] for b in [None, *counts["block_programs"]]
-               if e or b]
+    default = SortedTiling()  # "lorabench sorted"; one expand program per output tile ("per-tile") always beside it
+    tilings = [t for t in dict.fromkeys(SortedTiling(e, b) for e in [None, default.expand_programs, *counts["expand_programs"]]
+                                        for b in [None, *counts["block_programs"]]) if t != default]
     cfg = resolve(args.model)
     if cfg.moe is None:
         ap.error(f"{args.model} is not a mixture-of-experts model")
@@ -166,9 +168,10 @@ def main() -> None:
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
         chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch)
-        graphs = {}
+        errs = {name: check(apply, calls, meta) for name, (apply, _) in chosen.items()}  # before any capture's
+        graphs = {}  # warm-up adds its update to y, which would then grow from one variant's check to the next
         for name, (apply, path) in chosen.items():
-            err = check(apply, calls, meta)
+            err = errs[name]
 
             def step(apply=apply):
                 for w13, w2 in calls:
