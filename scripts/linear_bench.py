@@ -1,6 +1,6 @@
 """What one LoRA linear adds after its base GEMM, per kernel design, on the GPU. (GPU only.)
 
-    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4,32:1:32] [--variants triton,fused]
+    python scripts/linear_bench.py [--max-loras 4] [--points 1:1,8:4,8:1:4] [--variants triton,fused]
                                    [--tuned DIR] [--json OUT.json]
 
 For each Llama-2-7B LoRA linear (qkv, o, gate_up, down) and each point (tokens : active adapters
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from lorabench.kernels import fused_lora, triton_lora
 
-from lorabench.config.batches import fixed_batch
+from lorabench.config.batches import fixed_batch, parse_bench_points
 from lorabench.config.models import lora_linears, resolve
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -126,15 +126,10 @@ def main() -> None:
     ap.add_argument("--tuned", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    points = []
-    for p in args.points.split(","):
-        fields = p.split(":")
-        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
-            ap.error(f"point {p!r} is not tokens:active[:launch count]")
-        tokens, active, *launch = (int(f) for f in fields)
-        points.append((tokens, active, launch[0] if launch else active))
-    if any(launch < active for _, active, launch in points):
-        ap.error("a point's launch count must be at least its active count")
+    try:
+        points = [(p.tokens, p.active, p.launch or p.active) for p in parse_bench_points(args.points, args.max_loras)]
+    except ValueError as err:
+        ap.error(str(err))
     chosen = variants(args.tuned)
     if args.variants:
         unknown = set(args.variants.split(",")) - set(chosen)

@@ -25,7 +25,7 @@ import random
 import numpy as np
 import torch
 
-from lorabench.config.batches import fixed_batch
+from lorabench.config.batches import fixed_batch, parse_bench_points
 from lorabench.config.models import moe_layer, resolve
 from lorabench.kernels import reference
 from lorabench.kernels.moe_align import align_blocks
@@ -148,18 +148,10 @@ def main() -> None:
     cfg = resolve(args.model)
     if cfg.moe is None:
         ap.error(f"{args.model} is not a mixture-of-experts model")
-    points = []
-    for p in args.points.split(","):
-        fields = p.split(":")
-        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
-            ap.error(f"point {p!r} is not tokens:active[:launch]")
-        tokens, active, *launch = (int(f) for f in fields)
-        if launch and not active <= launch[0] <= args.max_loras:
-            ap.error(f"point {p!r}: its launch count must lie between the active count and --max-loras")
-        if not 1 <= active <= min(tokens - args.base_tokens, args.max_loras):
-            ap.error(f"point {p!r}: {active} active adapters do not fit {tokens} tokens with --base-tokens "
-                     f"{args.base_tokens} and --max-loras {args.max_loras}")
-        points.append((tokens, active, launch[0] if launch else None))
+    try:
+        points = parse_bench_points(args.points, args.max_loras, args.base_tokens)
+    except ValueError as err:
+        ap.error(str(err))
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU: no timings'}, {cfg.name}: expert LoRA of every MoE layer (w13 + w2, rank {RANK}, bf16), "
           f"max_loras {args.max_loras}; ms per step, median of {REPLAYS} graph replays [p10, p90]")
     rows = []

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from lorabench.config.batches import fixed_batch, mixed_batch
+from lorabench.config.batches import BenchPoint, parse_bench_points, fixed_batch, mixed_batch
 from lorabench.config.workload import parse_workload
 from lorabench.runtime.lora_meta import pack_slots
 
@@ -84,3 +84,17 @@ def test_single_and_sampling_agree_with_pmf():
     draws = [s for _ in range(2000) for s in z.sample(4, 8, rng)]
     freq = np.bincount(draws, minlength=8) / len(draws)
     assert np.allclose(freq, z.weights(8), atol=0.02)
+
+
+def test_bench_points_parse_tokens_active_and_an_optional_launch_count():
+    assert parse_bench_points("1:1,8:4:16", 16) == [BenchPoint(1, 1, None), BenchPoint(8, 4, 16)]
+    assert parse_bench_points("2:1", 4, base_tokens=1) == [BenchPoint(2, 1, None)]
+
+
+@pytest.mark.parametrize("text,base,why", [("one", 0, "is not tokens:active"), ("1:2:3:4", 0, "is not tokens:active"),
+                                           ("1:-1", 0, "is not tokens:active"), ("8:4:2", 0, "launch count"),
+                                           ("8:4:5", 0, "launch count"), ("8:5", 0, "do not fit"),
+                                           ("2:0", 0, "do not fit"), ("2:2", 1, "do not fit")])
+def test_bench_points_refuse_each_bad_point_in_one_line(text, base, why):
+    with pytest.raises(ValueError, match=why):
+        parse_bench_points(text, 4, base_tokens=base)

@@ -2,8 +2,37 @@
 how many distinct adapters a batch holds."""
 
 import random
+from typing import NamedTuple
 
 import numpy as np
+
+
+class BenchPoint(NamedTuple):
+    """A kernel bench's point: ``tokens`` requests, ``active`` adapters among them, and the
+    adapter columns the kernels launch (``max``'s graphs launch max_loras; None: the active count)."""
+
+    tokens: int
+    active: int
+    launch: int | None = None
+
+
+def parse_bench_points(text: str, max_loras: int, base_tokens: int = 0) -> list[BenchPoint]:
+    """``tokens:active[:launch]`` points, comma-separated; ValueError with one line naming the
+    first bad one (not three non-negative integers, a launch count outside active..max_loras, or
+    more active adapters than fit the tokens that are not base)."""
+    points = []
+    for p in text.split(","):
+        fields = p.split(":")
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
+            raise ValueError(f"point {p!r} is not tokens:active[:launch]")
+        tokens, active, *launch = (int(f) for f in fields)
+        if launch and not active <= launch[0] <= max_loras:
+            raise ValueError(f"point {p!r}: its launch count must lie between the active count and max_loras {max_loras}")
+        if not 1 <= active <= min(tokens - base_tokens, max_loras):
+            raise ValueError(f"point {p!r}: {active} active adapters do not fit {tokens} tokens with {base_tokens} "
+                             f"base tokens and max_loras {max_loras}")
+        points.append(BenchPoint(tokens, active, launch[0] if launch else None))
+    return points
 
 
 def fixed_batch(tokens: int, n_active: int, max_loras: int, rng: random.Random, base_tokens: int = 0) -> list[int]:
