@@ -20,6 +20,28 @@ BLOCK_M = 16  # entries per block of the grouped GEMM (and of lorabench's sorted
 
 
 @triton.jit
+def gathered_dot(x_ptr, rows, row_mask, stride_xm, w_base, offs_n, n_mask, stride_wn, K,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """``x[rows] @ w[offs_n]ᵀ`` over K, in fp32: the K loop of a block of gathered entries, for the
+    expert GEMM and the expert LoRA's shrink. ``w_base``: an [N, K] row-major matrix, rows
+    ``stride_wn`` apart; rows outside ``row_mask`` and columns outside ``n_mask`` read zeros;
+    ``UPCAST``: the dot in fp32 (the interpreter's bf16)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, w)
+    return acc
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,  # [T, E] router logits
     ids_ptr,  # [T, TOP_K] int64 out: the chosen experts, best first
@@ -99,17 +121,8 @@ def _expert_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_base = w_ptr + expert * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
-                    other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(x, w)
+    acc = gathered_dot(x_ptr, rows, valid, stride_xm, w_base, offs_n, n_mask, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                       UPCAST)
     if MUL_WEIGHT:
         acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .launch import INTERPRET
 from .meta import LoRAMeta
-from .moe_gemm import BLOCK_M
+from .moe_gemm import BLOCK_M, gathered_dot
 
 PER_ENTRY, SORTED = "per-entry", "sorted"
 PER_ENTRY_MAX_ENTRIES = 16  # lorabench's rule: at most this many routed entries take the per-entry path,
@@ -171,18 +171,8 @@ def _shrink_block(
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
-        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mine[:, None] & k_mask[None, :],
-                        other=0.0)
-            a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None],
-                        other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                a = a.to(tl.float32)
-            h += tl.dot(x, a)
+        h = gathered_dot(x_ptr, rows, mine, stride_xm, a_base, offs_r, r_mask, stride_ar, K, BLOCK_M, BLOCK_R, BLOCK_K,
+                         UPCAST)
         offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         out = h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :]
         tl.store(out, (h * scale).to(h_ptr.dtype.element_ty), mask=mine[:, None] & r_mask[None, :])
