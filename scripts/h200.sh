@@ -54,7 +54,7 @@
 #   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers; MOE_LORAS picks one
 #            max_loras, STAGE_TIMEOUT stops it resumably): results/moe/
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
-#            paths (and the sorted path with its expand grouped to 512, 2048 programs, its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
+#            paths (the sorted path's expand grouped to 512 programs (its default), 2048, and one per tile; its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]): $OUT/bench-<model>.json
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
