@@ -20,7 +20,26 @@ Weight layout (one tensor each, per LoRA linear):
 """
 
 import importlib
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+if __name__ == "kernels":
+    # Imported as a top-level `kernels`: the repository root is on sys.path (`python -m` or
+    # `python -c` run there), so this folder shadows PyPI's `kernels` (Hugging Face's, which
+    # transformers imports). Load that one in its place; this package is lorabench.kernels only.
+    import importlib.machinery
+    import importlib.util
+
+    _root = Path(__file__).resolve().parents[1]
+    _elsewhere = [p for p in sys.path if Path(p or ".").resolve() != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (lorabench's kernels import as lorabench.kernels)",
+                                  name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # what this import returns; the rest of this file goes to a discarded module
+    _spec.loader.exec_module(_module)
 
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM allows as --max-lora-rank; the kernels take any 1..512
 MAX_RANK = 512

@@ -30,6 +30,19 @@ def test_import_contracts_are_kept(tmp_path):
     assert p.returncode == 0 and "0 broken" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]
 
 
+def test_the_kernels_folder_shadows_no_installed_kernels_package():
+    """Run from the repository root (``python -m``, ``python -c``), ``kernels/`` would shadow PyPI's
+    ``kernels`` (Hugging Face's, which transformers imports): a top-level import gets that package,
+    or none, while lorabench.kernels stays this folder."""
+    code = ("try:\n    import kernels\n    print(kernels.__file__)\nexcept ModuleNotFoundError:\n    print('none')\n"
+            "import lorabench.kernels\nprint(lorabench.kernels.__file__)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    top, ours = p.stdout.split()
+    assert Path(ours) == ROOT / "kernels" / "__init__.py"
+    assert top == "none" or Path(top).resolve() != Path(ours).resolve(), top
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", [["report"], ["recommend", "--workload", "uniform"], ["compare"]])
 def test_report_and_recommend_load_neither_torch_nor_triton(tmp_path, command):
