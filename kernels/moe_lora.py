@@ -92,21 +92,30 @@ def _per_entry_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    # Each program is a chain of dependent memory round trips (the batch's slot and expert, then A,
+    # then the update): everything that does not wait on h is issued before the K loop, and the
+    # fewer steps that loop takes (PerEntryTiling.a_elements), the fewer round trips it waits on.
     entry = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     token = entry // top_k
     slot = tl.load(token_slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    if tl.load(enabled_ptr + slot) == 0:
-        return
     expert = tl.load(topk_ptr + entry).to(tl.int64)
-    if (expert < 0) | (expert >= E):
+    if (slot < 0) | (expert < 0) | (expert >= E):
         return
+    enabled = tl.load(enabled_ptr + slot)  # asked with A's loads, answered after them
     row = entry if X_PER_ENTRY else token
     s = pid_n // GROUPS
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    out_base = y_ptr + entry * stride_ym + s * NS
+    offs_n0 = (pid_n % GROUPS) * N_LOOP * BLOCK_N + tl.arange(0, BLOCK_N)
+    b0 = tl.load(b_base + offs_n0[:, None] * stride_bn + offs_r[None, :],
+                 mask=(offs_n0 < NS)[:, None] & r_mask[None, :], other=0.0)  # the first tile, before h
+    cur0 = tl.load(out_base + offs_n0, mask=offs_n0 < NS, other=0.0)
+    weight = 1.0
+    if MUL_WEIGHT:
+        weight = tl.load(routed_ptr + entry)
     a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
     h = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -116,20 +125,21 @@ def _per_entry_kernel(
         a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
                     other=0.0).to(tl.float32)
         h += tl.sum(a * x[None, :], axis=1)
+    if enabled == 0:  # the slot's adapter has no expert LoRA
+        return
     h = (h * scale).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded like a shrink's output
-    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
-    weight = 1.0
-    if MUL_WEIGHT:
-        weight = tl.load(routed_ptr + entry)
     for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
-        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = offs_n0 + t * BLOCK_N
         n_mask = offs_n < NS
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                    other=0.0).to(tl.float32)
-        delta = tl.sum(b * h[None, :], axis=1) * weight
-        out = y_ptr + entry * stride_ym + s * NS + offs_n
-        cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+        if t == 0:
+            b = b0
+            cur = cur0
+        else:
+            b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+                        mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+            cur = tl.load(out_base + offs_n, mask=n_mask, other=0.0)
+        delta = tl.sum(b.to(tl.float32) * h[None, :], axis=1) * weight
+        tl.store(out_base + offs_n, (cur.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -300,6 +310,14 @@ def _strides(call: ExpertCall):
     return (call.x.stride(0), *a.stride()[:4], *b.stride()[:4], call.y.stride(0))
 
 
+class PerEntryTiling(NamedTuple):
+    """How the per-entry path's programs load A. ``scripts/moe_lora_bench.py`` times others
+    side by side (``--per-entry``)."""
+
+    a_elements: int = 8192  # A elements (BLOCK_K · BLOCK_R) a program loads per step of its K loop
+    num_warps: int = 4
+
+
 class SortedTiling(NamedTuple):
     """How the sorted path's programs cover its work. ``scripts/moe_lora_bench.py`` times the
     others side by side. The default groups the expand's tiles to about 512 programs per adapter
@@ -328,10 +346,11 @@ def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, i
 
 
 def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
-                   path_name: str | None = None, tiling: SortedTiling = SortedTiling()) -> None:
+                   path_name: str | None = None, tiling: SortedTiling = SortedTiling(),
+                   per_entry: PerEntryTiling = PerEntryTiling()) -> None:
     """``call.y += expert LoRA`` with lorabench's kernels, on ``path_name`` (``PER_ENTRY`` or
-    ``SORTED``; None: the one ``moe_path`` chooses), the sorted path's programs as ``tiling`` says.
-    The triton and fused backends' MoE op."""
+    ``SORTED``; None: the one ``moe_path`` chooses), the sorted path's programs as ``tiling`` says,
+    the per-entry path's as ``per_entry`` does. The triton and fused backends' MoE op."""
     if launch_count <= 0:
         return
     slices, max_loras, experts, rank, k = call.lora_a.shape
@@ -346,14 +365,17 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     common = dict(X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight)
     if path_name == PER_ENTRY:
         block_n = 32 if INTERPRET else 128
-        block_k = max(16, min(512, 8192 // block_r))
+        if per_entry.a_elements < block_r or per_entry.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"{per_entry}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two")
+        block_k = max(16, min(triton.next_power_of_2(k), triton.next_power_of_2(per_entry.a_elements // block_r)))
         n_tiles = triton.cdiv(ns, block_n)
         n_loop = triton.cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
         groups = triton.cdiv(n_tiles, n_loop)
         _per_entry_kernel[(numel, slices * groups)](
             call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, routed, meta.token_slot, call.enabled,
             k, ns, rank, experts, numel, top_k, scale, *_strides(call),
-            GROUPS=groups, N_LOOP=n_loop, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4, **common,
+            GROUPS=groups, N_LOOP=n_loop, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+            num_warps=per_entry.num_warps, **common,
         )
         return
     if tiling.block_programs is not None and tiling.block_programs < 1:

@@ -30,7 +30,8 @@ from lorabench.config.models import moe_layer, resolve
 from lorabench.kernels import reference
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M
-from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, SortedTiling, moe_lora_apply, moe_path
+from lorabench.kernels.moe_lora import (PER_ENTRY, SORTED, ExpertCall, PerEntryTiling, SortedTiling, moe_lora_apply,
+                                        moe_path)
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.timing import replay_ms
@@ -66,10 +67,11 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
 
 
 def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[SortedTiling] = (),
-             launch: int | None = None) -> dict:
+             launch: int | None = None, per_entry: list[PerEntryTiling] = ()) -> dict:
     """({name: (apply(call), the path it runs)}, the batch's LoRAMeta the reference reads);
-    ``tilings``: the sorted path again under each (``SortedTiling``); ``launch``: lorabench's adapter
-    columns (None: the active count, as pow2's graphs at a power of two; max_loras: as max's graphs)."""
+    ``tilings``: the sorted path again under each (``SortedTiling``); ``per_entry``: the per-entry
+    path again under each (``PerEntryTiling``); ``launch``: lorabench's adapter columns (None: the
+    active count, as pow2's graphs at a power of two; max_loras: as max's graphs)."""
     buf = MetaBuffer(tokens, max_loras, torch.device(DEVICE))
     packed, n = buf.pack(slots)
     buf.load(packed)
@@ -84,6 +86,9 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
         name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else " per-tile") + (
             f" b{t.block_programs}" if t.block_programs else "")
         out[name] = (lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, t), SORTED)
+    for t in per_entry:
+        out[f"lorabench per-entry a{t.a_elements} w{t.num_warps}"] = (
+            lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY, per_entry=t), PER_ENTRY)
     try:
         from lorabench.kernels import vllm_moe_lora
         from lorabench.kernels.vllm_lora import VllmMeta, load_ops
@@ -130,7 +135,19 @@ def main() -> None:
     ap.add_argument("--block-programs", default="",
                     help="comma-separated: the sorted path also with this many programs walking the expert blocks "
                          "that hold entries (variant 'sorted bN'); with --expand-programs, every pair too")
+    ap.add_argument("--per-entry", default="",
+                    help="comma-separated A_ELEMENTS:WARPS: the per-entry path also with its K loop in steps of "
+                         "A_ELEMENTS elements of A and WARPS warps a program (variant 'per-entry aA wW')")
     args = ap.parse_args()
+    per_entry = []
+    for item in filter(None, args.per_entry.split(",")):
+        try:
+            a_elements, warps = (int(v) for v in item.split(":"))
+        except ValueError:
+            ap.error(f"--per-entry {item!r}: A_ELEMENTS:WARPS, two whole numbers")
+        if a_elements < 16 or warps not in (1, 2, 4, 8, 16):
+            ap.error(f"--per-entry {item!r}: A_ELEMENTS at least 16, WARPS 1, 2, 4, 8 or 16")
+        per_entry.append(PerEntryTiling(a_elements, warps))
     if args.base_tokens < 0:
         ap.error(f"--base-tokens {args.base_tokens}: a count of tokens, 0 or more")
     counts = {}
@@ -159,7 +176,7 @@ def main() -> None:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
-        chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch)
+        chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch, per_entry)
         errs = {name: check(apply, calls, meta) for name, (apply, _) in chosen.items()}  # before any capture's
         graphs = {}  # warm-up adds its update to y, which would then grow from one variant's check to the next
         for name, (apply, path) in chosen.items():

@@ -150,8 +150,8 @@ def launch_everything(dtype, tokens):
 def launch_moe(dtype, tokens):
     """The MoE launchers at Qwen3-30B-A3B's and Mixtral-8x7B's shapes (tensors allocated, never
     touched): routing, the alignment (the base MoE's and vLLM's per slot), the grouped GEMMs, and
-    the expert LoRA of w13 and w2 on the per-entry path, the sorted path, and the sorted path with
-    its expand grouped (several output tiles per program)."""
+    the expert LoRA of w13 and w2 on the per-entry path (its K loop in steps of several sizes), the
+    sorted path, and the sorted path with its expand grouped (several output tiles per program)."""
     loras, rank = 4, 16
     meta = MetaBuffer(tokens, loras, "cpu").meta
     for hidden, experts, top_k, inter in ((2048, 128, 8, 768), (4096, 8, 2, 14336)):
@@ -173,6 +173,9 @@ def launch_moe(dtype, tokens):
                                  torch.empty(1, loras, experts, hidden, rank, dtype=dtype), ids, weights, True, layout, enabled)
         for call in (w13, w2):
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY)
+            for a_elements, warps in ((16384, 8), (32768, 8), (32768, 16)):  # moe_lora_bench's --per-entry
+                moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY,
+                                        per_entry=moe_lora.PerEntryTiling(a_elements, warps))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED)
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(expand_programs=512))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(512, 64))

@@ -9,7 +9,8 @@ from conftest import DEVICE
 from lorabench.kernels import get_backend, reference, torch_lora
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
-from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, ExpertCall, SortedTiling, expand_groups, moe_lora_apply
+from lorabench.kernels.moe_lora import (PER_ENTRY, SORTED, ExpertCall, PerEntryTiling, SortedTiling, expand_groups,
+                                        moe_lora_apply)
 from lorabench.kernels.moe_lora import moe_path as path
 from lorabench.kernels import moe_lora as moe_lora_module
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -108,6 +109,31 @@ def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2,
     got = fresh(call)
     moe_lora_apply(got, meta, n, 0.5, PER_ENTRY)
     torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("tiling", [PerEntryTiling(256, 4), PerEntryTiling(16384, 8), PerEntryTiling(32768, 16)],
+                         ids=["k-steps-of-16", "one-k-step-8-warps", "one-k-step-16-warps"])
+def test_per_entry_k_steps_of_every_size_match_the_reference(w2, tiling):
+    """The per-entry K loop in steps of 16 (K = 24 or 40: the last step partial) and in one step,
+    with base tokens and a slot without expert LoRA mixed in; the warps a program has."""
+    gen = torch.Generator().manual_seed(19)
+    slots = [0, -1, 3, 2, 1]
+    call, meta, n = expert_case(len(slots), slots, DTYPES[-1], w2, gen)
+    want = fresh(call)
+    reference.moe_lora_apply(want, meta, n, 0.5)
+    got = fresh(call)
+    moe_lora_apply(got, meta, n, 0.5, PER_ENTRY, per_entry=tiling)
+    torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[-1]] * 4, rtol=TOL[DTYPES[-1]])
+    rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
+    assert torch.equal(got.y[(rows < 0) | (rows == 2)], call.y[(rows < 0) | (rows == 2)])
+
+
+def test_a_per_entry_tiling_that_cannot_run_is_refused():
+    call, meta, n = expert_case(2, [0, 1], DTYPES[0], False, torch.Generator().manual_seed(1))
+    for bad in (PerEntryTiling(8, 4), PerEntryTiling(8192, 3)):
+        with pytest.raises(ValueError, match="a_elements"):
+            moe_lora_apply(call, meta, n, 0.5, PER_ENTRY, per_entry=bad)
 
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])

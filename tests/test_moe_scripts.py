@@ -19,12 +19,14 @@ def run(*args) -> subprocess.CompletedProcess:
 def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped_and_with_base_tokens(tmp_path):
     out = tmp_path / "bench.json"
     done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", "--points", "2:1:4,12:2",
-               "--expand-programs", "1,512", "--block-programs", "1", "--base-tokens", "1", "--json", str(out))
+               "--expand-programs", "1,512", "--block-programs", "1", "--per-entry", "32768:8", "--base-tokens", "1",
+               "--json", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
     names = {r["variant"] for r in rows if r["variant"].startswith("lorabench")}
     assert names == {"lorabench", "lorabench per-entry", "lorabench sorted", "lorabench sorted x1", "lorabench sorted per-tile",
-                     "lorabench sorted per-tile b1", "lorabench sorted x1 b1", "lorabench sorted x512 b1"}  # sorted: x512
+                     "lorabench sorted per-tile b1", "lorabench sorted x1 b1", "lorabench sorted x512 b1",
+                     "lorabench per-entry a32768 w8"}  # sorted: x512
     assert len({r["rel_err"] for r in rows if r["variant"].startswith("lorabench") and r["tokens"] == 2}) == 1  # checked on one y
     assert all(r["correct"] for r in rows)
     assert {(r["tokens"], r["active"], r["launch"], r["base_tokens"]) for r in rows} == {(2, 1, 4, 1), (12, 2, 2, 1)}
@@ -35,7 +37,8 @@ def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped
                                        (["--points", "2:3"], "point"), (["--base-tokens", "-1"], "--base-tokens"),
                                        (["--expand-programs", "x"], "--expand-programs"),
                                        (["--expand-programs", "0"], "--expand-programs"),
-                                       (["--block-programs", "-2"], "--block-programs")])
+                                       (["--block-programs", "-2"], "--block-programs"),
+                                       (["--per-entry", "8192"], "--per-entry"), (["--per-entry", "8192:3"], "--per-entry")])
 def test_the_expert_lora_bench_refuses_bad_input_in_one_line(args, what):
     done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
