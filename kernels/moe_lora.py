@@ -92,30 +92,21 @@ def _per_entry_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    # Each program is a chain of dependent memory round trips (the batch's slot and expert, then A,
-    # then the update): everything that does not wait on h is issued before the K loop, and the
-    # fewer steps that loop takes (PerEntryTiling.a_elements), the fewer round trips it waits on.
     entry = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     token = entry // top_k
     slot = tl.load(token_slot_ptr + token).to(tl.int64)
-    expert = tl.load(topk_ptr + entry).to(tl.int64)
-    if (slot < 0) | (expert < 0) | (expert >= E):
+    if slot < 0:
         return
-    enabled = tl.load(enabled_ptr + slot)  # asked with A's loads, answered after them
+    if tl.load(enabled_ptr + slot) == 0:
+        return
+    expert = tl.load(topk_ptr + entry).to(tl.int64)
+    if (expert < 0) | (expert >= E):
+        return
     row = entry if X_PER_ENTRY else token
     s = pid_n // GROUPS
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
-    out_base = y_ptr + entry * stride_ym + s * NS
-    offs_n0 = (pid_n % GROUPS) * N_LOOP * BLOCK_N + tl.arange(0, BLOCK_N)
-    b0 = tl.load(b_base + offs_n0[:, None] * stride_bn + offs_r[None, :],
-                 mask=(offs_n0 < NS)[:, None] & r_mask[None, :], other=0.0)  # the first tile, before h
-    cur0 = tl.load(out_base + offs_n0, mask=offs_n0 < NS, other=0.0)
-    weight = 1.0
-    if MUL_WEIGHT:
-        weight = tl.load(routed_ptr + entry)
     a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
     h = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -125,21 +116,20 @@ def _per_entry_kernel(
         a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
                     other=0.0).to(tl.float32)
         h += tl.sum(a * x[None, :], axis=1)
-    if enabled == 0:  # the slot's adapter has no expert LoRA
-        return
     h = (h * scale).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded like a shrink's output
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    weight = 1.0
+    if MUL_WEIGHT:
+        weight = tl.load(routed_ptr + entry)
     for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
-        offs_n = offs_n0 + t * BLOCK_N
+        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NS
-        if t == 0:
-            b = b0
-            cur = cur0
-        else:
-            b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
-                        mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-            cur = tl.load(out_base + offs_n, mask=n_mask, other=0.0)
-        delta = tl.sum(b.to(tl.float32) * h[None, :], axis=1) * weight
-        tl.store(out_base + offs_n, (cur.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                    other=0.0).to(tl.float32)
+        delta = tl.sum(b * h[None, :], axis=1) * weight
+        out = y_ptr + entry * stride_ym + s * NS + offs_n
+        cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
