@@ -55,7 +55,8 @@
 #            max_loras, STAGE_TIMEOUT stops it resumably): results/moe/
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
 #            paths (the sorted path's expand grouped to 512 programs (its default), 2048, and one per tile; its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
-#            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]): $OUT/bench-<model>.json
+#            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]), the per-entry path's K loop
+#            in other steps and warps (MB_PER_ENTRY A_ELEMENTS:WARPS,...): $OUT/bench-<model>.json
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
@@ -171,6 +172,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       for m in qwen3-30b-a3b mixtral-8x7b; do
         python3 scripts/moe_lora_bench.py --model "$m" --max-loras "$l" \
           --points "${MB_POINTS:-$points}" --expand-programs 2048 --block-programs 132 --base-tokens 1 \
+          --per-entry "${MB_PER_ENTRY:-16384:8,32768:8,32768:16}" \
           --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
       done ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/
