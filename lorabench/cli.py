@@ -128,11 +128,13 @@ def run_check(**given):
 
 
 CHECKED = ["max_loras", "strategy", "kernels", "capture_sizes", "model", "layers", "tp", "fully_sharded_loras", "rank",
-           "ranks", "dtype", "device", "seed", "out"]  # what a check builds; it times nothing
+           "ranks", "adapters", "dtype", "device", "seed", "out"]  # what a check builds; it times nothing
 command("check", [
     *(flag(OPTIONS[name], **{
         "capture_sizes": {"shown": ",".join(map(str, OPTIONS["concurrency"].default))},
         "out": {"help": "Output root; checks.json goes to OUT/<run_id>"},
+        "adapters": {"help": "A folder of PEFT adapters (or a glob of them): the slots hold their own weights, and "
+                             "the check verifies those", "shown": "random adapters"},
     }.get(name, {})) for name in CHECKED),
     path("spec", "A TOML spec; its configurations are checked, nothing is timed."),
     *PLACEMENT,
@@ -148,7 +150,7 @@ def recommend(
     startup_budget: str = typer.Option(None, "--startup-budget", help="Most startup (build + compile + capture) the set may take, s."),
     kernels: str = typer.Option(None, "--kernels", help=f"Only these backends, {LIST} [default: every lorabench backend in the run]."),
     max_loras: str = typer.Option(None, "--max-loras", help=f"Only these max_loras, {LIST} [default: every one in the run]."),
-    adapters: str = typer.Option(None, "--adapters", help="Recommend the whole LoRA configuration for this many adapters: max_loras from adapter residency (LRU slots, loads timed by the run), the capture set, --max-cpu-loras, and what it all costs in KV cache."),
+    adapters: str = typer.Option(None, "--adapters", help="Recommend the whole LoRA configuration for this many adapters (or as many as a folder of PEFT adapters holds; the run's slots, at its --rank, price their loads): max_loras from adapter residency (LRU slots, loads timed by the run), the capture set, --max-cpu-loras, and what it all costs in KV cache."),
     concurrency: str = typer.Option(None, "--concurrency", help="With --adapters: clients keeping one request each in flight (vllm bench's --max-concurrency) [default: the run's largest concurrency]."),
     output_tokens: OutputTokens = None,
     max_cpu_loras: MaxCpuLoras = None,

@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import H200_CARD, HAS_CUDA
 
+import numpy as np
+from peft_folders import PREFIX, adapter_files, module_tensors
+
 from lorabench.cli import main
 from lorabench.commands import sweep as sweep_module
 from lorabench.config import spec as spec_module
@@ -29,6 +32,8 @@ from lorabench.errors import UserError
 from lorabench.runtime import env
 
 RUN = "20240101-000000-cuda"  # the earlier run, under results/
+RNG = np.random.default_rng(0)
+LONE_A = np.zeros((8, 128), dtype=np.float32)
 GiB = 2**30
 
 
@@ -257,6 +262,36 @@ CASES = {
     "sweep cpu cache below the slots": sweep("--adapters", "10", "--max-loras", "4,8", "--max-cpu-loras", "4",
                                              "--max-cpu-loras 4 is below --max-loras 8"),
     "sweep adapters with ranks": sweep("--adapters", "10", "--rank", "64", "--ranks", "8:0.5,64:0.5", "not with --ranks"),
+    # --adapters DIR: PEFT folders (tests/peft_folders.py writes them in PEFT's layout)
+    "sweep adapters neither count nor folder": sweep("--adapters", "{tmp}/none", "neither a count of adapters nor a folder"),
+    "sweep adapters folder of none": sweep("--adapters", "{tmp}/empty", "holds no PEFT adapter",
+                                           files={"empty/notes.txt": "x"}),
+    "sweep adapters glob of none": sweep("--adapters", "{tmp}/empty/*", "matches no adapter folder",
+                                         files={"empty/notes.txt": "x"}),
+    "sweep adapters without weights": sweep("--adapters", "{tmp}/x", "no adapter_model.safetensors",
+                                            files={"x/adapter_config.json": '{"r": 8}'}),
+    "sweep adapters pickled weights": sweep("--adapters", "{tmp}/x", "adapter_model.bin, a pickle, is not read",
+                                            files={"x/adapter_config.json": '{"r": 8}', "x/adapter_model.bin": b"\x80"}),
+    "sweep adapters config not json": sweep("--adapters", "{tmp}/x", "adapter_config.json is not readable JSON",
+                                            files={**adapter_files("x"), "x/adapter_config.json": "{r: 8"}),
+    "sweep adapters corrupt safetensors": sweep("--adapters", "{tmp}/x", "not a readable safetensors file",
+                                                files={**adapter_files("x"), "x/adapter_model.safetensors": b"garbage"}),
+    "sweep adapters rank above --rank": sweep("--rank", "16", "--adapters", "{tmp}/x", "has rank 32, above --rank 16",
+                                              files=adapter_files("x", r=32)),
+    "sweep adapters unknown target": sweep("--adapters", "{tmp}/x", "which layer 0 of tiny (dense) has no LoRA linear",
+                                           files=adapter_files("x", tensors=module_tensors(0, "mlp.gate", 8, 128, 4, RNG))),
+    "sweep adapters other hidden size": sweep("--adapters", "{tmp}/x", "needs A [r, 128] and B [128, r]",
+                                              files=adapter_files("x", tensors=module_tensors(0, "self_attn.o_proj", 8, 128, 64, RNG))),
+    "sweep adapters lone A": sweep("--adapters", "{tmp}/x", "has lora_A without lora_B",
+                                   files=adapter_files("x", tensors={f"{PREFIX}.0.self_attn.k_proj.lora_A.weight": LONE_A})),
+    "sweep adapters not a lora tensor": sweep("--adapters", "{tmp}/x", "is not a LoRA A or B of a decoder layer",
+                                              files=adapter_files("x", tensors={"base_model.model.lm_head.weight": LONE_A})),
+    "sweep adapters dora": sweep("--adapters", "{tmp}/x", "use_dora is set", files=adapter_files("x", config={"use_dora": True})),
+    "sweep adapters dir with ranks": sweep("--rank", "64", "--ranks", "8:1", "--adapters", "{tmp}/x",
+                                           "--ranks: not with --adapters DIR", files=adapter_files("x")),
+    "check adapters count": check("--adapters", "4", "lorabench check takes a folder of PEFT adapters"),
+    "recommend adapters folder of none": Case(["recommend", "{run}", "--adapters", "{tmp}/empty"], "holds no PEFT adapter",
+                                              files={"empty/notes.txt": "x"}),
     "sweep adapters over a steps trace": trace("concurrency,n_active\n1,1\n2,1\n4,1\n8,1\n", "not requests with adapters",
                                                command="sweep-adapters"),
     "sweep adapters fewer than the trace's": trace("adapter\na\nb\nc\nd\ne\nf\ng\nh\n", "has 8 adapters, more than --adapters 2",

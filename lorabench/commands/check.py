@@ -13,6 +13,7 @@ from rich.table import Table
 from lorabench.commands import sweep as sweep_command
 from lorabench.commands.sweep import Placement, Sweep, prepare
 from lorabench.config.flags import split_list
+from lorabench.config.peft import is_count
 from lorabench.config.strategies import AUTO
 from lorabench.errors import UserError
 from lorabench.storage.checks import Checked
@@ -38,6 +39,9 @@ def check_table(checks: list[Checked]) -> Table:
 def check(flags: dict, spec_file: Path | None, console: Console, placement: Placement = Placement()) -> int:
     if flags.get("strategy") and AUTO in split_list(flags["strategy"]):
         raise UserError("lorabench check takes fixed capture sets: check an auto set by its list, e.g. --strategy '[8,128]'")
+    if flags.get("adapters") is not None and is_count(flags["adapters"]):
+        raise UserError(f"--adapters {flags['adapters']}: lorabench check takes a folder of PEFT adapters (it times no "
+                        "residency runs)")
     spec, notice = prepare({**flags, "check": True}, spec_file)
     if notice:
         console.print(notice)

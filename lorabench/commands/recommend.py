@@ -24,6 +24,7 @@ from lorabench.analysis.view import RunView
 from lorabench.commands import recommendation_file
 from lorabench.commands.tables import mib
 from lorabench.config.flags import to_int, to_positive
+from lorabench.config.peft import adapter_folders, is_count
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
 from lorabench.config.spec import coerce
 from lorabench.config.strategies import STRATEGIES
@@ -129,7 +130,8 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
     """``lorabench recommend RUN --adapters N``: max_loras, capture set and CPU cache for N
     adapters under a workload (``lorabench.analysis.residency``)."""
     view = RunView.read(run_dir)
-    n = coerce("adapters", adapters)  # the sweep's bounds
+    # a folder of PEFT adapters: their count (the run's slots, padded to its rank, price their loads)
+    n = coerce("adapters", adapters if is_count(adapters) else len(adapter_folders(adapters, "--adapters")))
     out = coerce("output_tokens", output_tokens) if output_tokens is not None else OUTPUT_TOKENS
     cpu = coerce("max_cpu_loras", max_cpu_loras) if max_cpu_loras is not None else None
     c = to_int("concurrency", clients, 1) if clients is not None else None

@@ -12,20 +12,26 @@ from lorabench.kernels import BACKENDS
 from lorabench.storage.tune_files import tuned_file, tuned_table, vllm_folder
 
 
-def add_unpadded(spec, names) -> None:
-    """--ranks: adapters of their own ranks, padded to --rank. Every swept lorabench backend that
-    can skip the padding also runs as "<backend>+unpadded", next to its padded run."""
+def add_unpadded(spec, names, adapter_ranks: tuple[int, ...] = ()) -> None:
+    """--ranks, or --adapters DIR (``adapter_ranks``: its adapters' own): adapters of their own
+    ranks, padded to --rank. Every swept lorabench backend that can skip the padding also runs as
+    "<backend>+unpadded", next to its padded run."""
     wants = [k for k in spec.labels if k.unpadded]
-    if spec.ranks is None:
+    if spec.ranks is None and not adapter_ranks:
         if wants:
-            raise UserError(f"--kernels {wants[0]}: needs --ranks (the adapters' own ranks, padded to --rank)")
+            raise UserError(f"--kernels {wants[0]}: needs --ranks or --adapters DIR (adapters of their own ranks, "
+                            "padded to --rank)")
         return
-    try:
-        mix = parse_ranks(spec.ranks, spec.rank)
-    except ValueError as e:
-        raise UserError(f"{names('ranks')}: {e}") from None
-    spec.ranks = str(mix)
-    if mix.shares == ((spec.rank, 1.0),):
+    if adapter_ranks:
+        padded = min(adapter_ranks) < spec.rank
+    else:
+        try:
+            mix = parse_ranks(spec.ranks, spec.rank)
+        except ValueError as e:
+            raise UserError(f"{names('ranks')}: {e}") from None
+        spec.ranks = str(mix)
+        padded = mix.shares != ((spec.rank, 1.0),)
+    if not padded:
         return  # no padding to skip
     for k in list(spec.labels):
         unpadded = str(KernelsLabel(k.backend, k.tuned, True))

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.models import ModelConfig, resolve
+from lorabench.config.peft import read_adapters, slot_ranks
 from lorabench.config.ranks import parse_ranks
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters
 from lorabench.config.strategies import AUTO, Vllm, strategy
@@ -69,6 +70,7 @@ class Job:
     ranks: str | None = None  # --ranks: the adapters' own ranks and shares, padded to ``rank``
     slot_ranks: tuple[int, ...] = ()  # each slot's adapter's own rank (empty: all at ``rank``)
     adapters: int | None = None  # --adapters: residency points serve this many adapters from the slots
+    adapter_dir: str | None = None  # --adapters DIR: the PEFT adapters the slots hold (slot i: adapter i)
     max_cpu_loras: int | None = None  # --max-cpu-loras (None: every adapter in the CPU cache)
     output_tokens: int = OUTPUT_TOKENS  # --output-tokens: decode steps per request of a residency run
 
@@ -113,6 +115,7 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
     concurrencies are the batch sizes its steps take). vLLM's kernels skip strategies vLLM has no
     grid for."""
     jobs, index = [], 0
+    adapters = read_adapters(spec.adapter_dir, spec.model_config, spec.rank) if spec.adapter_dir else ()
     for kernels in spec.labels:
         for max_loras in spec.max_loras:
             for name in spec.strategy:
@@ -148,7 +151,9 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                     capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
                     tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
                     fully_sharded=spec.fully_sharded_loras,
-                    slot_ranks=parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks else (),
+                    slot_ranks=(parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks
+                                else slot_ranks(adapters, max_loras) if adapters else ()),
+                    adapter_dir=spec.adapter_dir,
                     **{name: getattr(spec, name) for name in COPIED}))
     return jobs
 

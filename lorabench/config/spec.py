@@ -10,6 +10,7 @@ from lorabench.config.backends import KernelsLabel, require_vllm_dtype
 from lorabench.config.extra_runs import add_tuned, add_unpadded
 from lorabench.config.flags import Machine, flag, resolve_device
 from lorabench.config.models import resolve, shard, shortened
+from lorabench.config.peft import is_count, read_adapters
 from lorabench.config.spec_checks import check_adapters, check_fully_sharded, check_memory, check_out, graphs_of
 from lorabench.config.strategies import AUTO, Vllm, strategy
 from lorabench.config.sweep_spec import (  # noqa: F401 - SweepSpec, its options and bounds are read from here too
@@ -88,6 +89,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     given.update({k: v for k, v in flags.items() if v is not None})
     names = Names(spec_file, {name: key for name, (key, _) in from_file.items() if flags.get(name) is None})
     spec = SweepSpec()
+    adapter_dir = given.pop("adapters") if "adapters" in given and not is_count(given["adapters"]) else None
     for name, value in given.items():
         try:
             setattr(spec, name, coerce(name, value))
@@ -120,13 +122,21 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         raise UserError(f"{names('rank')}: {spec.rank} is not a rank vLLM allows (choose from {', '.join(map(str, RANKS))})")
     if spec.dtype not in DTYPES:
         raise UserError(f"{names('dtype')}: {spec.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    adapter_ranks: tuple[int, ...] = ()
+    if adapter_dir is not None:
+        if spec.ranks is not None:
+            raise UserError(f"{names('ranks')}: not with --adapters DIR (its adapters have their own ranks)")
+        spec.adapter_dir = str(Path(str(adapter_dir).strip()).expanduser().absolute())
+        adapters = read_adapters(spec.adapter_dir, spec.model_config, spec.rank, names("adapters"))
+        spec.adapters = coerce("adapters", len(adapters))
+        adapter_ranks = tuple(a.rank for a in adapters)
     try:
         spec.kernels = list(dict.fromkeys(str(KernelsLabel.parse(k)) for k in spec.kernels))
     except ValueError as e:
         raise UserError(f"{names('kernels')}: {e}") from None
     try:
         add_tuned(spec, machine)
-        add_unpadded(spec, names)
+        add_unpadded(spec, names, adapter_ranks)
         if any(k.vllm for k in spec.labels):
             require_vllm_dtype(spec.dtype)
     except UserError as e:

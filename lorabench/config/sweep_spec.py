@@ -68,9 +68,11 @@ class SweepSpec:
     startup_budget: float | None = option(None, "Strategy auto: most startup the set may take, s")
     tuned: str | None = option(None, "A `lorabench tune` output folder: each swept backend it has configs for (triton, "
                                "fused, vllm) also runs as <backend>+tuned")
-    adapters: int | None = option(None, "Adapters the requests choose from, held in the max_loras GPU slots by LRU: the "
-                                  "workload runs become residency runs of the largest concurrency's clients, loading "
-                                  "adapters into slots as the steps need them (timed)",
+    adapters: int | None = option(None, "Adapters the requests choose from, held in the max_loras GPU slots by LRU: a "
+                                  "count (random adapters at --rank), or a folder of PEFT adapters (or a glob of "
+                                  "them), whose own weights, ranks and targets fill the slots; the workload runs "
+                                  "become residency runs of the largest concurrency's clients, loading adapters into "
+                                  "slots as the steps need them (timed)",
                                   shown="one adapter per slot, none loaded", maximum=MAX_ADAPTERS, column=True)
     max_cpu_loras: int | None = option(None, "With --adapters: vLLM's CPU cache of adapters (at least max_loras); a load "
                                        "of an adapter not in it is counted as a read from storage, which lorabench does "
@@ -80,6 +82,7 @@ class SweepSpec:
     # Not options: what planning resolves.
     auto_sets: dict | None = None  # --strategy auto, chosen when planned: "kernels/max_loras" -> counts and predictions
     model_config: ModelConfig | None = None  # --model resolved when planned (the whole model, --layers applied)
+    adapter_dir: str | None = None  # --adapters DIR: the PEFT adapters' folder (or glob); adapters is then their count
 
     @property
     def rank_model(self) -> ModelConfig:

@@ -12,8 +12,11 @@ The host holds a small bank of adapters in pinned memory, each with one slot's s
 adapter at the slots' rank, as the model pads it), copied from the model's own slots; adapter
 ``a`` is copied from ``bank[a % BANK]``. A copy's time does not depend on which pinned buffer it
 reads, and the bank keeps a residency run over 200 adapters from pinning 200 adapters of host
-memory. Loads overwrite slots, so they run after the check: what a slot holds then is another
-slot's adapter, the same sizes and distribution.
+memory. With the user's adapters (``--adapters DIR``) the bank holds every one of them, as
+vLLM's CPU cache would, each padded to the slots' shapes; where their ranks differ, a load also
+writes the slot's rank (read by the ``+unpadded`` kernels), and where only some have expert
+LoRA, the slot's enabled flag. Loads overwrite slots, so they run after the check: what a slot
+holds then is another slot's adapter, the same sizes and distribution.
 """
 
 import time
@@ -22,8 +25,10 @@ import numpy as np
 import torch
 
 from lorabench.runtime.dispatch import Dispatcher
+from lorabench.config.peft import PeftAdapter
 from lorabench.runtime.model import LlamaLoRA, LoRALinear
 from lorabench.runtime.moe import MoEMLP
+from lorabench.runtime.peft_slots import fill_slot
 from lorabench.runtime.timing import Events, time_steps
 
 BANK = 2  # adapters held in pinned host memory
@@ -34,7 +39,7 @@ WARMUP = 3
 class AdapterLoader:
     """Copies adapters from the pinned host bank into the model's slots."""
 
-    def __init__(self, model: LlamaLoRA, bank: int = BANK):
+    def __init__(self, model: LlamaLoRA, bank: int = BANK, adapters: tuple[PeftAdapter, ...] = ()):
         self.cuda = model.embed.is_cuda
         self.max_loras = model.slot_rank.shape[0]
         self.parts: list[tuple[torch.Tensor, slice, torch.Tensor, slice]] = []  # A, its rows; B, its rows: one per slice
@@ -55,17 +60,36 @@ class AdapterLoader:
             out = t.detach().to("cpu", copy=True)
             return out.pin_memory() if pin else out
 
-        self.bank = [[(host(a[k % self.max_loras, ar]), host(b[k % self.max_loras, br])) for a, ar, b, br in self.parts]
-                     for k in range(bank)]
+        self.slot_rank, self.enabled = model.slot_rank, model.expert_lora_enabled
+        self.ranks = self.expert_lora = None  # per bank entry, where a load must write them
+        if not adapters:
+            self.bank = [[(host(a[k % self.max_loras, ar]), host(b[k % self.max_loras, br]))
+                          for a, ar, b, br in self.parts] for k in range(bank)]
+            return
+        self.bank = []
+        for adapter in adapters:  # each padded to the slots' shapes by way of slot 0, which then gets its own back
+            fill_slot(model, 0, adapter)
+            self.bank.append([(host(a[0, ar]), host(b[0, br])) for a, ar, b, br in self.parts])
+        fill_slot(model, 0, adapters[0])
+        if len({a.rank for a in adapters}) > 1:
+            self.ranks = [a.rank for a in adapters]
+        if self.enabled is not None and len({a.has_expert_lora for a in adapters}) > 1:
+            self.expert_lora = [int(a.has_expert_lora) for a in adapters]
 
     @property
     def ops(self) -> int:
-        """Device operations of one load: a zeroing and a copy for A and for B of every slice."""
-        return 4 * len(self.parts)
+        """Device operations of one load: a zeroing and a copy for A and for B of every slice
+        (and the slot's rank and expert-LoRA flag, where the adapters differ in them)."""
+        return 4 * len(self.parts) + (self.ranks is not None) + (self.expert_lora is not None)
 
     def load(self, slot: int, adapter: int) -> None:
         """Adapter ``adapter`` into ``slot``, queued on the current stream."""
-        for (a, ar, b, br), (ha, hb) in zip(self.parts, self.bank[adapter % len(self.bank)]):
+        k = adapter % len(self.bank)
+        if self.ranks is not None:
+            self.slot_rank[slot] = self.ranks[k]
+        if self.expert_lora is not None:
+            self.enabled[slot] = self.expert_lora[k]
+        for (a, ar, b, br), (ha, hb) in zip(self.parts, self.bank[k]):
             a[slot, ar].zero_()
             b[slot, br].zero_()
             a[slot, ar].copy_(ha, non_blocking=True)

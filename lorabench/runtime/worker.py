@@ -23,6 +23,7 @@ import torch
 
 from lorabench.config.batches import fixed_batch
 from lorabench.config.models import shard
+from lorabench.config.peft import read_adapters
 from lorabench.config.plan import FIXED, RESIDENCY, Job, Point
 from lorabench.config.residency import simulate
 from lorabench.config.sweep_spec import OPTIONS
@@ -34,6 +35,7 @@ from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.model import LlamaLoRA
+from lorabench.runtime.peft_slots import fill_slots
 from lorabench.runtime.probe import probe
 from lorabench.runtime.protocol import SWEEP, Measured
 from lorabench.runtime.rows import timed_columns
@@ -79,7 +81,7 @@ class Worker:
             "intermediate": job.model.intermediate, "vocab": job.model.vocab,
             # one rank is timed alone: the collectives a TP step adds are not in its step_ms
             "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded,
-            "slot_ranks": list(job.slot_ranks) or None,
+            "slot_ranks": list(job.slot_ranks) or None, "adapter_dir": job.adapter_dir,
             **({"experts": cfg.moe.experts, "top_k": cfg.moe.top_k, "moe_intermediate": cfg.moe.intermediate,
                 "shared_intermediate": cfg.moe.shared_intermediate} if cfg.moe else {}),
             "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
@@ -94,6 +96,8 @@ class Worker:
         # reference replays each tested graph's own routing (``runtime.moe``).
         self.refs = References() if len(jobs) > 1 and cfg.moe is None else None
         self.loader: AdapterLoader | None = None  # after the check: loads overwrite slots
+        # --adapters DIR: the user's adapters, checked against the model when planned
+        self.adapters = read_adapters(job.adapter_dir, job.model, job.rank) if job.adapter_dir else ()
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -120,6 +124,8 @@ class Worker:
                           slot_ranks=job.slot_ranks, fully_sharded=job.fully_sharded)
         self.sync()
         self.shared["build_s"] = time.perf_counter() - t0
+        if self.adapters:  # a server starts with none: their reads are not the model's build
+            fill_slots(model, self.adapters)
         return model
 
     def dispatcher(self, model: LlamaLoRA, arm: Arm, capture_sizes: list[int]) -> Dispatcher:
@@ -194,7 +200,7 @@ class Worker:
         step of ``d`` and alone: every row's ``load_*`` columns, and the timed loads themselves
         (``Loads``). A worker that cannot load still times its points; its residency points fail."""
         try:
-            self.loader = AdapterLoader(model)
+            self.loader = AdapterLoader(model, adapters=self.adapters)
             t = time_loads(self.loader, d)
         except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
             traceback.print_exc()

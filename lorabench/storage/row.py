@@ -147,6 +147,8 @@ class Row:
     fully_sharded_loras: bool | None = column("LoRA cut as vLLM's `--fully-sharded-loras` cuts it")
     allreduce: str | None = column("`left out` when `tp` > 1: the rank's collectives are not in its step times")
     adapters: int | None = column("`--adapters`: the residency runs' adapters, CPU cache and request length")
+    adapter_dir: str | None = column("`--adapters DIR`: the folder of PEFT adapters whose own weights fill the slots "
+                                     "(slot i: its adapter i); empty: random adapters")
     max_cpu_loras: int | None = column()
     output_tokens: int | None = column()
     tokens_per_step: float | None = column(

@@ -51,6 +51,11 @@ def model_md(r) -> list[str]:
         held = f" (slots: {', '.join(str(int(x)) for x in slots)})" if slots is not None else ""
         out.append(f"- adapters' own ranks: {get('ranks')}{held}, zero-padded to rank {int(r['rank'])} as vLLM pads them; "
                    "`<backend>+unpadded` computes each at its own rank (What padding costs)")
+    if get("adapter_dir"):
+        slots = get("slot_ranks")
+        held = f", slots at ranks {', '.join(str(int(x)) for x in slots)}" if slots is not None else ""
+        out.append(f"- the user's PEFT adapters: {get('adapter_dir')} ({int(r['adapters'])} adapters{held}, zero-padded to "
+                   f"rank {int(r['rank'])} as vLLM pads them; slot i holds adapter i, by folder name)")
     return out
 
 

@@ -1,0 +1,78 @@
+"""The user's adapters in the slots: each slot zeroed, then its adapter's modules
+(``lorabench.config.peft``) copied in from their safetensors files, B times the module's scale.
+
+Every module lands as the leading block of its slice: A's first r rows (the slot holds --rank,
+the rest stays zero: vLLM's padding) and its first K columns, B's first N rows. At one TP rank's
+shapes that block is rank 0's shard, cut as vLLM cuts it (column-parallel linears split B's
+outputs, row-parallel ones A's inputs, fully sharded LoRA A's rank or B's outputs): the step
+lorabench times is one rank's, and rank 0's weights are real ones.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from lorabench.config.peft import PeftAdapter, PeftModule
+from lorabench.runtime.model import LlamaLoRA, LoRALinear
+
+
+def read_tensors(adapter: PeftAdapter) -> dict[str, torch.Tensor]:
+    """The adapter's A and B tensors, on the host."""
+    from safetensors.torch import load_file
+
+    return load_file(adapter.weights, device="cpu")
+
+
+def _dense(model: LlamaLoRA, m: PeftModule) -> LoRALinear:
+    layer = model.layers[m.layer]
+    if layer.moe is not None and m.linear in ("gate_up", "down"):  # a MoE layer's dense pair is its shared expert
+        return layer.moe.shared_gate_up if m.linear == "gate_up" else layer.moe.shared_down
+    return getattr(layer, m.linear)
+
+
+def fill_slot(model: LlamaLoRA, slot: int, adapter: PeftAdapter, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Slot ``slot`` holds ``adapter``: every LoRA linear's and expert's A and B of the slot
+    zeroed, then the adapter's modules written in; its expert LoRA flagged on or off."""
+    tensors = read_tensors(adapter) if tensors is None else tensors
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, LoRALinear):
+                mod.lora_a[slot].zero_()
+                mod.lora_b[slot].zero_()
+        for layer in model.layers:
+            if layer.moe is not None:
+                for name in ("w13_a", "w13_b", "w2_a", "w2_b"):
+                    getattr(layer.moe, name)[:, slot].zero_()
+        for m in adapter.modules:
+            a, b = tensors[m.a_key], tensors[m.b_key] * m.scale
+            if m.expert >= 0:
+                moe = model.layers[m.layer].moe
+                slot_a = getattr(moe, f"{m.linear}_a")[m.slice, slot, m.expert]  # [R, K]
+                slot_b = getattr(moe, f"{m.linear}_b")[m.slice, slot, m.expert]  # [N, R]
+                _lead(slot_a, a)
+                _lead(slot_b, b)
+                continue
+            lin = _dense(model, m)
+            rows = lin.lora_a.shape[1] // (len(lin.slice_starts) - 1)  # the slot's rows per slice
+            _lead(lin.lora_a[slot, m.slice * rows:(m.slice + 1) * rows], a)
+            start, end = lin.slice_starts[m.slice], lin.slice_starts[m.slice + 1]
+            _lead(lin.lora_b[slot, start:end], b)
+        if model.expert_lora_enabled is not None:
+            model.expert_lora_enabled[slot] = int(adapter.has_expert_lora)
+
+
+def _lead(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``src``'s leading block into ``dest``'s (both 2-D)."""
+    rows, cols = min(dest.shape[0], src.shape[0]), min(dest.shape[1], src.shape[1])
+    dest[:rows, :cols].copy_(src[:rows, :cols])
+
+
+def fill_slots(model: LlamaLoRA, adapters: Sequence[PeftAdapter]) -> None:
+    """Slot i holds adapter i (i modulo their count, when there are fewer adapters than slots)."""
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+    for slot in range(model.slot_rank.shape[0]):
+        i = slot % len(adapters)
+        if i not in cache:
+            cache[i] = read_tensors(adapters[i])
+        fill_slot(model, slot, adapters[i], cache[i])
+

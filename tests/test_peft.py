@@ -1,0 +1,210 @@
+"""The user's own adapters (``--adapters DIR``): PEFT folders read and checked against the model,
+their weights in the slots (B times each module's scale, untargeted linears zero, a TP rank's
+share), their LoRA equal to PEFT's own, loads that leave the same slots, and a sweep and a check
+on them."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from peft_folders import HIDDEN, INTER, KV, PREFIX, Q, adapter_files, module_tensors, write
+
+from lorabench.cli import main
+from lorabench.config.models import resolve, shard
+from lorabench.config.peft import read_adapters, slot_ranks
+from lorabench.errors import UserError
+from lorabench.runtime.adapters import AdapterLoader
+from lorabench.runtime.model import LlamaLoRA
+from lorabench.runtime.peft_slots import fill_slot, fill_slots, read_tensors
+
+RANK = 16
+
+
+def build(cfg, adapters, max_loras=3):
+    model = LlamaLoRA(cfg, max_loras=max_loras, rank=RANK, max_tokens=4, context_len=8, dtype=torch.float32,
+                      device="cpu", slot_ranks=slot_ranks(adapters, max_loras))
+    fill_slots(model, adapters)
+    return model
+
+
+def lora_of(model, slot, layer, linear, slice_):
+    """(A [R, K], B [N, R]) of one slice of one dense linear in a slot."""
+    lin = getattr(model.layers[layer], linear)
+    rows = lin.lora_a.shape[1] // (len(lin.slice_starts) - 1)
+    a = lin.lora_a[slot, slice_ * rows:(slice_ + 1) * rows]
+    return a, lin.lora_b[slot, lin.slice_starts[slice_]:lin.slice_starts[slice_ + 1]]
+
+
+@pytest.fixture
+def two_adapters(tmp_path):
+    """a: rank 8 on q, v (v at rank 4 by rank_pattern) and down (alpha 32 by alpha_pattern); b: rank 16
+    on all seven modules, rsLoRA."""
+    rng = np.random.default_rng(1)
+    v4 = {k: v for i in (0, 1) for k, v in module_tensors(i, "self_attn.v_proj", 4, HIDDEN, KV, rng).items()}
+    write(tmp_path / "adapters", adapter_files("a", 8, 16, ("q_proj", "down_proj"), tensors=v4,
+                                               config={"target_modules": ["q_proj", "v_proj", "down_proj"],
+                                                       "rank_pattern": {"v_proj": 4}, "alpha_pattern": {"down_proj": 32}}))
+    write(tmp_path / "adapters", adapter_files("b", 16, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"), config={"use_rslora": True}, seed=2))
+    return tmp_path / "adapters"
+
+
+def test_a_folder_of_adapters_maps_onto_the_fused_linears_with_each_modules_scale(two_adapters):
+    a, b = read_adapters(str(two_adapters), resolve("tiny"), RANK)
+    assert (a.name, a.rank, b.name, b.rank) == ("a", 8, "b", 16)
+    where = {(m.layer, m.linear, m.slice): (m.rank, m.scale) for m in a.modules}
+    assert where == {(i, lin, s): v for i in (0, 1) for (lin, s), v in
+                     {("qkv", 0): (8, 2.0), ("qkv", 2): (4, 4.0), ("down", 0): (8, 4.0)}.items()}
+    assert {m.scale for m in b.modules} == {8 / 4}  # rsLoRA: alpha / sqrt(r)
+    assert not a.has_expert_lora
+
+
+def test_the_slots_hold_the_files_tensors_scaled_and_zeros_elsewhere(two_adapters):
+    adapters = read_adapters(str(two_adapters), resolve("tiny"), RANK)
+    model = build(resolve("tiny"), adapters)  # slot 2 holds adapter a again
+    files = [read_tensors(x) for x in adapters]
+    for slot, (adapter, tensors) in enumerate(zip([*adapters, adapters[0]], [*files, files[0]])):
+        for m in adapter.modules:
+            a, b = lora_of(model, slot, m.layer, m.linear, m.slice)
+            torch.testing.assert_close(a[:m.rank], tensors[m.a_key])
+            torch.testing.assert_close(b[:, :m.rank], tensors[m.b_key] * m.scale)
+            assert not a[m.rank:].any() and not b[:, m.rank:].any()  # padded to --rank with zeros
+    for layer in (0, 1):  # adapter a targets neither k, o, gate nor up
+        assert not lora_of(model, 0, layer, "qkv", 1)[0].any() and not model.layers[layer].o.lora_b[0].any()
+        assert not model.layers[layer].gate_up.lora_a[0].any() and not model.layers[layer].gate_up.lora_b[0].any()
+    assert model.slot_rank.tolist() == [8, 16, 8]
+
+
+def test_the_lora_in_the_slots_is_peft_s_own(tmp_path):
+    """PEFT's own model and its save_pretrained folder: each targeted linear's LoRA update on an
+    input equals what the slot computes (x A^T B^T, the scale folded into B)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg)
+    lora = peft.LoraConfig(r=8, lora_alpha=24, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                           rank_pattern={"v_proj": 4}, alpha_pattern={"down_proj": 4}, init_lora_weights=False)
+    peft_model = peft.get_peft_model(base, lora)
+    peft_model.save_pretrained(tmp_path / "mine")
+    (adapter,) = read_adapters(str(tmp_path / "mine"), resolve("tiny"), RANK)
+    model = build(resolve("tiny"), (adapter,), max_loras=1)
+    layer = peft_model.base_model.model.model.layers[1]
+    for module, linear, slice_, k in ((layer.self_attn.q_proj, "qkv", 0, HIDDEN), (layer.self_attn.v_proj, "qkv", 2, HIDDEN),
+                                      (layer.self_attn.o_proj, "o", 0, Q), (layer.mlp.down_proj, "down", 0, INTER)):
+        x = torch.randn(3, k)
+        with torch.no_grad():
+            want = module(x) - module.base_layer(x)
+        a, b = lora_of(model, 0, 1, linear, slice_)
+        torch.testing.assert_close(x @ a.T @ b.T, want, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_and_shared_expert_modules_fill_their_slots(tmp_path):
+    """Mixtral's expert names (block_sparse_moe.experts.E.w1/w3/w2) and Qwen2-MoE's (mlp.experts.E.*,
+    mlp.shared_expert.*, a dense layer's mlp.*); an adapter without expert LoRA is flagged off."""
+    rng = np.random.default_rng(3)
+    experts = {}
+    for e in (0, 5):
+        experts |= module_tensors(0, f"block_sparse_moe.experts.{e}.w1", 8, HIDDEN, 64, rng)
+        experts |= module_tensors(0, f"block_sparse_moe.experts.{e}.w2", 8, 64, HIDDEN, rng)
+    write(tmp_path / "moe", adapter_files("experts", 8, 8, ("q_proj",), tensors=experts))
+    write(tmp_path / "moe", adapter_files("attention", 8, 8, ("q_proj",)))
+    cfg = resolve("tiny-moe")
+    adapters = read_adapters(str(tmp_path / "moe"), cfg, RANK)
+    assert [x.name for x in adapters] == ["attention", "experts"] and [x.has_expert_lora for x in adapters] == [False, True]
+    model = build(cfg, adapters, max_loras=2)
+    moe, tensors = model.layers[0].moe, read_tensors(adapters[1])
+    key = f"{PREFIX}.0.block_sparse_moe.experts.5"
+    torch.testing.assert_close(moe.w13_a[0, 1, 5, :8], tensors[f"{key}.w1.lora_A.weight"])
+    torch.testing.assert_close(moe.w2_b[0, 1, 5, :, :8], tensors[f"{key}.w2.lora_B.weight"])  # alpha / r = 1
+    assert not moe.w13_a[1, 1].any() and not moe.w13_a[0, 1, 1].any()  # no w3, no expert 1
+    assert not moe.w13_a[:, 0].any() and not model.layers[1].moe.w2_b[:, 1].any()
+    assert model.expert_lora_enabled.tolist()[:2] == [0, 1]
+
+    shared = module_tensors(0, "mlp.shared_expert.down_proj", 8, 96, HIDDEN, rng)
+    shared |= module_tensors(0, "mlp.experts.2.up_proj", 8, HIDDEN, 64, rng)
+    shared |= module_tensors(1, "mlp.gate_proj", 8, HIDDEN, INTER, rng)  # layer 1 is dense
+    write(tmp_path / "qwen2", adapter_files("s", 8, 8, (), tensors=shared))
+    (adapter,) = read_adapters(str(tmp_path / "qwen2" / "s"), resolve("tiny-moe-shared"), RANK)
+    model = build(resolve("tiny-moe-shared"), (adapter,), max_loras=1)
+    tensors = read_tensors(adapter)
+    torch.testing.assert_close(model.layers[0].moe.shared_down.lora_b[0, :, :8],
+                               tensors[f"{PREFIX}.0.mlp.shared_expert.down_proj.lora_B.weight"])
+    torch.testing.assert_close(model.layers[0].moe.w13_a[1, 0, 2, :8], tensors[f"{PREFIX}.0.mlp.experts.2.up_proj.lora_A.weight"])
+    torch.testing.assert_close(model.layers[1].gate_up.lora_a[0, :8], tensors[f"{PREFIX}.1.mlp.gate_proj.lora_A.weight"])
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["tp2", "tp2-fully-sharded"])
+def test_a_tp_rank_holds_rank_zeros_share(two_adapters, fully_sharded):
+    whole = resolve("tiny")
+    (_, b) = read_adapters(str(two_adapters), whole, RANK)
+    model = LlamaLoRA(shard(whole, 2), max_loras=1, rank=RANK, max_tokens=4, context_len=8, dtype=torch.float32,
+                      device="cpu", fully_sharded=fully_sharded)
+    fill_slots(model, (b,))
+    t, s = read_tensors(b), {m.a_key: m.scale for m in b.modules}
+    key = f"{PREFIX}.0.self_attn"
+    rows = RANK // 2 if fully_sharded else RANK  # fully sharded: half of A's rank per column-parallel slice
+    a_q, b_k = lora_of(model, 0, 0, "qkv", 0)[0], lora_of(model, 0, 0, "qkv", 1)[1]
+    torch.testing.assert_close(a_q, t[f"{key}.q_proj.lora_A.weight"][:rows])
+    torch.testing.assert_close(b_k, t[f"{key}.k_proj.lora_B.weight"][:KV // 2] * s[f"{key}.k_proj.lora_A.weight"])
+    o = model.layers[0].o  # row-parallel: its A's first half of the inputs; fully sharded, B's first half of the outputs
+    torch.testing.assert_close(o.lora_a[0], t[f"{key}.o_proj.lora_A.weight"][:, :Q // 2])
+    assert o.lora_b.shape[1] == (HIDDEN // 2 if fully_sharded else HIDDEN)
+
+
+def test_loads_from_the_bank_leave_the_slots_as_filling_them_does(two_adapters):
+    adapters = read_adapters(str(two_adapters), resolve("tiny"), RANK)
+    model, want = build(resolve("tiny"), adapters), build(resolve("tiny"), adapters)
+    loader = AdapterLoader(model, adapters=adapters)
+    assert len(loader.bank) == 2 and loader.ops == 4 * len(loader.parts) + 1  # the ranks differ: the slot's too
+    loader.load(0, 1)
+    loader.load(2, 1)
+    fill_slot(want, 0, adapters[1])
+    fill_slot(want, 2, adapters[1])
+    for got, ref in zip(model.state_dict().values(), want.state_dict().values()):
+        torch.testing.assert_close(got, ref)
+    assert model.slot_rank.tolist() == [16, 16, 16]
+
+
+def test_a_glob_of_adapter_folders_and_one_folder(two_adapters):
+    cfg = resolve("tiny")
+    assert [a.name for a in read_adapters(str(two_adapters / "*"), cfg, RANK)] == ["a", "b"]
+    assert [a.name for a in read_adapters(str(two_adapters / "b"), cfg, RANK)] == ["b"]
+    assert [m.layer for m in read_adapters(str(two_adapters / "a"), resolve("tiny", 1), RANK)[0].modules] == [0] * 3
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"config": {"r": 4}}, "rank 8 in its weights, 4 in adapter_config.json"),
+    ({"config": {"peft_type": "IA3"}}, "only LoRA adapters"),
+    ({"config": {"modules_to_save": ["lm_head"]}}, "modules_to_save"),
+    ({"config": {"bias": "all"}}, "bias 'all'"),
+    ({"config": {"lora_alpha": "x"}}, "lora_alpha"),
+    ({"layers": (0, 5)}, "targets layers.5, but tiny has 2 layers"),
+])
+def test_what_cannot_be_served_is_refused_in_one_line(tmp_path, change, says):
+    write(tmp_path, adapter_files("x", **change))
+    with pytest.raises(UserError, match=says.replace("(", r"\(")):
+        read_adapters(str(tmp_path / "x"), resolve("tiny"), RANK)
+
+
+@pytest.mark.e2e
+def test_a_sweep_and_a_check_on_the_users_adapters(two_adapters, tmp_path, capsys):
+    common = ["--model", "tiny", "--max-loras", "2", "--device", "cpu", "--adapters", str(two_adapters),
+              "--strategy", "max", "--out", str(tmp_path / "out")]
+    assert main(["sweep", *common, "--concurrency", "2", "--iters", "3", "--warmup", "1", "--workload", "uniform",
+                 "--output-tokens", "2"]) == 0
+    run = next((tmp_path / "out").iterdir())
+    rows = pd.read_parquet(run / "points.parquet")
+    assert (rows.status == "ok").all() and rows.correct.all()
+    assert set(rows.adapter_dir) == {str(two_adapters)} and set(rows.adapters) == {2}
+    assert [list(r) for r in rows.slot_ranks] == [[8, 16]] * len(rows)
+    assert set(rows["mode"]) == {"fixed", "residency"}
+    assert json.loads((run / "run.json").read_text())["spec"]["adapter_dir"] == str(two_adapters)
+    assert main(["report", str(run)]) == 0
+    assert f"the user's PEFT adapters: {two_adapters} (2 adapters, slots at ranks 8, 16" in (run / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["check", *common]) == 0
+    assert "0 wrong" in capsys.readouterr().out
