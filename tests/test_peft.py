@@ -4,6 +4,8 @@ share), their LoRA equal to PEFT's own, loads that leave the same slots, and a s
 on them."""
 
 import json
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -12,8 +14,12 @@ import torch
 from peft_folders import HIDDEN, INTER, KV, PREFIX, Q, adapter_files, module_tensors, write
 
 from lorabench.cli import main
+from lorabench.config.flags import Machine
 from lorabench.config.models import resolve, shard
+from lorabench.config.spec_checks import check_adapter_bank
 from lorabench.config.peft import read_adapters, slot_ranks
+from lorabench.config.residency import Adapters, simulate
+from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
 from lorabench.runtime.adapters import AdapterLoader
 from lorabench.runtime.model import LlamaLoRA
@@ -61,16 +67,30 @@ def test_a_folder_of_adapters_maps_onto_the_fused_linears_with_each_modules_scal
     assert not a.has_expert_lora
 
 
+# Where each PEFT module lands, and its adapter's scale (alpha / r, or alpha / sqrt(r) for b's rsLoRA),
+# written out here rather than read back from lorabench.config.peft.
+SLICES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+          "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+SCALES = {"a": {"q_proj": 16 / 8, "v_proj": 16 / 4, "down_proj": 32 / 8}, "b": dict.fromkeys(SLICES, 8 / 16**0.5)}
+
+
 def test_the_slots_hold_the_files_tensors_scaled_and_zeros_elsewhere(two_adapters):
     adapters = read_adapters(str(two_adapters), resolve("tiny"), RANK)
     model = build(resolve("tiny"), adapters)  # slot 2 holds adapter a again
     files = [read_tensors(x) for x in adapters]
-    for slot, (adapter, tensors) in enumerate(zip([*adapters, adapters[0]], [*files, files[0]])):
-        for m in adapter.modules:
-            a, b = lora_of(model, slot, m.layer, m.linear, m.slice)
-            torch.testing.assert_close(a[:m.rank], tensors[m.a_key])
-            torch.testing.assert_close(b[:, :m.rank], tensors[m.b_key] * m.scale)
-            assert not a[m.rank:].any() and not b[:, m.rank:].any()  # padded to --rank with zeros
+    for slot, (name, tensors) in enumerate(zip(["a", "b", "a"], [*files, files[0]])):
+        seen = 0
+        for key, a_file in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            layer, leaf = int(key.split(".")[4]), key.split(".")[6]
+            r = a_file.shape[0]
+            a, b = lora_of(model, slot, layer, *SLICES[leaf])
+            torch.testing.assert_close(a[:r], a_file)
+            torch.testing.assert_close(b[:, :r], tensors[key.replace("lora_A", "lora_B")] * SCALES[name][leaf])
+            assert not a[r:].any() and not b[:, r:].any()  # padded to --rank with zeros
+            seen += 1
+        assert seen == 2 * len(SCALES[name])
     for layer in (0, 1):  # adapter a targets neither k, o, gate nor up
         assert not lora_of(model, 0, layer, "qkv", 1)[0].any() and not model.layers[layer].o.lora_b[0].any()
         assert not model.layers[layer].gate_up.lora_a[0].any() and not model.layers[layer].gate_up.lora_b[0].any()
@@ -110,7 +130,8 @@ def test_expert_and_shared_expert_modules_fill_their_slots(tmp_path):
     for e in (0, 5):
         experts |= module_tensors(0, f"block_sparse_moe.experts.{e}.w1", 8, HIDDEN, 64, rng)
         experts |= module_tensors(0, f"block_sparse_moe.experts.{e}.w2", 8, 64, HIDDEN, rng)
-    write(tmp_path / "moe", adapter_files("experts", 8, 8, ("q_proj",), tensors=experts))
+    experts |= module_tensors(1, "block_sparse_moe.experts.3.w3", 8, HIDDEN, 64, rng)
+    write(tmp_path / "moe", adapter_files("experts", 8, 16, ("q_proj",), tensors=experts))  # scale 2
     write(tmp_path / "moe", adapter_files("attention", 8, 8, ("q_proj",)))
     cfg = resolve("tiny-moe")
     adapters = read_adapters(str(tmp_path / "moe"), cfg, RANK)
@@ -119,8 +140,13 @@ def test_expert_and_shared_expert_modules_fill_their_slots(tmp_path):
     moe, tensors = model.layers[0].moe, read_tensors(adapters[1])
     key = f"{PREFIX}.0.block_sparse_moe.experts.5"
     torch.testing.assert_close(moe.w13_a[0, 1, 5, :8], tensors[f"{key}.w1.lora_A.weight"])
-    torch.testing.assert_close(moe.w2_b[0, 1, 5, :, :8], tensors[f"{key}.w2.lora_B.weight"])  # alpha / r = 1
-    assert not moe.w13_a[1, 1].any() and not moe.w13_a[0, 1, 1].any()  # no w3, no expert 1
+    torch.testing.assert_close(moe.w13_b[0, 1, 5, :, :8], tensors[f"{key}.w1.lora_B.weight"] * 2)
+    torch.testing.assert_close(moe.w2_a[0, 1, 5, :8], tensors[f"{key}.w2.lora_A.weight"])
+    torch.testing.assert_close(moe.w2_b[0, 1, 5, :, :8], tensors[f"{key}.w2.lora_B.weight"] * 2)
+    w3 = f"{PREFIX}.1.block_sparse_moe.experts.3.w3"  # up: w13's second slice
+    torch.testing.assert_close(model.layers[1].moe.w13_a[1, 1, 3, :8], tensors[f"{w3}.lora_A.weight"])
+    torch.testing.assert_close(model.layers[1].moe.w13_b[1, 1, 3, :, :8], tensors[f"{w3}.lora_B.weight"] * 2)
+    assert not moe.w13_a[1, 1].any() and not moe.w13_a[0, 1, 1].any()  # no w3 in layer 0, no expert 1
     assert not moe.w13_a[:, 0].any() and not model.layers[1].moe.w2_b[:, 1].any()
     assert model.expert_lora_enabled.tolist()[:2] == [0, 1]
 
@@ -152,7 +178,13 @@ def test_a_tp_rank_holds_rank_zeros_share(two_adapters, fully_sharded):
     torch.testing.assert_close(b_k, t[f"{key}.k_proj.lora_B.weight"][:KV // 2] * s[f"{key}.k_proj.lora_A.weight"])
     o = model.layers[0].o  # row-parallel: its A's first half of the inputs; fully sharded, B's first half of the outputs
     torch.testing.assert_close(o.lora_a[0], t[f"{key}.o_proj.lora_A.weight"][:, :Q // 2])
-    assert o.lora_b.shape[1] == (HIDDEN // 2 if fully_sharded else HIDDEN)
+    outputs = HIDDEN // 2 if fully_sharded else HIDDEN
+    torch.testing.assert_close(o.lora_b[0], t[f"{key}.o_proj.lora_B.weight"][:outputs] * s[f"{key}.o_proj.lora_A.weight"])
+    mlp = f"{PREFIX}.0.mlp"
+    torch.testing.assert_close(model.layers[0].down.lora_a[0], t[f"{mlp}.down_proj.lora_A.weight"][:, :INTER // 2])
+    up_a, up_b = lora_of(model, 0, 0, "gate_up", 1)
+    torch.testing.assert_close(up_a, t[f"{mlp}.up_proj.lora_A.weight"][:rows])
+    torch.testing.assert_close(up_b, t[f"{mlp}.up_proj.lora_B.weight"][:INTER // 2] * s[f"{mlp}.up_proj.lora_A.weight"])
 
 
 def test_loads_from_the_bank_leave_the_slots_as_filling_them_does(two_adapters):
@@ -169,6 +201,40 @@ def test_loads_from_the_bank_leave_the_slots_as_filling_them_does(two_adapters):
     assert model.slot_rank.tolist() == [16, 16, 16]
 
 
+def test_loads_write_the_expert_lora_flag_and_restore_puts_each_adapter_back(tmp_path):
+    experts = module_tensors(0, "block_sparse_moe.experts.1.w1", 8, HIDDEN, 64, np.random.default_rng(4))
+    write(tmp_path, adapter_files("a", 8, 8, ("q_proj",)))
+    write(tmp_path, adapter_files("b", 8, 8, ("q_proj",), tensors=experts, seed=5))
+    cfg = resolve("tiny-moe")
+    adapters = read_adapters(str(tmp_path), cfg, RANK)
+    model, want = build(cfg, adapters), build(cfg, adapters)
+    loader = AdapterLoader(model, adapters=adapters)
+    assert loader.ops == 4 * len(loader.parts) + 1  # one rank, but not all with expert LoRA: the flag too
+    loader.load(0, 1)
+    loader.load(1, 0)
+    assert model.expert_lora_enabled.tolist()[:3] == [1, 0, 0]
+    loader.restore()
+    assert model.expert_lora_enabled.tolist()[:3] == [0, 1, 0]
+    for got, ref in zip(model.state_dict().values(), want.state_dict().values()):
+        torch.testing.assert_close(got, ref)
+
+
+def test_a_residency_schedule_says_what_the_slots_hold_at_each_turn():
+    """Each step's running requests find their adapters in their slots, when the slots start a
+    turn as ``slots_at`` says and take the step's loads."""
+    adapters = Adapters(6, None, 4)
+    steps = simulate(parse_workload("zipf:1"), adapters, clients=5, max_loras=3, steps=40, seed=1)
+    at = steps.slots_at(range(0, 40, 10))
+    assert at[0] == steps.first_slots and sorted(at) == [0, 10, 20, 30]
+    for start in at:
+        held = list(at[start])
+        for i in range(start, min(start + 10, 40)):
+            for slot, adapter in steps.loads[i]:
+                held[slot] = adapter
+            for slot, adapter in zip(steps.batches[i], steps.requests[i]):
+                assert slot < 0 or held[slot] == adapter
+
+
 def test_a_glob_of_adapter_folders_and_one_folder(two_adapters):
     cfg = resolve("tiny")
     assert [a.name for a in read_adapters(str(two_adapters / "*"), cfg, RANK)] == ["a", "b"]
@@ -183,16 +249,35 @@ def test_a_glob_of_adapter_folders_and_one_folder(two_adapters):
     ({"config": {"bias": "all"}}, "bias 'all'"),
     ({"config": {"lora_alpha": "x"}}, "lora_alpha"),
     ({"layers": (0, 5)}, "targets layers.5, but tiny has 2 layers"),
+    ({"config": {"lora_bias": True}}, "trained biases"),
+    ({"config": {"rank_pattern": {"q_proj(": 4}}}, "is not a regular expression"),
+    ({"tensors": module_tensors(0, "block_sparse_moe.experts.0.w1", 8, HIDDEN, 64, np.random.default_rng(0))},
+     "which layer 0 of tiny (dense) has no LoRA linear"),
 ])
 def test_what_cannot_be_served_is_refused_in_one_line(tmp_path, change, says):
     write(tmp_path, adapter_files("x", **change))
-    with pytest.raises(UserError, match=says.replace("(", r"\(")):
+    with pytest.raises(UserError, match=re.escape(says)):
         read_adapters(str(tmp_path / "x"), resolve("tiny"), RANK)
+
+
+def test_an_expert_past_the_models_is_refused(tmp_path):
+    write(tmp_path, adapter_files("x", tensors=module_tensors(0, "block_sparse_moe.experts.16.w2", 8, 64, HIDDEN,
+                                                              np.random.default_rng(0))))
+    with pytest.raises(UserError, match="tiny-moe has 16 experts per layer"):
+        read_adapters(str(tmp_path / "x"), resolve("tiny-moe"), RANK)
+
+
+def test_a_bank_of_adapters_that_does_not_fit_the_hosts_memory_is_refused():
+    spec = SimpleNamespace(adapter_dir="x", adapters=1000, rank=64, dtype="float32", rank_model=resolve("tiny"),
+                           fully_sharded_loras=False)
+    with pytest.raises(UserError, match="its 1000 adapters at --rank 64 take .* of pinned host memory"):
+        check_adapter_bank(spec, Machine(cuda=False, free_ram_bytes=2**29), lambda name: "--adapters")  # 1 GiB needed
+    check_adapter_bank(spec, Machine(cuda=False, free_ram_bytes=2**40), lambda name: "--adapters")
 
 
 @pytest.mark.e2e
 def test_a_sweep_and_a_check_on_the_users_adapters(two_adapters, tmp_path, capsys):
-    common = ["--model", "tiny", "--max-loras", "2", "--device", "cpu", "--adapters", str(two_adapters),
+    common = ["--model", "tiny", "--max-loras", "3", "--device", "cpu", "--adapters", str(two_adapters),
               "--strategy", "max", "--out", str(tmp_path / "out")]
     assert main(["sweep", *common, "--concurrency", "2", "--iters", "3", "--warmup", "1", "--workload", "uniform",
                  "--output-tokens", "2"]) == 0
@@ -200,11 +285,11 @@ def test_a_sweep_and_a_check_on_the_users_adapters(two_adapters, tmp_path, capsy
     rows = pd.read_parquet(run / "points.parquet")
     assert (rows.status == "ok").all() and rows.correct.all()
     assert set(rows.adapter_dir) == {str(two_adapters)} and set(rows.adapters) == {2}
-    assert [list(r) for r in rows.slot_ranks] == [[8, 16]] * len(rows)
+    assert [list(r) for r in rows.slot_ranks] == [[8, 16, 8]] * len(rows)
     assert set(rows["mode"]) == {"fixed", "residency"}
     assert json.loads((run / "run.json").read_text())["spec"]["adapter_dir"] == str(two_adapters)
     assert main(["report", str(run)]) == 0
-    assert f"the user's PEFT adapters: {two_adapters} (2 adapters, slots at ranks 8, 16" in (run / "report.md").read_text()
+    assert f"the user's PEFT adapters: {two_adapters} (2 adapters, slots at ranks 8, 16, 8" in (run / "report.md").read_text()
     capsys.readouterr()
     assert main(["check", *common]) == 0
     assert "0 wrong" in capsys.readouterr().out

@@ -23,8 +23,10 @@ from lorabench.errors import UserError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# PEFT's tensor names: <prefix>layers.<i>.<module path>.lora_<A|B>[.<adapter name>].weight
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# PEFT's tensor names: [base_model.model.]model.layers.<i>.<module path>.lora_<A|B>[.<adapter name>].weight;
+# the module's name (what rank_pattern and alpha_pattern match, as PEFT and vLLM match them) is it
+# without the prefix and from .lora_ on.
+_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(.+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _ATTENTION = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
               "self_attn.o_proj": ("o", 0)}
 _DENSE_MLP = {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
@@ -116,11 +118,14 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int, where: str = "--
         raise UserError(f"{here}: no {WEIGHTS_FILE}{other}")
     shapes = _shapes(weights, here)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
+    names: dict[tuple[int, str], str] = {}
     for key in shapes:
-        m = _KEY.search(key)
+        m = _KEY.fullmatch(key)
         if m is None:
             raise UserError(f"{here}: tensor {key} is not a LoRA A or B of a decoder layer's module")
-        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = key
+        where = (int(m.group(2)), m.group(3))
+        pairs.setdefault(where, {})[m.group(4)] = key
+        names[where] = m.group(1)
     modules = []
     for (layer, path), keys in sorted(pairs.items()):
         if set(keys) != {"A", "B"}:
@@ -140,11 +145,11 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int, where: str = "--
         if rank > max_rank:
             raise UserError(f"{here}: layers.{layer}.{path} has rank {rank}, above --rank {max_rank} "
                             "(vLLM's --max-lora-rank: raise it, or leave this adapter out)")
-        name = f"model.layers.{layer}.{path}"
-        want_rank = _pattern(settings["rank_pattern"], name, settings["r"])
+        name = names[layer, path]
+        want_rank = _pattern(settings["rank_pattern"], name, settings["r"], here)
         if want_rank != rank:
             raise UserError(f"{here}: layers.{layer}.{path} has rank {rank} in its weights, {want_rank} in {CONFIG_FILE}")
-        alpha = float(_pattern(settings["alpha_pattern"], name, settings["lora_alpha"]))
+        alpha = float(_pattern(settings["alpha_pattern"], name, settings["lora_alpha"], here))
         scale = alpha / (math.sqrt(rank) if settings["use_rslora"] else rank)
         modules.append(PeftModule(layer, linear, slice_, expert, keys["A"], keys["B"], rank, scale))
     if not modules:
@@ -165,13 +170,16 @@ def _settings(folder: Path, here: str) -> dict:
                          ("modules_to_save", "fully trained modules"), ("target_parameters", "LoRA on bare parameters")):
         if raw.get(setting):
             raise UserError(f"{here}: {setting} is set ({why}); vLLM serves plain LoRA on linear modules only")
-    if raw.get("bias", "none") != "none":
-        raise UserError(f"{here}: bias {raw['bias']!r}: vLLM serves LoRA without trained biases")
+    if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
+        raise UserError(f"{here}: trained biases (bias {raw.get('bias')!r}, lora_bias {raw.get('lora_bias')!r}): "
+                        "vLLM serves LoRA without them")
     r = raw.get("r")
     if not isinstance(r, int) or r < 1:
         raise UserError(f"{here}: r {r!r} in {CONFIG_FILE} is not a rank (a whole number, 1 or more)")
-    alpha = raw.get("lora_alpha", r)
-    if not isinstance(alpha, (int, float)) or alpha <= 0:
+    if "lora_alpha" not in raw:
+        raise UserError(f"{here}: no lora_alpha in {CONFIG_FILE} (vLLM requires it: the scale is lora_alpha / r)")
+    alpha = raw["lora_alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UserError(f"{here}: lora_alpha {alpha!r} in {CONFIG_FILE} is not a positive number")
     return {"r": r, "lora_alpha": alpha, "use_rslora": bool(raw.get("use_rslora")),
             "rank_pattern": raw.get("rank_pattern") or {}, "alpha_pattern": raw.get("alpha_pattern") or {}}
@@ -188,12 +196,16 @@ def _shapes(weights: Path, here: str) -> dict[str, tuple[int, ...]]:
         raise UserError(f"{here}: {WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
 
 
-def _pattern(patterns: dict, name: str, default):
-    """PEFT's rank_pattern / alpha_pattern: the value of the first key that is the module's name
-    or a dotted suffix of it (``get_pattern_key``), else the adapter's own."""
+def _pattern(patterns: dict, name: str, default, here: str):
+    """rank_pattern / alpha_pattern: the value of the first key that matches the module's name at
+    a dot (a regex, as PEFT's ``get_pattern_key`` and vLLM's ``PEFTHelper`` match it), else the
+    adapter's own."""
     for key, value in patterns.items():
-        if key == name or re.match(rf"(.*\.)?({key})$", name):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", name):
+                return value
+        except re.error as e:
+            raise UserError(f"{here}: pattern {key!r} in {CONFIG_FILE} is not a regular expression ({e})") from None
     return default
 
 

@@ -115,7 +115,8 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
     concurrencies are the batch sizes its steps take). vLLM's kernels skip strategies vLLM has no
     grid for."""
     jobs, index = [], 0
-    adapters = read_adapters(spec.adapter_dir, spec.model_config, spec.rank) if spec.adapter_dir else ()
+    model = spec.model_config or resolve(spec.model, spec.layers)
+    adapters = read_adapters(spec.adapter_dir, model, spec.rank) if spec.adapter_dir else ()
     for kernels in spec.labels:
         for max_loras in spec.max_loras:
             for name in spec.strategy:
@@ -147,7 +148,7 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                 jobs.append(Job(
                     run_id=run_id, started_at=started_at, argv=argv, kernels=str(kernels), max_loras=max_loras,
                     strategy=s.name, counts=tuple(counts), bucket_grid=s.bucket_grid,
-                    model=spec.model_config or resolve(spec.model, spec.layers),
+                    model=model,
                     capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
                     tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
                     fully_sharded=spec.fully_sharded_loras,

@@ -29,7 +29,7 @@ from the steady state.
 import bisect
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +63,19 @@ class Schedule:
     n_loads: np.ndarray
     cpu_misses: np.ndarray  # loads whose adapter had to be read from storage first
     waiting: np.ndarray  # requests waiting for a slot (not admitted) at the step
+    first_slots: list[int] = field(default_factory=list)  # each slot's adapter at the first timed step (-1: none yet)
+
+    def slots_at(self, starts) -> dict[int, list[int]]:
+        """Each slot's adapter before step ``i``'s loads, for every ``i`` of ``starts``: what the
+        slots must hold for the steps from ``i`` on to load what this schedule says."""
+        held, out, done = list(self.first_slots), {}, 0
+        for i in sorted(set(starts)):
+            for loads in self.loads[done:i]:
+                for slot, adapter in loads:
+                    held[slot] = adapter
+            done = max(done, i)
+            out[i] = list(held)
+        return out
 
 
 class _Requests:
@@ -140,7 +153,7 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
     ended and the slots have filled)."""
     if clients < 1 or max_loras < 1 or steps < 0:
         raise ValueError(f"clients {clients}, max_loras {max_loras} and steps {steps} must be positive")
-    if adapters.cpu_slots < max_loras:
+    if adapters.max_cpu_loras is not None and adapters.max_cpu_loras < max_loras:  # None: every adapter, however few
         raise ValueError(f"max_cpu_loras {adapters.cpu_slots} is below max_loras {max_loras} (vLLM requires at least max_loras)")
     nxt = _Requests(workload, adapters, seed)
     start = random.Random(f"residency-start-{seed}")
@@ -156,6 +169,8 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
     cpu: OrderedDict[int, None] = OrderedDict((a, None) for a in _warm_cache(workload, adapters))
     out = Schedule([], [], [], *(np.zeros(steps, dtype=np.int64) for _ in range(5)))
     for step in range(burn_in + steps):
+        if step == burn_in:
+            out.first_slots = list(holder)  # before this step's loads
         batch: dict[int, None] = {r[0]: None for r in running if r[0] >= 0}
         kept: deque[list[int]] = deque()
         for r in waiting:

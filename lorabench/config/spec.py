@@ -11,7 +11,8 @@ from lorabench.config.extra_runs import add_tuned, add_unpadded
 from lorabench.config.flags import Machine, flag, resolve_device
 from lorabench.config.models import resolve, shard, shortened
 from lorabench.config.peft import is_count, read_adapters
-from lorabench.config.spec_checks import check_adapters, check_fully_sharded, check_memory, check_out, graphs_of
+from lorabench.config.spec_checks import (check_adapter_bank, check_adapters, check_fully_sharded, check_memory,
+                                          check_out, graphs_of)
 from lorabench.config.strategies import AUTO, Vllm, strategy
 from lorabench.config.sweep_spec import (  # noqa: F401 - SweepSpec, its options and bounds are read from here too
     ALIASES,
@@ -167,6 +168,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
             raise UserError(f"{names('workload')}: {e}") from None
     spec.workload = list(dict.fromkeys(parse_workload(w).name for w in spec.workload))
     check_adapters(spec, names)
+    check_adapter_bank(spec, machine, names)
     if spec.active_counts is not None:
         spec.active_counts = sorted(set(spec.active_counts) | {0})
         if max(spec.active_counts) > max(spec.max_loras):

@@ -11,7 +11,7 @@ from pathlib import Path
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.flags import Machine
 from lorabench.config.models import check_moe_options
-from lorabench.config.limits import Shape, culprit, estimate, graph_count, size
+from lorabench.config.limits import Shape, culprit, estimate, graph_count, model_bytes, size
 from lorabench.config.residency import check_residency
 from lorabench.config.strategies import AUTO, Vllm
 from lorabench.config.workload import parse_workload
@@ -89,6 +89,18 @@ def check_adapters(spec, names) -> None:
             check_residency(parse_workload(w), spec.adapters, spec.max_cpu_loras, spec.max_loras)
         except ValueError as e:
             raise UserError(f"{names('adapters')}: {e}") from None
+
+
+def check_adapter_bank(spec, machine: Machine, names) -> None:
+    """--adapters DIR: each worker holds every one of the adapters in pinned host memory, padded
+    to --rank (vLLM's CPU cache), for the residency runs. Unknown free memory: not checked."""
+    if spec.adapter_dir is None or machine.free_ram_bytes is None:
+        return
+    slot = model_bytes(Shape(spec.rank_model, 1, spec.rank, spec.dtype, 1, 1, fully_sharded=spec.fully_sharded_loras))[1]
+    need = spec.adapters * slot
+    if need > machine.free_ram_bytes:
+        raise UserError(f"{names('adapters')}: its {spec.adapters} adapters at --rank {spec.rank} take {size(need)} of "
+                        f"pinned host memory, more than the {size(machine.free_ram_bytes)} available")
 
 
 def check_fully_sharded(spec, names) -> None:

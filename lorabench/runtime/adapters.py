@@ -62,6 +62,7 @@ class AdapterLoader:
 
         self.slot_rank, self.enabled = model.slot_rank, model.expert_lora_enabled
         self.ranks = self.expert_lora = None  # per bank entry, where a load must write them
+        self.held: list[int] | None = None  # the user's adapters: which one each slot holds (fill_slots' order first)
         if not adapters:
             self.bank = [[(host(a[k % self.max_loras, ar]), host(b[k % self.max_loras, br]))
                           for a, ar, b, br in self.parts] for k in range(bank)]
@@ -71,6 +72,7 @@ class AdapterLoader:
             fill_slot(model, 0, adapter)
             self.bank.append([(host(a[0, ar]), host(b[0, br])) for a, ar, b, br in self.parts])
         fill_slot(model, 0, adapters[0])
+        self.held = [s % len(adapters) for s in range(self.max_loras)]
         if len({a.rank for a in adapters}) > 1:
             self.ranks = [a.rank for a in adapters]
         if self.enabled is not None and len({a.has_expert_lora for a in adapters}) > 1:
@@ -85,6 +87,8 @@ class AdapterLoader:
     def load(self, slot: int, adapter: int) -> None:
         """Adapter ``adapter`` into ``slot``, queued on the current stream."""
         k = adapter % len(self.bank)
+        if self.held is not None:
+            self.held[slot] = k
         if self.ranks is not None:
             self.slot_rank[slot] = self.ranks[k]
         if self.expert_lora is not None:
@@ -94,6 +98,20 @@ class AdapterLoader:
             b[slot, br].zero_()
             a[slot, ar].copy_(ha, non_blocking=True)
             b[slot, br].copy_(hb, non_blocking=True)
+
+    def place(self, adapters: list[int]) -> None:
+        """The user's adapters: load ``adapters[s]`` into every slot s that holds another (-1: any),
+        so that a residency run's steps start from the slots its schedule says (untimed). With
+        random adapters every slot holds one of the same sizes: nothing to do."""
+        if self.held is None:
+            return
+        for slot, adapter in enumerate(adapters):
+            if adapter >= 0 and self.held[slot] != adapter % len(self.bank):
+                self.load(slot, adapter)
+
+    def restore(self) -> None:
+        """Slot s holds the user's adapter s again (modulo their count), as the rows say."""
+        self.place([s % len(self.bank) for s in range(self.max_loras)])
 
 
 def time_loads(loader: AdapterLoader, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP) -> dict[str, np.ndarray]:

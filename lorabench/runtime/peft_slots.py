@@ -44,7 +44,7 @@ def fill_slot(model: LlamaLoRA, slot: int, adapter: PeftAdapter, tensors: dict[s
                 for name in ("w13_a", "w13_b", "w2_a", "w2_b"):
                     getattr(layer.moe, name)[:, slot].zero_()
         for m in adapter.modules:
-            a, b = tensors[m.a_key], tensors[m.b_key] * m.scale
+            a, b = tensors[m.a_key], tensors[m.b_key].float() * m.scale  # scaled once, then rounded to the slot's dtype
             if m.expert >= 0:
                 moe = model.layers[m.layer].moe
                 slot_a = getattr(moe, f"{m.linear}_a")[m.slice, slot, m.expert]  # [R, K]

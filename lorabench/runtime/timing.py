@@ -84,17 +84,21 @@ class StepSamples:
 
 
 def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0,
-               loads: list[list[tuple[int, int]]] | None = None, loader=None) -> StepSamples:
+               loads: list[list[tuple[int, int]]] | None = None, loader=None,
+               start_slots: list[int] | None = None) -> StepSamples:
     """Run ``warmup`` untimed steps, then ``iters`` timed ones over ``batches[first:]``, cycling
     (``first``: where a strategy's previous turn at this point left off). ``loads``: per batch,
     the (slot, adapter) pairs ``loader`` (``lorabench.runtime.adapters.AdapterLoader``) loads
-    within that step, after its metadata's copy and before its replay."""
+    within that step, after its metadata's copy and before its replay; ``start_slots``: what the
+    slots hold when the timed steps start (``loader.place``, untimed, after the warm-up)."""
     cuda = d.use_graphs
     for i in range(warmup):
         k = (first + i) % len(batches)
         for slot, adapter in loads[k] if loads else ():
             loader.load(slot, adapter)
         d.launch(d.prepare(batches[k]))
+    if start_slots is not None:
+        loader.place(start_slots)
     if cuda:
         torch.cuda.synchronize()
         events = Events(iters)

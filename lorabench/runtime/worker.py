@@ -98,6 +98,7 @@ class Worker:
         self.loader: AdapterLoader | None = None  # after the check: loads overwrite slots
         # --adapters DIR: the user's adapters, checked against the model when planned
         self.adapters = read_adapters(job.adapter_dir, job.model, job.rank) if job.adapter_dir else ()
+        self.start_slots: dict[int, list[int]] = {}  # a residency point's slots at each turn's first step
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -202,6 +203,8 @@ class Worker:
         try:
             self.loader = AdapterLoader(model, adapters=self.adapters)
             t = time_loads(self.loader, d)
+            self.loader.restore()  # the timed loads moved the user's adapters: slot i holds adapter i again
+            self.sync()
         except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
             traceback.print_exc()
             self.loader = None
@@ -241,6 +244,7 @@ class Worker:
             if self.loader is None:
                 raise RuntimeError("this worker could not load adapters (its log says why)")
             steps = simulate(wl, job.residency, c, job.max_loras, job.iters, job.seed)
+            self.start_slots = steps.slots_at(range(0, job.iters, TURN))  # each turn's first step's slots
             return steps.batches, steps.loads
         return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)], None
 
@@ -286,8 +290,9 @@ class Worker:
         timed alone); a residency point's steps make their loads."""
         steps = min(TURN, self.lead.iters - timed.steps)
         warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
+        start = self.start_slots.get(timed.steps) if loads else None
         timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps, loads=loads,
-                             loader=self.loader), rnd)
+                             loader=self.loader, start_slots=start), rnd)
 
     def run(self) -> None:
         SWEEP.emit(self.env)
