@@ -24,6 +24,7 @@ from lorabench.errors import UserError
 from lorabench.runtime.adapters import AdapterLoader
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slot, fill_slots, read_tensors
+from lorabench.storage.samples import read_load_paths
 
 RANK = 16
 
@@ -288,7 +289,10 @@ def test_a_sweep_and_a_check_on_the_users_adapters(two_adapters, tmp_path, capsy
     assert [list(r) for r in rows.slot_ranks] == [[8, 16, 8]] * len(rows)
     assert set(rows["mode"]) == {"fixed", "residency"}
     assert json.loads((run / "run.json").read_text())["spec"]["adapter_dir"] == str(two_adapters)
+    assert rows.load_one_copy_alone_ms_median.notna().all() and rows.storage_read_cold_ms_median.notna().all()
+    assert set(read_load_paths(run).path) == {"one-copy", "pageable", "storage-cold", "storage-warm"}  # no GPU: no overlap
     assert main(["report", str(run)]) == 0
+    assert "**The other load paths" in (run / "report.md").read_text()
     assert f"the user's PEFT adapters: {two_adapters} (2 adapters, slots at ranks 8, 16, 8" in (run / "report.md").read_text()
     capsys.readouterr()
     assert main(["check", *common]) == 0

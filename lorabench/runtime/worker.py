@@ -34,6 +34,9 @@ from lorabench.runtime.adapters import AdapterLoader, time_loads
 from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.load_paths import time_load_paths
+from lorabench.runtime.load_paths import columns as load_path_columns
+from lorabench.runtime.load_paths import samples as load_path_samples
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slots
 from lorabench.runtime.probe import probe
@@ -205,6 +208,7 @@ class Worker:
             t = time_loads(self.loader, d)
             self.loader.restore()  # the timed loads moved the user's adapters: slot i holds adapter i again
             self.sync()
+            self.time_load_paths(d)
         except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
             traceback.print_exc()
             self.loader = None
@@ -215,6 +219,21 @@ class Worker:
                            load_ms_ci_low=interval.low if interval else None, load_ms_ci_high=interval.high if interval else None)
         SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, t["load_ms"].tolist(), t["alone_ms"].tolist(),
                           t["host_us"].tolist()))
+
+    def time_load_paths(self, d: Dispatcher) -> None:
+        """The other load paths (``lorabench.runtime.load_paths``): their row columns and samples.
+        A path that cannot be timed leaves its columns empty; vLLM's path still prices the runs."""
+        files = [a.weights for a in self.adapters]
+        try:
+            paths = time_load_paths(self.loader, d, files)
+            self.sync()
+        except Exception:  # noqa: BLE001 - extra columns only
+            traceback.print_exc()
+            self.loader.restore()
+            return
+        self.shared.update(load_path_columns(paths, files, self.loader))
+        for path, (load_ms, alone_ms, host_us) in load_path_samples(paths).items():
+            SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, load_ms, alone_ms, host_us, path))
 
     def check(self, arm: Arm) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""

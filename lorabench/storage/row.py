@@ -165,6 +165,20 @@ class Row:
         "operations (a zeroing and a copy of A and of B per slice)")
     load_host_us_median: float | None = column()
     load_ops: int | None = column()
+    load_one_copy_ms_median: float | None = column(
+        "the other load paths, medians (`lorabench.runtime.load_paths`): one pinned buffer per adapter copied at once "
+        "then scattered, in a step and alone, and its host calls; the same from pageable memory, alone; on a side "
+        "stream beside the steps, until usable and what a step beside it lost")
+    load_one_copy_alone_ms_median: float | None = column()
+    load_one_copy_ops: int | None = column()
+    load_pageable_alone_ms_median: float | None = column()
+    load_overlap_usable_ms_median: float | None = column()
+    load_overlap_lost_ms_median: float | None = column()
+    storage_read_cold_ms_median: float | None = column(
+        "`--adapters DIR`: one adapter's safetensors file read into host memory after its pages were dropped from the "
+        "page cache, and again at once, medians; the filesystem it is on (tmpfs: never cold)")
+    storage_read_warm_ms_median: float | None = column()
+    storage_fs: str | None = column()
     experts: int | None = column("MoE models: routed experts per MoE layer, experts per token, each expert's "
                                  "intermediate size (one rank's) and the shared expert's (0: none)")
     top_k: int | None = column()

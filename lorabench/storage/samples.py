@@ -22,6 +22,10 @@ files written before the last two have them null.
 ``loads-<group>.parquet``: each worker group's timed adapter loads (``kernels``, ``max_loras``,
 ``load``, ``load_ms``: what one load adds to the step it blocks, ``alone_ms`` and ``host_us``: the
 load by itself and the host's time of queueing it; ``lorabench.runtime.adapters.time_loads``).
+``loads-<group>-<path>.parquet``: the same for the other load paths (``path``;
+``lorabench.runtime.load_paths``): one-copy and pageable as above; overlapped: ``load_ms`` what
+the step beside the load lost, ``alone_ms`` the time until the adapter is usable; storage-cold
+and storage-warm: ``alone_ms`` each read of an adapter's file.
 """
 
 import os
@@ -51,6 +55,7 @@ _TYPES = {list[int]: I64, list[float]: F64}
 SCHEMA = pa.schema([("point", I64), ("step", I64)] + [(name, _TYPES[t]) for name, t in typing.get_type_hints(Steps).items()])
 LOADS = pa.schema([("kernels", pa.string()), ("max_loras", I64), ("load", I64), ("load_ms", F64), ("alone_ms", F64),
                    ("host_us", F64)])
+LOAD_PATHS = LOADS.append(pa.field("path", pa.string()))  # loads-<group>-<path>.parquet: the other load paths
 
 
 def path(run_dir: Path, point: int) -> Path:
@@ -128,12 +133,14 @@ def _with_schema(table: pa.Table) -> pa.Table:
 
 
 def write_loads(run_dir: Path, group: int, loads: Loads) -> None:
-    """A group's timed adapter loads into its file."""
+    """A group's timed adapter loads into its file (one per load path; vLLM's per-slice path's
+    is ``loads-<group>.parquet``, as before there were others)."""
     n = len(loads.load_ms)
-    table = pa.table({"kernels": [loads.kernels] * n, "max_loras": np.full(n, loads.max_loras, dtype=np.int64),
-                      "load": np.arange(n, dtype=np.int64),
-                      **{name: getattr(loads, name) for name in ("load_ms", "alone_ms", "host_us")}}, schema=LOADS)
-    target = Path(run_dir) / FOLDER / f"loads-{group:04d}.parquet"
+    columns = {"kernels": [loads.kernels] * n, "max_loras": np.full(n, loads.max_loras, dtype=np.int64),
+               "load": np.arange(n, dtype=np.int64), **{name: getattr(loads, name) for name in ("load_ms", "alone_ms", "host_us")}}
+    per_slice = loads.path == Loads.path
+    table = pa.table(columns if per_slice else {**columns, "path": [loads.path] * n}, schema=LOADS if per_slice else LOAD_PATHS)
+    target = Path(run_dir) / FOLDER / (f"loads-{group:04d}.parquet" if per_slice else f"loads-{group:04d}-{loads.path}.parquet")
     target.parent.mkdir(exist_ok=True)
     tmp = target.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
@@ -143,11 +150,22 @@ def write_loads(run_dir: Path, group: int, loads: Loads) -> None:
 def read_loads(run_dir: Path) -> dict[tuple[str, int], np.ndarray]:
     """(kernels, max_loras) -> what its timed loads added to their steps (ms); empty for a run that timed none."""
     folder = Path(run_dir) / FOLDER
-    files = sorted(folder.glob("loads-*.parquet")) if folder.is_dir() else []
+    files = sorted(folder.glob("loads-[0-9][0-9][0-9][0-9].parquet")) if folder.is_dir() else []
     if not files:
         return {}
     df = pa.concat_tables([pq.read_table(f, schema=LOADS) for f in files]).to_pandas()
     return {(k, int(m)): g.sort_values("load").load_ms.to_numpy() for (k, m), g in df.groupby(["kernels", "max_loras"])}
+
+
+def read_load_paths(run_dir: Path) -> "pd.DataFrame":
+    """Every group's timed loads on the other paths (``LOAD_PATHS``' columns); empty when none."""
+    import pandas as pd
+
+    folder = Path(run_dir) / FOLDER
+    files = sorted(folder.glob("loads-[0-9][0-9][0-9][0-9]-*.parquet")) if folder.is_dir() else []
+    if not files:
+        return pd.DataFrame(columns=LOAD_PATHS.names)
+    return pa.concat_tables([pq.read_table(f, schema=LOAD_PATHS) for f in files]).to_pandas()
 
 
 def step_times(samples: "pd.DataFrame") -> dict[int, np.ndarray]:

@@ -30,3 +30,4 @@ class Loads:
     load_ms: list[float]
     alone_ms: list[float]
     host_us: list[float]
+    path: str = "per-slice"  # the load path (lorabench.runtime.load_paths): vLLM's per-slice copies, or another

@@ -23,6 +23,7 @@ class ResidencyReport:
     validation: pd.DataFrame  # per residency row: measured against predicted (lorabench.analysis.residency_price.validation)
     decisions: list[ResidencyDecision]  # per (workload, kernels) of the run's residency points
     runs: pd.DataFrame  # the residency points
+    paths: pd.DataFrame | None = None  # per (kernels, max_loras): the other load paths' medians (empty: not timed)
 
 
 def build(view: RunView) -> ResidencyReport | None:
@@ -42,7 +43,16 @@ def build(view: RunView) -> ResidencyReport | None:
             decisions += residency_decisions(view, w, adapters, int(c))
         except ValueError as e:
             decisions.append(ResidencyDecision("-", w, adapters, int(c), unavailable=str(e)))
-    return ResidencyReport(loads, validation(view), decisions, runs)
+    paths = pd.DataFrame()
+    if "load_one_copy_alone_ms_median" in ok:
+        have = ok.dropna(subset=["load_one_copy_alone_ms_median"]).drop_duplicates(["kernels", "max_loras"])
+        paths = have[["kernels", "max_loras", *PATH_COLUMNS]].sort_values(["kernels", "max_loras"])
+    return ResidencyReport(loads, validation(view), decisions, runs, paths)
+
+
+PATH_COLUMNS = ["load_alone_ms_median", "load_one_copy_ms_median", "load_one_copy_alone_ms_median", "load_one_copy_ops",
+                "load_pageable_alone_ms_median", "load_overlap_usable_ms_median", "load_overlap_lost_ms_median",
+                "storage_read_cold_ms_median", "storage_read_warm_ms_median", "storage_fs"]
 
 
 def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
@@ -62,6 +72,19 @@ def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
                            [[r.kernels, int(r.max_loras), r.load_ms_median, _ci(r.load_ms_ci_low, r.load_ms_ci_high),
                              r.load_alone_ms_median, r.load_host_us_median, _int(r.load_ops), r.lora_bytes_per_slot / 2**20,
                              r.lora_bytes_per_slot / (r.load_alone_ms_median * 1e-3) / 1e9] for r in rep.loads.itertuples()]), ""]
+    if rep.paths is not None and len(rep.paths):
+        out += [f"**The other load paths ({u}, medians, ms)**: vLLM's per-slice copies alone; one pinned buffer per "
+                "adapter copied at once then scattered (in a step, alone, host calls); the same from pageable memory; "
+                "on a side stream beside the steps (until usable, what a step beside it lost); the adapter's file read "
+                "from storage with its pages dropped first and again at once (--adapters DIR only)", "",
+                markdown_table(["kernels", "max_loras", "per-slice alone", "one-copy in a step", "one-copy alone",
+                                "calls", "pageable alone", "overlapped until usable", "step beside it lost",
+                                "storage cold", "storage warm", "filesystem"],
+                               [[r.kernels, int(r.max_loras), r.load_alone_ms_median, r.load_one_copy_ms_median,
+                                 r.load_one_copy_alone_ms_median, _int(r.load_one_copy_ops), r.load_pageable_alone_ms_median,
+                                 r.load_overlap_usable_ms_median, r.load_overlap_lost_ms_median,
+                                 r.storage_read_cold_ms_median, r.storage_read_warm_ms_median, r.storage_fs or "-"]
+                                for r in rep.paths.itertuples()]), ""]
     v = rep.validation
     if len(v):
         rows = [[r.kernels, r.max_loras, r.strategy, r.workload, r.clients, r.tokens_per_step, 1000 * r.loads_per_step,

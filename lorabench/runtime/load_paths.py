@@ -1,0 +1,195 @@
+"""The other ways an adapter can reach its slot, timed beside vLLM's (``lorabench.runtime.adapters``):
+
+- ``one-copy``: the adapter's slot-shaped weights held in one pinned buffer, copied to the GPU in
+  one transfer into a staging buffer, then scattered into the slots by one multi-tensor copy
+  (``torch._foreach_copy_``): a few host calls where vLLM's ``set_lora`` queues four per slice
+  (vLLM #31317 keeps one contiguous pinned buffer per adapter);
+- ``pageable``: the same from pageable host memory, what a server that does not pin pays;
+- ``overlapped``: ``one-copy`` on a side stream while the decode steps run on theirs (vLLM's and
+  SGLang's ``--enable-lora-overlap-loading``): when the adapter is usable, and what a step that
+  runs beside the load loses;
+- ``storage``: an adapter's safetensors file read into host memory, cold (its pages dropped from
+  the page cache first, ``posix_fadvise(DONTNEED)``) and warm; only for the user's adapters
+  (``--adapters DIR``), whose files are where a server would read them.
+
+Every path leaves the slots as ``AdapterLoader.load`` does (tests check it).
+"""
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lorabench.runtime.adapters import BANK, LOADS, WARMUP, AdapterLoader, time_loads
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.timing import time_steps
+
+ONE_COPY, PAGEABLE, OVERLAPPED, STORAGE = "one-copy", "pageable", "overlapped", "storage"
+
+
+def one_copy_ops(loader: AdapterLoader) -> int:
+    """Host calls of one one-copy load: the transfer and the scatter (and the slot's rank and
+    flag, where the per-slice loader writes them too)."""
+    return 2 + (loader.ranks is not None) + (loader.expert_lora is not None)
+
+
+class OneCopy:
+    """The first ``BANK`` adapters of ``AdapterLoader``'s bank, each flattened into one host
+    buffer (pinned on a GPU machine), loaded by one copy into a device staging buffer (one slot's
+    bytes more on the GPU while it lives) and one scatter into the slot; adapter ``a`` is
+    ``bank[a % BANK]``, as the timed loads need no more."""
+
+    def __init__(self, loader: AdapterLoader, pageable: bool = False):
+        self.loader, self.cuda, self.max_loras = loader, loader.cuda, loader.max_loras
+        flat = [torch.cat([t.reshape(-1) for pair in entry for t in pair]) for entry in loader.bank[:BANK]]
+        self.flat = [f.pin_memory() for f in flat] if self.cuda and not pageable else flat
+        device = loader.parts[0][0].device
+        self.staging = torch.empty_like(flat[0], device=device)
+        shapes = [t.shape for pair in loader.bank[0] for t in pair]
+        self.views = list(torch.split(self.staging, [int(np.prod(s)) for s in shapes]))
+        self.views = [v.view(s) for v, s in zip(self.views, shapes)]
+
+    @property
+    def ops(self) -> int:
+        return one_copy_ops(self.loader)
+
+    def load(self, slot: int, adapter: int) -> None:
+        """Adapter ``adapter`` into ``slot``, queued on the current stream."""
+        k = adapter % len(self.flat)
+        lo = self.loader
+        if lo.held is not None:
+            lo.held[slot] = k
+        if lo.ranks is not None:
+            lo.slot_rank[slot] = lo.ranks[k]
+        if lo.expert_lora is not None:
+            lo.enabled[slot] = lo.expert_lora[k]
+        self.staging.copy_(self.flat[k], non_blocking=True)
+        dests = [t for a, ar, b, br in lo.parts for t in (a[slot, ar], b[slot, br])]
+        torch._foreach_copy_(dests, self.views)
+
+
+def time_overlap(one: OneCopy, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP) -> dict[str, np.ndarray] | None:
+    """``one`` loading on a side stream while one-adapter-token steps replay on the step's stream
+    (into slots 1, 2, ..., never slot 0, which the steps read): ``usable_ms``, the load's own
+    events from its first copy to its last; ``lost_ms``, what the step queued beside it took
+    more than the median of ``loads`` plain steps. None without a GPU or with one slot."""
+    if not one.cuda or one.max_loras < 2:
+        return None
+    plain = float(np.median(time_steps(d, [[0]], loads, warmup).step_ms))
+    side = torch.cuda.Stream()
+    usable, lost = np.empty(loads), np.empty(loads)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    for i in range(warmup + loads):
+        slot = 1 + i % (one.max_loras - 1)
+        load_start, load_end, step_start, step_end = events
+        prep = d.prepare([0])  # the step's metadata first, so that the step follows the load's issue at once
+        d.load(prep)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            load_start.record()
+            one.load(slot, i)
+            load_end.record()
+        step_start.record()
+        d.run(prep.route)
+        step_end.record()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            usable[i - warmup] = load_start.elapsed_time(load_end)
+            lost[i - warmup] = step_start.elapsed_time(step_end) - plain
+    return {"usable_ms": usable, "lost_ms": lost}
+
+
+def drop_cached(path: str) -> None:
+    """Ask the kernel to drop ``path``'s pages from the page cache (clean pages go; a file on a
+    memory-backed filesystem, tmpfs, stays in memory whatever is asked)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def filesystem(path: str) -> str | None:
+    """The type of the filesystem ``path`` is on (/proc/mounts: its longest mount point), or None."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else None
+
+
+def time_storage(paths: list[str], reads: int = LOADS) -> dict[str, np.ndarray]:
+    """Each file of ``paths`` in turn read with safetensors into host memory, ``reads`` times:
+    ``cold_ms`` after its pages were dropped, then ``warm_ms`` read again at once."""
+    from safetensors.torch import load_file
+
+    cold, warm = np.empty(reads), np.empty(reads)
+    for i in range(reads):
+        path = paths[i % len(paths)]
+        drop_cached(path)
+        t0 = time.perf_counter()
+        load_file(path, device="cpu")
+        t1 = time.perf_counter()
+        load_file(path, device="cpu")
+        cold[i], warm[i] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return {"cold_ms": cold, "warm_ms": warm}
+
+
+def time_load_paths(loader: AdapterLoader, d: Dispatcher, files: list[str], loads: int = LOADS) -> dict[str, dict]:
+    """Every path but vLLM's per-slice one (``time_loads`` times that): path -> its samples, as
+    ``time_loads`` gives them (``load_ms`` in a step, ``alone_ms``, ``host_us``), the overlapped
+    path's ``usable_ms`` and ``lost_ms``, storage's ``cold_ms`` and ``warm_ms`` (``files``: the
+    user's adapters' files; none: not timed)."""
+    one = OneCopy(loader)
+    out = {ONE_COPY: time_loads(one, d, loads), PAGEABLE: time_loads(OneCopy(loader, pageable=True), d, loads)}
+    overlap = time_overlap(one, d, loads)
+    if overlap is not None:
+        out[OVERLAPPED] = overlap
+    if files:
+        out[STORAGE] = time_storage(files, loads)
+    del one
+    if loader.cuda:
+        torch.cuda.empty_cache()  # the staging buffers' memory back to the device
+    if loader.held is not None:  # the timed loads moved the user's adapters
+        loader.restore()
+    return out
+
+
+
+def columns(paths: dict[str, dict], files: list[str], loader: AdapterLoader) -> dict:
+    """The rows' medians of ``time_load_paths``' samples (None where a path was not timed)."""
+    def median(path, key):
+        return float(np.median(paths[path][key])) if path in paths else None
+
+    return {"load_one_copy_ms_median": median(ONE_COPY, "load_ms"),
+            "load_one_copy_alone_ms_median": median(ONE_COPY, "alone_ms"),
+            "load_one_copy_ops": one_copy_ops(loader) if ONE_COPY in paths else None,
+            "load_pageable_alone_ms_median": median(PAGEABLE, "alone_ms"),
+            "load_overlap_usable_ms_median": median(OVERLAPPED, "usable_ms"),
+            "load_overlap_lost_ms_median": median(OVERLAPPED, "lost_ms"),
+            "storage_read_cold_ms_median": median(STORAGE, "cold_ms"),
+            "storage_read_warm_ms_median": median(STORAGE, "warm_ms"),
+            "storage_fs": filesystem(files[0]) if files and STORAGE in paths else None}
+
+
+def samples(paths: dict[str, dict]) -> dict[str, tuple[list, list, list]]:
+    """Each path's samples as the loads files keep them: (what a load added to its step, the
+    load by itself, the host's queueing) in ms, ms, us; None where a path has no such figure
+    (overlapped: the step's loss, the time until usable; storage: each read, cold and warm)."""
+    out = {}
+    for path, t in paths.items():
+        if path == OVERLAPPED:
+            out[path] = (t["lost_ms"].tolist(), t["usable_ms"].tolist(), [None] * len(t["lost_ms"]))
+        elif path == STORAGE:
+            for kind in ("cold", "warm"):
+                reads = t[f"{kind}_ms"].tolist()
+                out[f"{STORAGE}-{kind}"] = ([None] * len(reads), reads, [None] * len(reads))
+        else:
+            out[path] = (t["load_ms"].tolist(), t["alone_ms"].tolist(), t["host_us"].tolist())
+    return out

@@ -1,0 +1,90 @@
+"""The load paths beside vLLM's per-slice one: each leaves the slots as a per-slice load does
+(dense and expert LoRA, random and the user's adapters), and each is timed."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA
+from peft_folders import HIDDEN, adapter_files, module_tensors, write
+
+from lorabench.config.models import resolve
+from lorabench.config.peft import read_adapters, slot_ranks
+from lorabench.kernels import get_backend
+from lorabench.runtime.adapters import LOADS, AdapterLoader
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.load_paths import (ONE_COPY, OVERLAPPED, PAGEABLE, STORAGE, OneCopy, drop_cached, filesystem,
+                                          time_load_paths, time_overlap)
+from lorabench.runtime.model import LlamaLoRA
+from lorabench.runtime.peft_slots import fill_slots
+
+DTYPE = torch.float16 if HAS_CUDA else torch.float32
+
+
+def model(name="tiny", adapters=(), max_loras=3):
+    m = LlamaLoRA(resolve(name), max_loras=max_loras, rank=16, max_tokens=4, context_len=8, dtype=DTYPE, device=DEVICE,
+                  seed=0, slot_ranks=slot_ranks(adapters, max_loras) if adapters else ())
+    if adapters:
+        fill_slots(m, adapters)
+    return m
+
+
+@pytest.fixture
+def users(tmp_path):
+    rng = np.random.default_rng(0)
+    write(tmp_path, adapter_files("a", 8, 16, ("q_proj", "o_proj")))
+    write(tmp_path, adapter_files("b", 16, 16, ("k_proj",), seed=1,
+                                  tensors=module_tensors(0, "block_sparse_moe.experts.2.w1", 16, HIDDEN, 64, rng)))
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", ["tiny", "tiny-moe", "users-tiny-moe"])
+@pytest.mark.parametrize("pageable", [False, True], ids=["pinned", "pageable"])
+def test_one_copy_leaves_the_slots_as_a_per_slice_load_does(case, pageable, users):
+    name = case.removeprefix("users-")
+    adapters = read_adapters(str(users), resolve(name), 16) if case.startswith("users") else ()
+    per_slice, one = model(name, adapters), model(name, adapters)
+    a, b = AdapterLoader(per_slice, adapters=adapters), AdapterLoader(one, adapters=adapters)
+    loader = OneCopy(b, pageable)
+    assert loader.ops == 2 + 2 * (adapters != ())  # the transfer, the scatter; the users' differ in rank and expert LoRA
+    for slot, adapter in ((2, 1), (0, 1), (1, 0)):
+        a.load(slot, adapter)
+        loader.load(slot, adapter)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+        assert all(f.is_pinned() != pageable for f in loader.flat)
+    for x, y in zip(per_slice.state_dict().values(), one.state_dict().values()):
+        assert torch.equal(x, y)
+    assert a.held == b.held
+
+
+def test_every_path_is_timed_and_the_users_adapters_go_back(users):
+    adapters = read_adapters(str(users), resolve("tiny-moe"), 16)
+    m, want = model("tiny-moe", adapters), model("tiny-moe", adapters)
+    d = Dispatcher(m, get_backend("torch"), max_loras=3, capture_sizes=[1], counts=[3], use_graphs=HAS_CUDA)
+    d.warm_up()
+    d.capture()
+    loader = AdapterLoader(m, adapters=adapters)
+    t = time_load_paths(loader, d, [a.weights for a in adapters], loads=4)
+    assert set(t) == {ONE_COPY, PAGEABLE, STORAGE} | ({OVERLAPPED} if HAS_CUDA else set())
+    for path in (ONE_COPY, PAGEABLE):
+        assert set(t[path]) == {"load_ms", "alone_ms", "host_us"} and all(len(v) == 4 for v in t[path].values())
+        assert (t[path]["alone_ms"] > 0).all()
+    assert (t[STORAGE]["cold_ms"] > 0).all() and (t[STORAGE]["warm_ms"] > 0).all()
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+        assert (t[OVERLAPPED]["usable_ms"] > 0).all() and len(t[OVERLAPPED]["lost_ms"]) == 4
+    for x, y in zip(m.state_dict().values(), want.state_dict().values()):  # slot i holds adapter i again
+        assert torch.equal(x, y)
+
+
+def test_no_overlap_without_a_gpu_or_with_one_slot():
+    m = model(max_loras=1)
+    d = Dispatcher(m, get_backend("torch"), max_loras=1, capture_sizes=[1], counts=[1], use_graphs=HAS_CUDA)
+    assert time_overlap(OneCopy(AdapterLoader(m)), d, loads=2) is None
+
+
+def test_a_files_pages_can_be_dropped_and_its_filesystem_named(tmp_path):
+    f = tmp_path / "x"
+    f.write_bytes(b"0" * LOADS)
+    drop_cached(str(f))
+    assert isinstance(filesystem(str(f)), str)
