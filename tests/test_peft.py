@@ -297,3 +297,27 @@ def test_a_sweep_and_a_check_on_the_users_adapters(two_adapters, tmp_path, capsy
     capsys.readouterr()
     assert main(["check", *common]) == 0
     assert "0 wrong" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tmp_path, capsys):
+    for i in range(4):
+        write(tmp_path / "four", adapter_files(f"x{i}", 8, 16, ("q_proj", "o_proj"), seed=i))
+    folder = str(tmp_path / "four")
+    assert main(["sweep", "--model", "tiny", "--max-loras", "2", "--device", "cpu", "--adapters", folder,
+                 "--max-cpu-loras", "2", "--strategy", "max", "--concurrency", "1,2", "--iters", "4", "--warmup", "1",
+                 "--workload", "uniform", "--output-tokens", "2", "--out", str(tmp_path / "out")]) == 0
+    run = next((tmp_path / "out").iterdir())
+    capsys.readouterr()
+    assert main(["recommend", str(run), "--adapters", folder, "--workload", "uniform", "--max-cpu-loras", "2",
+                 "--output-tokens", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as Rich wrapped it, unwrapped
+    assert "miss the CPU cache of 2: each pays the run's cold read of an adapter's file" in out
+    assert "loads per-slice:" in out and "loads one-copy:" in out
+    section = next(iter(json.loads((run / "recommendation.json").read_text())["residency"].values()))[0]
+    chosen = section["chosen"]
+    assert chosen["miss_ms"] > 0 and chosen["cpu_misses_per_step"] > 0
+    assert chosen["expected_step_ms"] == pytest.approx(
+        chosen["decode_ms"] + chosen["loads_per_step"] * chosen["load_ms"] + chosen["cpu_misses_per_step"] * chosen["miss_ms"],
+        rel=1e-3)
+    assert [p["path"] for p in section["load_paths"]] == ["per-slice", "one-copy"]  # no GPU: no overlapped path

@@ -18,7 +18,7 @@ from enum import Enum
 from lorabench.analysis.compare import Comparison
 from lorabench.analysis.costmodel import Plan
 from lorabench.analysis.intervals import Gain
-from lorabench.analysis.residency_price import Priced
+from lorabench.analysis.residency_price import PathPrice, Priced
 from lorabench.analysis.vllm import VllmAdvice
 from lorabench.config.residency import Adapters
 from lorabench.config.strategies import BASELINE
@@ -218,6 +218,7 @@ class ResidencyDecision:
     validate: str | None = None
     unavailable: str | None = None  # why nothing could be priced at all
     pays_pct: float = PAYS_PCT
+    load_paths: tuple[PathPrice, ...] = ()  # the choice under each load path the run timed
 
     @property
     def configs(self) -> list[Priced]:

@@ -135,7 +135,8 @@ def priced_json(p: Priced) -> dict:
             "tokens_per_step": round(p.occ.tokens, 3), "tokens_per_s": round(p.tokens_per_s, 1),
             "waiting_per_step": round(p.occ.waiting, 3), "cpu_misses_per_step": round(p.occ.cpu_misses, 5),
             "graph_mem_bytes": None if p.graph_mem_bytes is None else int(p.graph_mem_bytes),
-            "slot_bytes": p.slot_bytes, "kv_tokens_given_up": p.kv_tokens, "model_values": p.values}
+            "slot_bytes": p.slot_bytes, "kv_tokens_given_up": p.kv_tokens, "model_values": p.values,
+            "miss_ms": None if p.miss_ms is None else round(p.miss_ms, 4)}
 
 
 def set_choice_json(s: SetChoice) -> dict:
@@ -156,7 +157,9 @@ def residency_json(d: ResidencyDecision) -> dict:
             "at": {m: set_choice_json(s) for m, s in d.at.items()}, "configs": [priced_json(p) for p in d.configs],
             "chosen": None if d.chosen is None else priced_json(d.chosen), "versus_best": _interval(d.fewer),
             "versus_card": card, "reason": reason(d), "notes": list(d.notes),
-            "vllm": None if d.vllm is None else {"flags": d.vllm.flags, "note": d.vllm.note}, "validate": d.validate}
+            "vllm": None if d.vllm is None else {"flags": d.vllm.flags, "note": d.vllm.note}, "validate": d.validate,
+            "load_paths": [{"path": x.path, "load_ms": round(x.load_ms, 4), "expected_step_ms": round(x.step_ms, 4),
+                            "tokens_per_s": round(x.tokens_per_s, 1), "engine": x.engine} for x in d.load_paths]}
 
 
 def _clean(obj):

@@ -20,7 +20,7 @@ does not price: they are left out.
 from lorabench.analysis import search
 from lorabench.analysis.decision import PAYS_PCT, ResidencyDecision, SetChoice
 from lorabench.analysis.occupancy import STEPS, simulated
-from lorabench.analysis.residency_price import AUTO_SET, Pricer, throughput_gain
+from lorabench.analysis.residency_price import AUTO_SET, Pricer, path_prices, throughput_gain
 from lorabench.analysis.view import RunView
 from lorabench.analysis.vllm import UNVERIFIED_POW2, VllmAdvice, run_flags, verified_pow2
 from lorabench.config.backends import backend_of
@@ -138,10 +138,13 @@ def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
     if c is None:
         return d
     notes = []
-    if c.occ.cpu_misses > 0:
+    if c.occ.cpu_misses > 0 and c.miss_ms is not None:
         notes.append(f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of "
-                     f"{d.adapters.cpu_slots}: their reads from storage are not priced, so the expected step "
-                     "is a lower bound")
+                     f"{d.adapters.cpu_slots}: each pays the run's cold read of an adapter's file, {c.miss_ms:.2f} ms")
+    elif c.occ.cpu_misses > 0:
+        notes.append(f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of "
+                     f"{d.adapters.cpu_slots}: their reads from storage are not priced (the run read no adapter "
+                     "files: sweep with --adapters DIR), so the expected step is a lower bound")
     m = c.max_loras
     pow2 = strategy("pow2").counts(m)
     specialise = c.counts == pow2 and c.counts != [m]
@@ -160,4 +163,5 @@ def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
                 f"--max-cpu-loras {d.adapters.cpu_slots} --output-tokens {d.adapters.output_tokens} "
                 f"--model {first.model} --rank {int(first['rank'])} --iters 1000 --ci-target 0.5")
     return ResidencyDecision(d.kernels, d.workload, d.adapters, d.clients, d.gpu_memory_bytes, d.at, c, d.best,
-                             d.fewer, d.card, d.card_gain, tuple(notes), VllmAdvice(flags, note), validate)
+                             d.fewer, d.card, d.card_gain, tuple(notes), VllmAdvice(flags, note), validate,
+                             load_paths=tuple(path_prices(view, c)))

@@ -7,12 +7,14 @@ curve through the measured sets), max_loras adapter slots and the KV-cache token
 hold instead. Throughput gains get intervals that resample every fixed point and the timed
 loads independently. Also each residency run against its prediction (``validation``).
 
-CPU misses (loads whose adapter is not in the CPU cache) are counted, not priced: lorabench does
-not time reading adapters from storage.
+CPU misses (loads whose adapter is not in the CPU cache) pay the run's cold read of an adapter's
+file from storage where the run timed one (``--adapters DIR``), blocking the step as vLLM's
+synchronous load from disk does; otherwise they are counted, not priced. ``path_prices`` puts the
+chosen configuration's tokens/s under each load path the run timed side by side.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -43,10 +45,11 @@ class Priced:
     slot_bytes: int
     kv_token_bytes: int
     values: dict[str, int] = field(default_factory=dict)  # how the cost model priced it (measured, interpolated, ...)
+    miss_ms: float | None = None  # what a CPU-cache miss adds (the storage read); None: not timed, not priced
 
     @property
     def step_ms(self) -> float:
-        return self.decode_ms + self.occ.loads * self.load_ms
+        return self.decode_ms + self.occ.loads * self.load_ms + self.occ.cpu_misses * (self.miss_ms or 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,7 +88,7 @@ class Pricer:
         self.model = view.cost_model(kernels, max_loras)
         self.pricing = Pricing(self.model, occ.pmf, occ.weights)
         self.load_key = (LOAD, kernels)
-        self.load_ms, self.slot_bytes, self.kv_token_bytes = view.memo(
+        self.load_ms, self.slot_bytes, self.kv_token_bytes, self.miss_ms = view.memo(
             ("residency", kernels, max_loras), lambda: _costs(view, kernels, max_loras))
 
     def unpriced(self, counts: list[int]) -> str | None:
@@ -98,28 +101,71 @@ class Pricer:
         if plan is None or self.unpriced(counts):
             return None
         return Priced(self.kernels, self.L, name, plan.counts, plan.expected_ms, self.load_ms or 0.0, self.occ,
-                      plan.graph_mem_bytes, self.slot_bytes, self.kv_token_bytes, plan.sources)
+                      plan.graph_mem_bytes, self.slot_bytes, self.kv_token_bytes, plan.sources, self.miss_ms)
 
     def step(self, counts: list[int]) -> Callable:
         """The expected step (ms) as a function of the medians."""
         def step(m):
             loads = self.occ.loads * m[self.load_key] if self.occ.loads > 0 else 0.0
-            return self.pricing.expected_ms(counts, m) + loads
+            return self.pricing.expected_ms(counts, m) + loads + self.occ.cpu_misses * (self.miss_ms or 0.0)
         return step
 
     def medians(self) -> dict:
         return {**self.model.medians, self.load_key: self.load_ms}
 
 
-def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int]:
-    """(the load's ms, the slots' bytes, a KV-cache token's bytes) at (kernels, max_loras)."""
+def _median_of(rows: pd.DataFrame, column: str) -> float | None:
+    """The median of the workers' medians in ``column`` (None: the run has none)."""
+    if column not in rows:
+        return None
+    values = rows.drop_duplicates("max_loras")[column].dropna()
+    return float(values.median()) if len(values) else None
+
+
+def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int, float | None]:
+    """(the load's ms, the slots' bytes, a KV-cache token's bytes, a storage read's ms) at (kernels, max_loras)."""
     ok = view.compared
     loads = view.pooled_loads.get(kernels)
     medians = ok[ok.kernels == kernels].drop_duplicates("max_loras").load_ms_median.dropna()
     load_ms = float(np.median(loads)) if loads is not None and len(loads) else float(medians.median()) if len(medians) else None
     first = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)].iloc[0]
     slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
-    return load_ms, slot_bytes, kv_bytes_per_token(first)
+    return load_ms, slot_bytes, kv_bytes_per_token(first), _median_of(ok[ok.kernels == kernels], "storage_read_cold_ms_median")
+
+
+@dataclass(frozen=True)
+class PathPrice:
+    """The chosen configuration with its loads made another way."""
+
+    path: str
+    load_ms: float  # what one load adds to the step that needs it
+    step_ms: float
+    tokens_per_s: float
+    engine: str  # how a server takes this path
+
+
+# The load paths a run times (lorabench.runtime.load_paths): the rows' column of what one load adds to a step, and
+# the engine flag that selects it.
+LOAD_PATHS = {
+    "per-slice": (None, "vLLM's and SGLang's default: every slice zeroed and copied"),
+    "one-copy": ("load_one_copy_ms_median", "no flag in vLLM 0.33 (one contiguous pinned buffer per adapter: vLLM #31317)"),
+    "overlapped": ("load_overlap_lost_ms_median", "SGLang's --enable-lora-overlap-loading (vLLM #41785 proposes it); "
+                                                  "priced as what a step beside the load loses, as if no request "
+                                                  "waited for its adapter: optimistic"),
+}
+
+
+def path_prices(view: RunView, p: Priced) -> list[PathPrice]:
+    """``p``'s expected step and tokens/s with its loads made on each path the run timed (per-slice: ``p`` itself)."""
+    rows = view.compared[view.compared.kernels == p.kernels]
+    out = []
+    for path, (column, engine) in LOAD_PATHS.items():
+        load_ms = p.load_ms if column is None else _median_of(rows, column)
+        if load_ms is None:
+            continue
+        step = p.decode_ms + p.occ.loads * load_ms + p.occ.cpu_misses * (p.miss_ms or 0.0)
+        out.append(PathPrice(path, load_ms, step, 1e3 * p.occ.tokens / step, engine))
+    return out
 
 
 def throughput_gain(view: RunView, a: tuple[Pricer, Priced], b: tuple[Pricer, Priced]) -> Gain:
@@ -161,6 +207,8 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
             adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens))
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
             q = Pricer(view, r.kernels, int(r.max_loras), long).price(r.strategy, counts)
+            if q is not None:  # the residency run loads every adapter from host memory: it read no files
+                q = replace(q, miss_ms=None)
         except ValueError as e:
             p = q = None
             entry["why"] = str(e)

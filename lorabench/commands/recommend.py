@@ -166,6 +166,9 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
                       + f"; CPU cache {cpu_slots} adapters = {cpu_slots * c['slot_bytes'] / c['max_loras'] / 2**30:.1f} GiB of host memory")
         for note in d.notes:
             console.print(f"  note: {note}")
+        for x in d.load_paths:
+            console.print(f"  loads {x.path}: {x.load_ms:.3f} ms each -> {x.step_ms:.3f} ms per step, "
+                          f"{x.tokens_per_s:,.0f} tokens/s ({x.engine})")
         console.print(f"  vLLM: {d.vllm.flags}  ({d.vllm.note})")
         console.print(f"  validate with  {d.validate}")
     key = f"{decisions[0].workload} over {decisions[0].adapters.count} adapters"
