@@ -88,3 +88,19 @@ def test_a_files_pages_can_be_dropped_and_its_filesystem_named(tmp_path):
     f.write_bytes(b"0" * LOADS)
     drop_cached(str(f))
     assert isinstance(filesystem(str(f)), str)
+
+
+def test_a_load_that_fails_leaves_its_slot_unknown_and_restore_loads_it_again(users):
+    adapters = read_adapters(str(users), resolve("tiny-moe"), 16)
+    m, want = model("tiny-moe", adapters), model("tiny-moe", adapters)
+    loader = AdapterLoader(m, adapters=adapters)
+    good = loader.bank[1]
+    loader.bank[1] = [(torch.zeros(7, 3), torch.zeros(7, 3))] + good[1:]  # a copy that cannot be made
+    with pytest.raises(RuntimeError):
+        loader.load(0, 1)
+    assert loader.held[0] == -1
+    loader.bank[1] = good
+    loader.restore()
+    assert loader.held == [0, 1, 0]
+    for x, y in zip(m.state_dict().values(), want.state_dict().values()):
+        assert torch.equal(x, y)

@@ -139,8 +139,12 @@ def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
         return d
     notes = []
     if c.occ.cpu_misses > 0 and c.miss_ms is not None:
+        fs = first.get("storage_fs")
+        where = (f" (its files are on {fs}: memory, so no read was cold; a disk's would cost more)"
+                 if fs in ("tmpfs", "ramfs") else f" (on {fs})" if isinstance(fs, str) else "")
         notes.append(f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of "
-                     f"{d.adapters.cpu_slots}: each pays the run's cold read of an adapter's file, {c.miss_ms:.2f} ms")
+                     f"{d.adapters.cpu_slots}: each pays the run's cold read of an adapter's file, {c.miss_ms:.2f} ms"
+                     + where)
     elif c.occ.cpu_misses > 0:
         notes.append(f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of "
                      f"{d.adapters.cpu_slots}: their reads from storage are not priced (the run read no adapter "

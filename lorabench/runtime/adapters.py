@@ -88,7 +88,7 @@ class AdapterLoader:
         """Adapter ``adapter`` into ``slot``, queued on the current stream."""
         k = adapter % len(self.bank)
         if self.held is not None:
-            self.held[slot] = k
+            self.held[slot] = -1  # unknown until its copies are queued (a failed load is reloaded by place)
         if self.ranks is not None:
             self.slot_rank[slot] = self.ranks[k]
         if self.expert_lora is not None:
@@ -98,6 +98,8 @@ class AdapterLoader:
             b[slot, br].zero_()
             a[slot, ar].copy_(ha, non_blocking=True)
             b[slot, br].copy_(hb, non_blocking=True)
+        if self.held is not None:
+            self.held[slot] = k
 
     def place(self, adapters: list[int]) -> None:
         """The user's adapters: load ``adapters[s]`` into every slot s that holds another (-1: any),
@@ -114,19 +116,25 @@ class AdapterLoader:
         self.place([s % len(self.bank) for s in range(self.max_loras)])
 
 
-def time_loads(loader: AdapterLoader, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP) -> dict[str, np.ndarray]:
+def time_loads(loader: AdapterLoader, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP,
+               in_step: bool = True) -> dict[str, np.ndarray]:
     """What loading one adapter costs, ``loads`` times each way (ms, and host us):
 
     - ``load_ms``: what it adds to the step that waits for it, as a residency step makes it: decode
       steps of one adapter token, every other one loading an adapter (into slots 0, 1, ...) before
       its replay (``time_steps``); each loading step less the mean of the steps either side of it;
     - ``alone_ms``: the load by itself, CUDA events around its copies, waited for (on the CPU, wall
-      time), with ``host_us``, the host's time of queueing them."""
-    k = 2 * loads  # steps: load, none, load, none, ...
-    steps = [[(i // 2 % loader.max_loras, i // 2)] if i % 2 == 0 else [] for i in range(k)]
-    s = time_steps(d, [[0]] * k, k, warmup, loads=steps, loader=loader)
-    with_load, plain = s.step_ms[0::2], s.step_ms[1::2]
-    neighbours = (plain + np.concatenate([plain[:1], plain[:-1]])) / 2  # the steps after and before each loading one
+      time), with ``host_us``, the host's time of queueing them.
+
+    ``in_step`` False: alone only (``load_ms`` all NaN)."""
+    load_ms = np.full(loads, np.nan)
+    if in_step:
+        k = 2 * loads  # steps: load, none, load, none, ...
+        steps = [[(i // 2 % loader.max_loras, i // 2)] if i % 2 == 0 else [] for i in range(k)]
+        s = time_steps(d, [[0]] * k, k, warmup, loads=steps, loader=loader)
+        with_load, plain = s.step_ms[0::2], s.step_ms[1::2]
+        neighbours = (plain + np.concatenate([plain[:1], plain[:-1]])) / 2  # the steps after and before each loading one
+        load_ms = with_load - neighbours
     for i in range(warmup):
         loader.load(i % loader.max_loras, i)
     if loader.cuda:
@@ -147,4 +155,4 @@ def time_loads(loader: AdapterLoader, d: Dispatcher, loads: int = LOADS, warmup:
             alone[i] = host[i] / 1e3
     if loader.cuda:
         alone[:] = events.ms()
-    return {"load_ms": with_load - neighbours, "alone_ms": alone, "host_us": host}
+    return {"load_ms": load_ms, "alone_ms": alone, "host_us": host}

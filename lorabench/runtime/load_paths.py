@@ -4,7 +4,8 @@
   one transfer into a staging buffer, then scattered into the slots by one multi-tensor copy
   (``torch._foreach_copy_``): a few host calls where vLLM's ``set_lora`` queues four per slice
   (vLLM #31317 keeps one contiguous pinned buffer per adapter);
-- ``pageable``: the same from pageable host memory, what a server that does not pin pays;
+- ``pageable``: the same from pageable host memory, what a server that does not pin pays (by
+  itself only);
 - ``overlapped``: ``one-copy`` on a side stream while the decode steps run on theirs (vLLM's and
   SGLang's ``--enable-lora-overlap-loading``): when the adapter is usable, and what a step that
   runs beside the load loses;
@@ -15,7 +16,9 @@
 Every path leaves the slots as ``AdapterLoader.load`` does (tests check it).
 """
 
+import fcntl
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.timing import time_steps
 
 ONE_COPY, PAGEABLE, OVERLAPPED, STORAGE = "one-copy", "pageable", "overlapped", "storage"
+STORAGE_LOCK = os.path.join(tempfile.gettempdir(), "lorabench-storage-reads.lock")
 
 
 def one_copy_ops(loader: AdapterLoader) -> int:
@@ -41,12 +45,19 @@ class OneCopy:
     bytes more on the GPU while it lives) and one scatter into the slot; adapter ``a`` is
     ``bank[a % BANK]``, as the timed loads need no more."""
 
-    def __init__(self, loader: AdapterLoader, pageable: bool = False):
+    def __init__(self, loader: AdapterLoader, pageable: bool = False, staging: torch.Tensor | None = None):
+        """staging: another OneCopy's, shared (one slot's bytes on the GPU, not two)."""
         self.loader, self.cuda, self.max_loras = loader, loader.cuda, loader.max_loras
-        flat = [torch.cat([t.reshape(-1) for pair in entry for t in pair]) for entry in loader.bank[:BANK]]
-        self.flat = [f.pin_memory() for f in flat] if self.cuda and not pageable else flat
+        pieces = [[t.reshape(-1) for pair in entry for t in pair] for entry in loader.bank[:BANK]]
+        numel = sum(p.numel() for p in pieces[0])
+        pin = self.cuda and not pageable
+        self.flat = []
+        for entry in pieces:  # written straight into the (pinned) buffer: no second host copy on the way
+            buf = torch.empty(numel, dtype=entry[0].dtype, pin_memory=pin)
+            torch.cat(entry, out=buf)
+            self.flat.append(buf)
         device = loader.parts[0][0].device
-        self.staging = torch.empty_like(flat[0], device=device)
+        self.staging = torch.empty(numel, dtype=self.flat[0].dtype, device=device) if staging is None else staging
         shapes = [t.shape for pair in loader.bank[0] for t in pair]
         self.views = list(torch.split(self.staging, [int(np.prod(s)) for s in shapes]))
         self.views = [v.view(s) for v, s in zip(self.views, shapes)]
@@ -60,7 +71,7 @@ class OneCopy:
         k = adapter % len(self.flat)
         lo = self.loader
         if lo.held is not None:
-            lo.held[slot] = k
+            lo.held[slot] = -1  # unknown until its copies are queued
         if lo.ranks is not None:
             lo.slot_rank[slot] = lo.ranks[k]
         if lo.expert_lora is not None:
@@ -68,37 +79,48 @@ class OneCopy:
         self.staging.copy_(self.flat[k], non_blocking=True)
         dests = [t for a, ar, b, br in lo.parts for t in (a[slot, ar], b[slot, br])]
         torch._foreach_copy_(dests, self.views)
+        if lo.held is not None:
+            lo.held[slot] = k
 
 
-def time_overlap(one: OneCopy, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP) -> dict[str, np.ndarray] | None:
+def time_overlap(one: OneCopy, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP,
+                 most_steps: int = 1000) -> dict[str, np.ndarray] | None:
     """``one`` loading on a side stream while one-adapter-token steps replay on the step's stream
-    (into slots 1, 2, ..., never slot 0, which the steps read): ``usable_ms``, the load's own
-    events from its first copy to its last; ``lost_ms``, what the step queued beside it took
-    more than the median of ``loads`` plain steps. None without a GPU or with one slot."""
+    (into slots 1, 2, ..., never slot 0, which the steps read), step after step until the load
+    is done (at most ``most_steps``): ``usable_ms``, the load's own events from its first copy to
+    its last; ``lost_ms``, what the steps beside it took more, together, than as many plain steps
+    (the median of ``loads`` plain ones). None without a GPU or with one slot."""
     if not one.cuda or one.max_loras < 2:
         return None
     plain = float(np.median(time_steps(d, [[0]], loads, warmup).step_ms))
     side = torch.cuda.Stream()
     usable, lost = np.empty(loads), np.empty(loads)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    load_start, load_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(most_steps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(most_steps)]
     for i in range(warmup + loads):
         slot = 1 + i % (one.max_loras - 1)
-        load_start, load_end, step_start, step_end = events
-        prep = d.prepare([0])  # the step's metadata first, so that the step follows the load's issue at once
+        prep = d.prepare([0])  # the step's metadata first, so that the first step follows the load's issue at once
         d.load(prep)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             load_start.record()
             one.load(slot, i)
             load_end.record()
-        step_start.record()
-        d.run(prep.route)
-        step_end.record()
+        steps = 0
+        while steps < most_steps:  # steps until the load has ended, each timed by its own events (as plain ones are)
+            starts[steps].record()
+            d.run(prep.route)
+            ends[steps].record()
+            steps += 1
+            ends[steps - 1].synchronize()  # the host must not queue far past the load's end
+            if load_end.query():
+                break
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if i >= warmup:
             usable[i - warmup] = load_start.elapsed_time(load_end)
-            lost[i - warmup] = step_start.elapsed_time(step_end) - plain
+            lost[i - warmup] = sum(starts[j].elapsed_time(ends[j]) for j in range(steps)) - steps * plain
     return {"usable_ms": usable, "lost_ms": lost}
 
 
@@ -130,14 +152,16 @@ def time_storage(paths: list[str], reads: int = LOADS) -> dict[str, np.ndarray]:
     from safetensors.torch import load_file
 
     cold, warm = np.empty(reads), np.empty(reads)
-    for i in range(reads):
-        path = paths[i % len(paths)]
-        drop_cached(path)
-        t0 = time.perf_counter()
-        load_file(path, device="cpu")
-        t1 = time.perf_counter()
-        load_file(path, device="cpu")
-        cold[i], warm[i] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    with open(STORAGE_LOCK, "a") as lock:  # one worker of this host at a time: another's reads would warm or drop these files
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for i in range(reads):
+            path = paths[i % len(paths)]
+            drop_cached(path)
+            t0 = time.perf_counter()
+            load_file(path, device="cpu")
+            t1 = time.perf_counter()
+            load_file(path, device="cpu")
+            cold[i], warm[i] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
     return {"cold_ms": cold, "warm_ms": warm}
 
 
@@ -147,15 +171,19 @@ def time_load_paths(loader: AdapterLoader, d: Dispatcher, files: list[str], load
     path's ``usable_ms`` and ``lost_ms``, storage's ``cold_ms`` and ``warm_ms`` (``files``: the
     user's adapters' files; none: not timed)."""
     one = OneCopy(loader)
-    out = {ONE_COPY: time_loads(one, d, loads), PAGEABLE: time_loads(OneCopy(loader, pageable=True), d, loads)}
+    out = {ONE_COPY: time_loads(one, d, loads)}
     overlap = time_overlap(one, d, loads)
     if overlap is not None:
         out[OVERLAPPED] = overlap
+    staging = one.staging
+    del one  # its pinned buffers, before the pageable ones are made
+    out[PAGEABLE] = time_loads(OneCopy(loader, pageable=True, staging=staging), d, loads, in_step=False)
+    del staging
     if files:
         out[STORAGE] = time_storage(files, loads)
-    del one
     if loader.cuda:
-        torch.cuda.empty_cache()  # the staging buffers' memory back to the device
+        torch.cuda.empty_cache()  # the staging buffer's memory back to the device
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # and the pinned buffers' to the host
     if loader.held is not None:  # the timed loads moved the user's adapters
         loader.restore()
     return out
@@ -191,5 +219,5 @@ def samples(paths: dict[str, dict]) -> dict[str, tuple[list, list, list]]:
                 reads = t[f"{kind}_ms"].tolist()
                 out[f"{STORAGE}-{kind}"] = ([None] * len(reads), reads, [None] * len(reads))
         else:
-            out[path] = (t["load_ms"].tolist(), t["alone_ms"].tolist(), t["host_us"].tolist())
+            out[path] = tuple([None if np.isnan(v) else float(v) for v in t[k]] for k in ("load_ms", "alone_ms", "host_us"))
     return out

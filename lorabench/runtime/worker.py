@@ -208,7 +208,6 @@ class Worker:
             t = time_loads(self.loader, d)
             self.loader.restore()  # the timed loads moved the user's adapters: slot i holds adapter i again
             self.sync()
-            self.time_load_paths(d)
         except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
             traceback.print_exc()
             self.loader = None
@@ -219,6 +218,7 @@ class Worker:
                            load_ms_ci_low=interval.low if interval else None, load_ms_ci_high=interval.high if interval else None)
         SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, t["load_ms"].tolist(), t["alone_ms"].tolist(),
                           t["host_us"].tolist()))
+        self.time_load_paths(d)
 
     def time_load_paths(self, d: Dispatcher) -> None:
         """The other load paths (``lorabench.runtime.load_paths``): their row columns and samples.
@@ -227,12 +227,18 @@ class Worker:
         try:
             paths = time_load_paths(self.loader, d, files)
             self.sync()
+            columns = load_path_columns(paths, files, self.loader)
+            samples = load_path_samples(paths)
         except Exception:  # noqa: BLE001 - extra columns only
             traceback.print_exc()
-            self.loader.restore()
+            try:
+                self.loader.restore()  # slots a failed load left unknown are loaded again
+                self.sync()
+            except Exception:  # noqa: BLE001 - the device itself failed: the points will say so
+                traceback.print_exc()
             return
-        self.shared.update(load_path_columns(paths, files, self.loader))
-        for path, (load_ms, alone_ms, host_us) in load_path_samples(paths).items():
+        self.shared.update(columns)
+        for path, (load_ms, alone_ms, host_us) in samples.items():
             SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, load_ms, alone_ms, host_us, path))
 
     def check(self, arm: Arm) -> None:

@@ -29,6 +29,7 @@ and storage-warm: ``alone_ms`` each read of an adapter's file.
 """
 
 import os
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
@@ -150,7 +151,8 @@ def write_loads(run_dir: Path, group: int, loads: Loads) -> None:
 def read_loads(run_dir: Path) -> dict[tuple[str, int], np.ndarray]:
     """(kernels, max_loras) -> what its timed loads added to their steps (ms); empty for a run that timed none."""
     folder = Path(run_dir) / FOLDER
-    files = sorted(folder.glob("loads-[0-9][0-9][0-9][0-9].parquet")) if folder.is_dir() else []
+    files = sorted(f for f in folder.glob("loads-*.parquet") if re.fullmatch(r"loads-\d+\.parquet", f.name)) \
+        if folder.is_dir() else []
     if not files:
         return {}
     df = pa.concat_tables([pq.read_table(f, schema=LOADS) for f in files]).to_pandas()
@@ -162,7 +164,8 @@ def read_load_paths(run_dir: Path) -> "pd.DataFrame":
     import pandas as pd
 
     folder = Path(run_dir) / FOLDER
-    files = sorted(folder.glob("loads-[0-9][0-9][0-9][0-9]-*.parquet")) if folder.is_dir() else []
+    files = sorted(f for f in folder.glob("loads-*.parquet") if re.fullmatch(r"loads-\d+-[\w-]+\.parquet", f.name)) \
+        if folder.is_dir() else []
     if not files:
         return pd.DataFrame(columns=LOAD_PATHS.names)
     return pa.concat_tables([pq.read_table(f, schema=LOAD_PATHS) for f in files]).to_pandas()
