@@ -26,8 +26,12 @@ if [ -d .test-wheels ]; then  # the test extra too, from what the image lacks
 else  # without it, the tests of the notebook, the layer contracts and Dask skip
   install=(--no-deps -e .)
 fi
-python3 -m pip install -q --no-build-isolation --no-index "${install[@]}" >"$log.install" 2>&1 \
-  || { echo "install failed:"; tail -5 "$log.install"; exit 1; }
+if ! python3 -m pip install -q --no-build-isolation --no-index "${install[@]}" >"$log.install" 2>&1; then
+  # a wheel the image was expected to have is missing: the suite runs without the test extra
+  echo "test extra not installed (its tests skip): $(grep -m1 -iE 'error' "$log.install")"
+  python3 -m pip install -q --no-build-isolation --no-index --no-deps -e . >>"$log.install" 2>&1 \
+    || { echo "install failed:"; tail -5 "$log.install"; exit 1; }
+fi
 if [ -d .vllm-bundle ]; then
   site=${VLLM_SITE:-/tmp/vllm-site}
   mkdir -p "$site" && tar xzf .vllm-bundle/vllm-py.tgz -C "$site" \

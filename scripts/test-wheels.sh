@@ -6,7 +6,7 @@
 #
 #   scripts/test-wheels.sh [DEST]      (here, with a package index; DEST defaults to .test-wheels)
 #
-# Keep DEST out of git (.test-wheels/ is ignored) and send it along (about 26 MB); gpu-tests.sh
+# Keep DEST out of git (.test-wheels/ is ignored) and send it along (about 30 MB); gpu-tests.sh
 # installs lorabench's test extra from it when it finds it, taking from DEST only what the
 # machine's image lacks. Env: PYTHON_TAG of the GPU machine's Python (default 3.12).
 set -euo pipefail
@@ -25,4 +25,10 @@ mapfile -t requirements <<<"$extra"
 python3 -m pip download -q --only-binary=:all: --python-version "$python_tag" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
   -d "$dest" "${requirements[@]}"
+# peft (the test extra's) pulls torch, its CUDA wheels and transformers (~3 GB): the GPU image has
+# them (and numpy, sympy, networkx, the Hugging Face hub), so they stay behind and carry stays small.
+for name in torch triton 'nvidia_*' numpy transformers tokenizers huggingface_hub hf_xet kernels \
+  safetensors sympy mpmath networkx; do
+  rm -f "$dest"/$name-*.whl
+done
 echo "$(ls "$dest" | wc -l) wheels, $(du -sh "$dest" | cut -f1) in $dest"

@@ -138,17 +138,16 @@ def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
     if c is None:
         return d
     notes = []
-    if c.occ.cpu_misses > 0 and c.miss_ms is not None:
-        fs = first.get("storage_fs")
-        where = (f" (its files are on {fs}: memory, so no read was cold; a disk's would cost more)"
-                 if fs in ("tmpfs", "ramfs") else f" (on {fs})" if isinstance(fs, str) else "")
-        notes.append(f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of "
-                     f"{d.adapters.cpu_slots}: each pays the run's cold read of an adapter's file, {c.miss_ms:.2f} ms"
-                     + where)
-    elif c.occ.cpu_misses > 0:
-        notes.append(f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of "
-                     f"{d.adapters.cpu_slots}: their reads from storage are not priced (the run read no adapter "
-                     "files: sweep with --adapters DIR), so the expected step is a lower bound")
+    if c.occ.cpu_misses > 0:
+        missed = f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of {d.adapters.cpu_slots}: "
+        if c.miss_ms is not None:
+            fs = first.get("storage_fs")
+            where = (f" (its files are on {fs}: memory, so no read was cold; a disk's would cost more)"
+                     if fs in ("tmpfs", "ramfs") else f" (on {fs})" if isinstance(fs, str) else "")
+            notes.append(f"{missed}each pays the run's cold read of an adapter's file, {c.miss_ms:.2f} ms{where}")
+        else:
+            notes.append(f"{missed}their reads from storage are not priced (the run read no adapter files: sweep "
+                         "with --adapters DIR), so the expected step is a lower bound")
     m = c.max_loras
     pow2 = strategy("pow2").counts(m)
     specialise = c.counts == pow2 and c.counts != [m]

@@ -125,12 +125,12 @@ def _median_of(rows: pd.DataFrame, column: str) -> float | None:
 def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int, float | None]:
     """(the load's ms, the slots' bytes, a KV-cache token's bytes, a storage read's ms) at (kernels, max_loras)."""
     ok = view.compared
+    mine = ok[ok.kernels == kernels]
     loads = view.pooled_loads.get(kernels)
-    medians = ok[ok.kernels == kernels].drop_duplicates("max_loras").load_ms_median.dropna()
-    load_ms = float(np.median(loads)) if loads is not None and len(loads) else float(medians.median()) if len(medians) else None
-    first = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)].iloc[0]
+    load_ms = float(np.median(loads)) if loads is not None and len(loads) else _median_of(mine, "load_ms_median")
+    first = mine[mine.max_loras == max_loras].iloc[0]
     slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
-    return load_ms, slot_bytes, kv_bytes_per_token(first), _median_of(ok[ok.kernels == kernels], "storage_read_cold_ms_median")
+    return load_ms, slot_bytes, kv_bytes_per_token(first), _median_of(mine, "storage_read_cold_ms_median")
 
 
 @dataclass(frozen=True)

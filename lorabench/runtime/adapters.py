@@ -79,27 +79,42 @@ class AdapterLoader:
             self.expert_lora = [int(a.has_expert_lora) for a in adapters]
 
     @property
+    def slot_ops(self) -> int:
+        """Device operations of a load beside its copies: the slot's rank and expert-LoRA flag,
+        where the adapters differ in them (``begin``)."""
+        return (self.ranks is not None) + (self.expert_lora is not None)
+
+    @property
     def ops(self) -> int:
         """Device operations of one load: a zeroing and a copy for A and for B of every slice
-        (and the slot's rank and expert-LoRA flag, where the adapters differ in them)."""
-        return 4 * len(self.parts) + (self.ranks is not None) + (self.expert_lora is not None)
+        (and ``slot_ops``)."""
+        return 4 * len(self.parts) + self.slot_ops
 
-    def load(self, slot: int, adapter: int) -> None:
-        """Adapter ``adapter`` into ``slot``, queued on the current stream."""
-        k = adapter % len(self.bank)
+    def begin(self, slot: int, k: int) -> None:
+        """Before bank entry ``k``'s copies into ``slot`` (any load path): the slot is unknown
+        until they are queued (a failed load is reloaded by ``place``); its rank and flag written."""
         if self.held is not None:
-            self.held[slot] = -1  # unknown until its copies are queued (a failed load is reloaded by place)
+            self.held[slot] = -1
         if self.ranks is not None:
             self.slot_rank[slot] = self.ranks[k]
         if self.expert_lora is not None:
             self.enabled[slot] = self.expert_lora[k]
+
+    def done(self, slot: int, k: int) -> None:
+        """After them: ``slot`` holds bank entry ``k``."""
+        if self.held is not None:
+            self.held[slot] = k
+
+    def load(self, slot: int, adapter: int) -> None:
+        """Adapter ``adapter`` into ``slot``, queued on the current stream."""
+        k = adapter % len(self.bank)
+        self.begin(slot, k)
         for (a, ar, b, br), (ha, hb) in zip(self.parts, self.bank[k]):
             a[slot, ar].zero_()
             b[slot, br].zero_()
             a[slot, ar].copy_(ha, non_blocking=True)
             b[slot, br].copy_(hb, non_blocking=True)
-        if self.held is not None:
-            self.held[slot] = k
+        self.done(slot, k)
 
     def place(self, adapters: list[int]) -> None:
         """The user's adapters: load ``adapters[s]`` into every slot s that holds another (-1: any),

@@ -30,13 +30,8 @@ from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.timing import time_steps
 
 ONE_COPY, PAGEABLE, OVERLAPPED, STORAGE = "one-copy", "pageable", "overlapped", "storage"
+ONE_COPY_CALLS = 2  # host calls of a one-copy load: the transfer and the scatter
 STORAGE_LOCK = os.path.join(tempfile.gettempdir(), "lorabench-storage-reads.lock")
-
-
-def one_copy_ops(loader: AdapterLoader) -> int:
-    """Host calls of one one-copy load: the transfer and the scatter (and the slot's rank and
-    flag, where the per-slice loader writes them too)."""
-    return 2 + (loader.ranks is not None) + (loader.expert_lora is not None)
 
 
 class OneCopy:
@@ -64,23 +59,18 @@ class OneCopy:
 
     @property
     def ops(self) -> int:
-        return one_copy_ops(self.loader)
+        """Host calls of one load (and the loader's ``slot_ops``)."""
+        return ONE_COPY_CALLS + self.loader.slot_ops
 
     def load(self, slot: int, adapter: int) -> None:
         """Adapter ``adapter`` into ``slot``, queued on the current stream."""
         k = adapter % len(self.flat)
         lo = self.loader
-        if lo.held is not None:
-            lo.held[slot] = -1  # unknown until its copies are queued
-        if lo.ranks is not None:
-            lo.slot_rank[slot] = lo.ranks[k]
-        if lo.expert_lora is not None:
-            lo.enabled[slot] = lo.expert_lora[k]
+        lo.begin(slot, k)
         self.staging.copy_(self.flat[k], non_blocking=True)
         dests = [t for a, ar, b, br in lo.parts for t in (a[slot, ar], b[slot, br])]
         torch._foreach_copy_(dests, self.views)
-        if lo.held is not None:
-            lo.held[slot] = k
+        lo.done(slot, k)
 
 
 def time_overlap(one: OneCopy, d: Dispatcher, loads: int = LOADS, warmup: int = WARMUP,
@@ -189,7 +179,6 @@ def time_load_paths(loader: AdapterLoader, d: Dispatcher, files: list[str], load
     return out
 
 
-
 def columns(paths: dict[str, dict], files: list[str], loader: AdapterLoader) -> dict:
     """The rows' medians of ``time_load_paths``' samples (None where a path was not timed)."""
     def median(path, key):
@@ -197,7 +186,7 @@ def columns(paths: dict[str, dict], files: list[str], loader: AdapterLoader) -> 
 
     return {"load_one_copy_ms_median": median(ONE_COPY, "load_ms"),
             "load_one_copy_alone_ms_median": median(ONE_COPY, "alone_ms"),
-            "load_one_copy_ops": one_copy_ops(loader) if ONE_COPY in paths else None,
+            "load_one_copy_ops": ONE_COPY_CALLS + loader.slot_ops if ONE_COPY in paths else None,
             "load_pageable_alone_ms_median": median(PAGEABLE, "alone_ms"),
             "load_overlap_usable_ms_median": median(OVERLAPPED, "usable_ms"),
             "load_overlap_lost_ms_median": median(OVERLAPPED, "lost_ms"),
