@@ -155,6 +155,7 @@ def recommend(
     output_tokens: OutputTokens = None,
     max_cpu_loras: MaxCpuLoras = None,
     gpu_memory_budget: str = typer.Option(None, "--gpu-memory-budget", help="With --adapters: most GPU memory the LoRA configuration may take (its graphs and adapter slots, which come out of the KV cache), GiB [default: no limit]."),
+    host_memory_budget: str = typer.Option(None, "--host-memory-budget", help="With --adapters and without --max-cpu-loras: most host memory vLLM's CPU cache of adapters may take per worker, GiB; the cache is the smallest within 2 % of the fastest that fits, misses priced at the run's cold read of an adapter's file [default: no limit]."),
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
     workload within the budgets, from what a run measured; compare it with max, pow2 and dense.
@@ -169,9 +170,10 @@ def recommend(
         if given:
             raise UserError(f"{given[0]} prices strategy auto alone; with --adapters use --gpu-memory-budget")
         return recommend_residency(run_dir, workload, adapters, concurrency, output_tokens, max_cpu_loras,
-                                   gpu_memory_budget, kernels, max_loras, console)
+                                   gpu_memory_budget, kernels, max_loras, console, host_memory_budget)
     given = [f for f, v in (("--concurrency", concurrency), ("--output-tokens", output_tokens), ("--max-cpu-loras", max_cpu_loras),
-                            ("--gpu-memory-budget", gpu_memory_budget)) if v is not None]
+                            ("--gpu-memory-budget", gpu_memory_budget), ("--host-memory-budget", host_memory_budget))
+             if v is not None]
     if given:
         raise UserError(f"{given[0]}: goes with --adapters N")
     return run(run_dir, workload, graph_memory_budget, startup_budget, kernels, max_loras, console)

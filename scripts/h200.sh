@@ -58,6 +58,11 @@
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]), the per-entry path's K loop
 #            in other steps and warps (MB_PER_ENTRY A_ELEMENTS:WARPS,...): $OUT/bench-<model>.json
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
+#   load-paths - every load path (per-slice, one-copy, pageable, overlapped, storage cold/warm) and the host link, for
+#            Llama-3.1-8B with 4 PEFT adapters (scripts/peft_adapters.py) at each rank of LP_RANKS (16 64 128): results/load-paths/
+#   peft-residency - 64 PEFT adapters of Llama-3.1-8B (ranks 8-64, all or attention targets) in PEFT_ROOT, residency runs
+#            at --max-cpu-loras 16 (misses read their files) per load path (PR_PATHS), then recommend with that cache
+#            and with the cache chosen: results/peft-residency/<path>/
 #   report - lorabench report on every run made here; all runs are packed into $OUT/runs.tgz
 # vLLM's Python files: .vllm-bundle/ beside this checkout (scripts/vllm-bundle.sh packs it), unpacked here when present.
 # Dask's wheels: .dask-wheels/ beside this checkout (scripts/dask-wheels.sh downloads them), installed here when present.
@@ -252,6 +257,49 @@ PY
         lorabench recommend "$run" --adapters 200 --workload "$w" 2>&1 | tee -a "$OUT/recommend.log" | tail -n 12 | tee -a "$OUT/stages.log"
       done
       tar czf "$OUT/adapters.tgz" results/adapters ;;
+    load-paths)  # every load path per adapter size: Llama-3.1-8B, 4 PEFT adapters (all targets) at each of LP_RANKS
+      for rank in ${LP_RANKS:-16 64 128}; do
+        dir=${PEFT_ROOT:-/tmp/peft}/r$rank
+        python3 scripts/peft_adapters.py "$dir" --model llama-3.1-8b --count 4 --ranks "$rank" --targets all 2>&1 | tail -n 1 \
+          | tee -a "$OUT/stages.log"
+        lorabench sweep --model llama-3.1-8b --rank "$rank" --max-loras 4 --concurrency 1 --strategy max --iters 20 --no-check \
+          --adapters "$dir" --out results/load-paths 2>&1 | tail -n 2 | tee -a "$OUT/stages.log"
+        rm -rf "$dir"
+      done
+      python3 - <<'PY' 2>&1 | tee -a "$OUT/stages.log"
+import glob
+import pandas as pd
+for run in sorted(glob.glob("results/load-paths/2*/")):
+    r = pd.read_parquet(run + "points.parquet").iloc[0]
+    bound = r.lora_bytes_per_slot / (r.host_link_gb_s_median * 1e6)
+    print(f"{run}: rank {r['rank']}, {r.lora_bytes_per_slot / 2**20:.0f} MiB, link {r.host_link_gb_s_median:.1f} GB/s "
+          f"(bound {bound:.2f} ms): per-slice {r.load_alone_ms_median:.2f} ms alone / {r.load_ms_median:.2f} in a step, "
+          f"one-copy {r.load_one_copy_alone_ms_median:.2f} / {r.load_one_copy_ms_median:.2f}, pageable "
+          f"{r.load_pageable_alone_ms_median:.2f}, overlapped usable {r.load_overlap_usable_ms_median:.2f} lost "
+          f"{r.load_overlap_lost_ms_median:.3f}, storage cold {r.storage_read_cold_ms_median:.1f} warm "
+          f"{r.storage_read_warm_ms_median:.1f} ({r.storage_fs}); best/bound "
+          f"{min(r.load_alone_ms_median, r.load_one_copy_alone_ms_median) / bound:.2f}")
+PY
+      tar czf "$OUT/load-paths.tgz" results/load-paths ;;
+    peft-residency)  # 64 PEFT adapters (ranks 8-64, all or attention targets), CPU cache 16, per load path; recommend
+      dir=${PEFT_ROOT:-/tmp/peft}/64
+      [ -d "$dir" ] || python3 scripts/peft_adapters.py "$dir" --model llama-3.1-8b --count 64 --ranks 8,16,32,64 \
+        --targets all,attention 2>&1 | tail -n 1 | tee -a "$OUT/stages.log"
+      for path in ${PR_PATHS:-per-slice one-copy}; do
+        check=(); [ "$path" != per-slice ] && check=(--no-check)
+        /usr/bin/time -f "peft-residency $path wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
+          --model llama-3.1-8b --rank 64 --adapters "$dir" --max-cpu-loras 16 --max-loras "${PR_LORAS:-8}" \
+          --concurrency 1,2,4,8,16 --strategy max --workload zipf:1 --output-tokens 64 --iters "${PR_ITERS:-200}" \
+          --load-path "$path" "${check[@]}" --out "results/peft-residency/$path" 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+        run=$(ls -td results/peft-residency/$path/2*/ | head -1)
+        lorabench report "$run" 2>&1 | tail -n 1 | tee -a "$OUT/stages.log"
+        grep -A6 "Residency runs: measured against predicted" "$run/report.md" | tee -a "$OUT/stages.log"
+        lorabench recommend "$run" --adapters "$dir" --workload zipf:1 --max-cpu-loras 16 --output-tokens 64 2>&1 \
+          | tee -a "$OUT/recommend.log" | tail -n 14 | tee -a "$OUT/stages.log"
+        lorabench recommend "$run" --adapters "$dir" --workload zipf:1 --output-tokens 64 2>&1 \
+          | tee -a "$OUT/recommend.log" | tail -n 16 | tee -a "$OUT/stages.log"
+      done
+      tar czf "$OUT/peft-residency.tgz" results/peft-residency ;;
     loads)
       for model in llama-2-7b llama-3.1-8b; do
         for rank in 16 64; do

@@ -12,8 +12,9 @@ from lorabench.config.peft import read_adapters, slot_ranks
 from lorabench.kernels import get_backend
 from lorabench.runtime.adapters import LOADS, AdapterLoader
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.load_paths import (ONE_COPY, OVERLAPPED, PAGEABLE, STORAGE, OneCopy, drop_cached, filesystem,
-                                          time_load_paths, time_overlap)
+from lorabench.runtime.load_paths import (HOST_LINK, ONE_COPY, OVERLAPPED, PAGEABLE, STORAGE, OneCopy, StorageReads,
+                                          drop_cached, filesystem, time_host_link, time_load_paths, time_overlap)
+from lorabench.runtime.timing import time_steps
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slots
 
@@ -65,7 +66,7 @@ def test_every_path_is_timed_and_the_users_adapters_go_back(users):
     d.capture()
     loader = AdapterLoader(m, adapters=adapters)
     t = time_load_paths(loader, d, [a.weights for a in adapters], loads=4)
-    assert set(t) == {ONE_COPY, PAGEABLE, STORAGE} | ({OVERLAPPED} if HAS_CUDA else set())
+    assert set(t) == {ONE_COPY, PAGEABLE, STORAGE} | ({OVERLAPPED, HOST_LINK} if HAS_CUDA else set())
     for path in (ONE_COPY, PAGEABLE):
         assert set(t[path]) == {"load_ms", "alone_ms", "host_us"} and all(len(v) == 4 for v in t[path].values())
         assert (t[path]["alone_ms"] > 0).all()
@@ -75,6 +76,50 @@ def test_every_path_is_timed_and_the_users_adapters_go_back(users):
         assert (t[OVERLAPPED]["usable_ms"] > 0).all() and len(t[OVERLAPPED]["lost_ms"]) == 4
     for x, y in zip(m.state_dict().values(), want.state_dict().values()):  # slot i holds adapter i again
         assert torch.equal(x, y)
+
+
+def test_the_one_copy_path_copies_the_banks_own_bytes():
+    """Each bank entry is one host buffer whose views are the per-slice path's sources: the
+    one-copy path holds no second copy of the adapters."""
+    loader = AdapterLoader(model("tiny-moe"))
+    one = OneCopy(loader)
+    assert one.flat is loader.flat and len(loader.flat) == len(loader.bank)
+    for buf, entry in zip(loader.flat, loader.bank):
+        base = buf.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for pair in entry for t in pair)
+        assert sum(t.numel() for pair in entry for t in pair) == buf.numel()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the host link is timed on a GPU")
+def test_the_host_links_bandwidth_is_timed():
+    gb_s = time_host_link(torch.device("cuda"), nbytes=2**24, copies=3)
+    assert len(gb_s) == 3 and (gb_s > 0.1).all()
+
+
+def test_a_residency_steps_misses_are_read_inside_the_step_after_their_pages_were_dropped(tmp_path):
+    calls = []
+
+    class Recording(StorageReads):
+        def drop(self, adapter):
+            calls.append(("drop", adapter))
+            super().drop(adapter)
+
+        def read(self, adapter):
+            calls.append(("read", adapter))
+            super().read(adapter)
+
+    for i in range(3):
+        write(tmp_path, adapter_files(f"x{i}", 8, 16, ("q_proj",), seed=i))
+    files = sorted(str(p) for p in tmp_path.glob("*/adapter_model.safetensors"))
+    m = model()
+    d = Dispatcher(m, get_backend("torch"), max_loras=3, capture_sizes=[2], counts=[3], use_graphs=HAS_CUDA)
+    d.warm_up()
+    d.capture()
+    loader = AdapterLoader(m)
+    s = time_steps(d, [[0, 1], [1, 2]], 4, 1, loads=[[(1, 2)], []], loader=loader, reads=[[2], []],
+                   storage=Recording(files))
+    assert s.reads.tolist() == [1, 0, 1, 0] and s.loads.tolist() == [1, 0, 1, 0]
+    assert calls == [("drop", 2), ("read", 2)] * 2  # the warm-up step reads nothing
 
 
 def test_no_overlap_without_a_gpu_or_with_one_slot():

@@ -3,6 +3,7 @@ their weights in the slots (B times each module's scale, untargeted linears zero
 share), their LoRA equal to PEFT's own, loads that leave the same slots, and a sweep and a check
 on them."""
 
+import dataclasses
 import json
 import re
 from types import SimpleNamespace
@@ -24,7 +25,9 @@ from lorabench.errors import UserError
 from lorabench.runtime.adapters import AdapterLoader
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slot, fill_slots, read_tensors
-from lorabench.storage.samples import read_load_paths
+from lorabench.analysis.residency_price import validation
+from lorabench.analysis.view import RunView
+from lorabench.storage.samples import read_load_paths, read_samples
 
 RANK = 16
 
@@ -300,14 +303,36 @@ def test_a_sweep_and_a_check_on_the_users_adapters(two_adapters, tmp_path, capsy
 
 
 @pytest.mark.e2e
-def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tmp_path, capsys):
+@pytest.mark.parametrize("load_path", ["per-slice", "one-copy"])
+def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tmp_path, capsys, load_path):
     for i in range(4):
         write(tmp_path / "four", adapter_files(f"x{i}", 8, 16, ("q_proj", "o_proj"), seed=i))
     folder = str(tmp_path / "four")
     assert main(["sweep", "--model", "tiny", "--max-loras", "2", "--device", "cpu", "--adapters", folder,
-                 "--max-cpu-loras", "2", "--strategy", "max", "--concurrency", "1,2", "--iters", "4", "--warmup", "1",
-                 "--workload", "uniform", "--output-tokens", "2", "--out", str(tmp_path / "out")]) == 0
+                 "--max-cpu-loras", "2", "--strategy", "max", "--concurrency", "1,2", "--iters", "12", "--warmup", "1",
+                 "--workload", "uniform", "--output-tokens", "2", "--load-path", load_path,
+                 "--out", str(tmp_path / "out")]) == 0
     run = next((tmp_path / "out").iterdir())
+    rows = pd.read_parquet(run / "points.parquet")
+    res = rows[rows["mode"] == "residency"].iloc[0]
+    assert res.load_path == load_path and res.storage_reads_per_step > 0  # its misses read their files in the steps
+    steps = read_samples(run, [int(res.point)])
+    assert steps.reads.sum() == round(res.storage_reads_per_step * len(steps)) and (steps.reads <= steps.loads).all()
+    view = RunView.read(run)
+    v = validation(view).iloc[0]
+    assert v.load_path == load_path and v.predicted_ms > 0
+    if load_path == "one-copy":  # the same steps priced as per-slice loads differ by the two loads' prices only
+        residency = view.rows["mode"] == "residency"
+        as_slice = validation(dataclasses.replace(view, rows=view.rows.assign(
+            load_path=view.rows.load_path.where(~residency, "per-slice")))).iloc[0]
+        per_slice = float(np.median(view.pooled_loads[res.kernels]))
+        one_copy = rows.drop_duplicates("max_loras").load_one_copy_ms_median.median()
+        assert as_slice.predicted_ms - v.predicted_ms == pytest.approx(v.loads_per_step * (per_slice - one_copy))
+        unread = validation(dataclasses.replace(view, rows=view.rows.assign(  # as if its misses had read nothing
+            storage_reads_per_step=view.rows.storage_reads_per_step.where(~residency, 0.0)))).iloc[0]
+        miss = rows.drop_duplicates("max_loras").storage_read_cold_ms_median.median()
+        assert v.predicted_ms - unread.predicted_ms == pytest.approx(steps.reads.mean() * miss)
+        return
     capsys.readouterr()
     assert main(["recommend", str(run), "--adapters", folder, "--workload", "uniform", "--max-cpu-loras", "2",
                  "--output-tokens", "2"]) == 0
@@ -321,3 +346,53 @@ def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tm
         chosen["decode_ms"] + chosen["loads_per_step"] * chosen["load_ms"] + chosen["cpu_misses_per_step"] * chosen["miss_ms"],
         rel=1e-3)
     assert [p["path"] for p in section["load_paths"]] == ["per-slice", "one-copy"]  # no GPU: no overlapped path
+    assert "cpu_cache" not in section  # given, not chosen
+
+    def cache(*extra):
+        capsys.readouterr()
+        assert main(["recommend", str(run), "--adapters", folder, "--workload", "uniform", "--output-tokens", "2",
+                     *extra]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        sections = json.loads((run / "recommendation.json").read_text())["residency"]
+        return text, sections[next(k for k in sections if k.startswith("uniform"))][0]
+
+    out, section = cache()  # the CPU cache chosen: every size priced with its misses at the storage read
+    choice = section["cpu_cache"]
+    sizes = {x["max_cpu_loras"]: x for x in choice["sizes"]}
+    assert sorted(sizes) == [2, 3, 4] and sizes[4]["misses_per_step"] == 0 < sizes[2]["misses_per_step"]
+    miss, decode = section["chosen"]["miss_ms"], section["chosen"]["decode_ms"]
+    for x in sizes.values():  # the same configuration; only the misses change
+        assert x["expected_step_ms"] == pytest.approx(
+            decode + section["chosen"]["loads_per_step"] * section["chosen"]["load_ms"] + x["misses_per_step"] * miss,
+            rel=1e-3)
+    fastest = max(x["tokens_per_s"] for x in sizes.values())
+    pick = choice["chosen"]["max_cpu_loras"]
+    assert sizes[pick]["tokens_per_s"] >= 0.98 * fastest
+    assert all(x["tokens_per_s"] < 0.98 * fastest for s, x in sizes.items() if s < pick)  # the smallest that does
+    assert f"--max-cpu-loras {pick}" in section["vllm"]["flags"] and f"CPU cache: --max-cpu-loras {pick}" in out
+    one = sizes[2]["host_bytes"] / 2  # one adapter's own bytes: q and o at rank 8, both layers, in float32
+    assert one == 2 * 8 * ((HIDDEN + Q) + (Q + HIDDEN)) * 4  # layers x rank x (q: K + N, o: K + N) x bytes
+    out, section = cache("--host-memory-budget", str(2.5 * one / 2**30))
+    assert section["cpu_cache"]["chosen"]["max_cpu_loras"] == 2 and section["cpu_cache"]["host_memory_budget_bytes"] > 0
+    out, section = cache("--host-memory-budget", str(one / 2**30))
+    assert section["cpu_cache"]["chosen"] is None and "no cache of at least max_loras adapters fits" in out
+
+
+def test_the_cpu_cache_sizes_tried():
+    from lorabench.analysis.cpu_cache import candidates
+
+    assert candidates(4, 64) == [4, 8, 16, 32, 48, 64]
+    assert candidates(3, 10) == [3, 5, 6, 7, 10] and candidates(5, 5) == [5]
+
+
+def test_the_adapters_script_writes_peft_folders_lorabench_reads(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "scripts/peft_adapters.py", str(tmp_path / "pa"), "--model", "tiny",
+                           "--count", "3", "--ranks", "8,16", "--targets", "all,attention", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    adapters = read_adapters(str(tmp_path / "pa"), resolve("tiny"), 16)
+    assert [(a.rank, len(a.modules)) for a in adapters] == [(8, 14), (16, 14), (8, 8)]  # 2 layers: 7 modules, then q k v o
+    assert "3 adapters" in done.stdout.splitlines()[-1]

@@ -91,6 +91,31 @@ def test_the_cpu_cache_misses_only_when_it_is_smaller_than_the_adapters():
     assert full.cpu_misses.sum() == 0 and full.n_loads.sum() > 50
     assert 0 < small.cpu_misses.sum() <= small.n_loads.sum()
     assert small.n_loads.sum() == full.n_loads.sum()  # the CPU cache changes where a load reads from, not how many
+    assert [len(r) for r in small.reads] == small.cpu_misses.tolist() and not any(full.reads)
+    for reads, loads in zip(small.reads, small.loads):  # a read adapter is one the step loads
+        assert set(reads) <= {a for _, a in loads}
+
+
+def test_a_missed_adapter_is_not_in_the_cpu_cache_it_is_read_into():
+    """Replaying the schedule's loads through an LRU of the cache's size: every read is of an
+    adapter the cache lacks, and every load of one it lacks is read."""
+    from collections import OrderedDict
+
+    from lorabench.config.residency import _warm_cache
+
+    wl, adapters = parse_workload("zipf:1"), Adapters(40, max_cpu_loras=6)
+    s = simulate(wl, adapters, 12, 4, 2000)
+    cache = OrderedDict((a, None) for a in _warm_cache(wl, adapters))
+    for reads, loads, requests in zip(s.reads, s.loads, s.requests):
+        for a in dict.fromkeys(a for a in requests if a >= 0):  # each running adapter is used, in the batch's order
+            if a in cache:
+                cache.move_to_end(a)
+            elif any(a == b for _, b in loads):
+                assert a in reads
+                cache[a] = None
+                if len(cache) > 6:
+                    cache.popitem(last=False)
+        assert all(a not in reads or a in cache for a in requests)
 
 
 def test_the_schedule_is_deterministic_and_more_slots_load_less():

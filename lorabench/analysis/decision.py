@@ -14,6 +14,7 @@ interval of its gain; without, its medians' gain.
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from lorabench.analysis.compare import Comparison
 from lorabench.analysis.costmodel import Plan
@@ -22,6 +23,9 @@ from lorabench.analysis.residency_price import PathPrice, Priced
 from lorabench.analysis.vllm import VllmAdvice
 from lorabench.config.residency import Adapters
 from lorabench.config.strategies import BASELINE
+
+if TYPE_CHECKING:  # cpu_cache reads this module's PAYS_PCT
+    from lorabench.analysis.cpu_cache import CacheChoice
 
 PAYS = 0.02  # an option must be >= 2 % better than the one with fewer graphs to be worth its graphs
 PAYS_PCT = 100 * PAYS
@@ -219,6 +223,7 @@ class ResidencyDecision:
     unavailable: str | None = None  # why nothing could be priced at all
     pays_pct: float = PAYS_PCT
     load_paths: tuple[PathPrice, ...] = ()  # the choice under each load path the run timed
+    cpu_cache: "CacheChoice | None" = None  # --max-cpu-loras chosen (None: given, every adapter by default)
 
     @property
     def configs(self) -> list[Priced]:

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from lorabench.analysis.costmodel import Plan
+from lorabench.analysis.cpu_cache import CacheChoice
 from lorabench.analysis.decision import PAYS_PCT, AutoDecision, MeasuredDecision, ResidencyDecision, SetChoice
 from lorabench.analysis.intervals import Gain, versus
 from lorabench.analysis.reasons import BASIS, MEDIANS_ONLY, decided_on, pays_rule, reason, versus_card
@@ -159,7 +160,18 @@ def residency_json(d: ResidencyDecision) -> dict:
             "versus_card": card, "reason": reason(d), "notes": list(d.notes),
             "vllm": None if d.vllm is None else {"flags": d.vllm.flags, "note": d.vllm.note}, "validate": d.validate,
             "load_paths": [{"path": x.path, "load_ms": round(x.load_ms, 4), "expected_step_ms": round(x.step_ms, 4),
-                            "tokens_per_s": round(x.tokens_per_s, 1), "engine": x.engine} for x in d.load_paths]}
+                            "tokens_per_s": round(x.tokens_per_s, 1), "engine": x.engine} for x in d.load_paths],
+            **({"cpu_cache": cache_json(d.cpu_cache)} if d.cpu_cache is not None else {})}
+
+
+def cache_json(c: CacheChoice) -> dict:
+    """``--max-cpu-loras`` chosen (``lorabench.analysis.cpu_cache``): every size priced, the choice, why."""
+    def size(x):
+        return {"max_cpu_loras": x.size, "host_bytes": round(x.host_bytes), "misses_per_step": round(x.misses_per_step, 5),
+                "expected_step_ms": round(x.step_ms, 4), "tokens_per_s": round(x.tokens_per_s, 1)}
+
+    return {"chosen": None if c.chosen is None else size(c.chosen), "why": c.why,
+            "host_memory_budget_bytes": c.host_budget_bytes, "sizes": [size(x) for x in c.sizes]}
 
 
 def _clean(obj):

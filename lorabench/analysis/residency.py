@@ -18,6 +18,7 @@ does not price: they are left out.
 """
 
 from lorabench.analysis import search
+from lorabench.analysis.cpu_cache import CacheChoice, CachePolicy, choose_cpu_cache
 from lorabench.analysis.decision import PAYS_PCT, ResidencyDecision, SetChoice
 from lorabench.analysis.occupancy import STEPS, simulated
 from lorabench.analysis.residency_price import AUTO_SET, Pricer, path_prices, throughput_gain
@@ -65,10 +66,14 @@ def set_at(view: RunView, pricer: Pricer, measured: dict[str, list[int]], memory
 
 def residency_decisions(view: RunView, workload: str, adapters: Adapters, clients: int | None = None,
                         gpu_memory_bytes: float | None = None, kernels: list[str] | None = None,
-                        max_loras: list[int] | None = None, steps: int = STEPS) -> list[ResidencyDecision]:
+                        max_loras: list[int] | None = None, steps: int = STEPS, source: str | None = None,
+                        cache: CachePolicy | None = None) -> list[ResidencyDecision]:
     """Per lorabench kernels label of the run: every (max_loras, capture set) priced under the
     workload over ``adapters``, driven by ``clients`` clients (default: the run's largest
-    concurrency), and the chosen configuration (see the module's docstring)."""
+    concurrency), and the chosen configuration (see the module's docstring). ``source``: the
+    folder of the user's adapters (the validating sweep reads them); ``cache``: choose the CPU
+    cache for the chosen configuration (``lorabench.analysis.cpu_cache``) when ``adapters``
+    leaves it open."""
     ok = view.compared
     if "correct" in ok:
         ok = ok[~ok.correct.eq(False)]
@@ -100,7 +105,11 @@ def residency_decisions(view: RunView, workload: str, adapters: Adapters, client
                         if s in STRATEGIES and STRATEGIES[s].fixed and correct is not False}
             at[m] = set_at(view, p, measured, graph_budget)
         decision = ResidencyDecision(k, parse_workload(workload).name, adapters, c, gpu_memory_bytes, at)
-        out.append(_advise(view, _choose(view, decision, pricers), ok.iloc[0]))
+        d = _choose(view, decision, pricers)
+        choice = None
+        if cache is not None and adapters.max_cpu_loras is None and d.chosen is not None:
+            choice = choose_cpu_cache(view, d.chosen, adapters, workload, c, cache, steps)
+        out.append(_advise(view, d, ok.iloc[0], source, choice))
     return out
 
 
@@ -131,12 +140,15 @@ def _choose(view: RunView, d: ResidencyDecision, pricers: dict[int, Pricer]) -> 
                              card_gain)
 
 
-def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
+def _advise(view: RunView, d: ResidencyDecision, first, source: str | None = None,
+            cache: CacheChoice | None = None) -> ResidencyDecision:
     """The vLLM flags, what the prices leave out, and the sweep that validates the choice
-    (``first``: the first ok row of the configurations that passed their check)."""
+    (``first``: the first ok row of the configurations that passed their check; ``source``:
+    the user's adapters' folder; ``cache``: the CPU cache chosen, if it was)."""
     c = d.chosen
     if c is None:
         return d
+    cpu = cache.chosen.size if cache is not None and cache.chosen is not None else d.adapters.cpu_slots
     notes = []
     if c.occ.cpu_misses > 0:
         missed = f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of {d.adapters.cpu_slots}: "
@@ -151,7 +163,7 @@ def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
     m = c.max_loras
     pow2 = strategy("pow2").counts(m)
     specialise = c.counts == pow2 and c.counts != [m]
-    flags = run_flags(first, m, specialise) + f" --max-cpu-loras {max(d.adapters.cpu_slots, m)}"
+    flags = run_flags(first, m, specialise) + f" --max-cpu-loras {max(cpu, m)}"
     note = "vLLM captures max_loras+1 (and powers of two with --specialize-active-lora)"
     if c.counts not in ([m], pow2):
         note += f"; the set {c.counts} is lorabench's own, so the flags give vLLM's default"
@@ -162,9 +174,9 @@ def _advise(view: RunView, d: ResidencyDecision, first) -> ResidencyDecision:
     sizes = sorted({int(b) for b in first.capture_sizes if int(b) <= d.clients} | {d.clients})
     validate = (f"lorabench sweep --max-loras {','.join(map(str, slots))} --strategy '{','.join(strategies)}' "
                 f"--concurrency {','.join(map(str, sizes))} --kernels {d.kernels} "
-                f"--workload {d.workload} --adapters {d.adapters.count} "
-                f"--max-cpu-loras {d.adapters.cpu_slots} --output-tokens {d.adapters.output_tokens} "
+                f"--workload {d.workload} --adapters {source or d.adapters.count} "
+                f"--max-cpu-loras {cpu} --output-tokens {d.adapters.output_tokens} "
                 f"--model {first.model} --rank {int(first['rank'])} --iters 1000 --ci-target 0.5")
     return ResidencyDecision(d.kernels, d.workload, d.adapters, d.clients, d.gpu_memory_bytes, d.at, c, d.best,
                              d.fewer, d.card, d.card_gain, tuple(notes), VllmAdvice(flags, note), validate,
-                             load_paths=tuple(path_prices(view, c)))
+                             load_paths=tuple(path_prices(view, c)), cpu_cache=cache)

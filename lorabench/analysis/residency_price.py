@@ -180,12 +180,30 @@ def throughput_gain(view: RunView, a: tuple[Pricer, Priced], b: tuple[Pricer, Pr
     return Gain(100 * (ca.tokens_per_s / cb.tokens_per_s - 1), iv, why)
 
 
+def _as_run(view: RunView, row, read: bool, path: str, p: Priced | None) -> Priced | None:
+    """``p`` priced as the residency run ``row`` loaded: along its load path, and its misses at
+    the storage read only where it read files (else it loaded every adapter from host memory)."""
+    if p is None:
+        return None
+    if not read:
+        p = replace(p, miss_ms=None)
+    column = LOAD_PATHS[path][0] if path in LOAD_PATHS else None
+    if column is not None:
+        load_ms = _median_of(view.compared[view.compared.kernels == row.kernels], column)
+        if load_ms is None:
+            raise ValueError(f"the run timed no {path} loads")
+        p = replace(p, load_ms=load_ms)
+    return p
+
+
 def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
     """Each residency row against its prediction: priced on the very steps it ran (their batch
     sizes, active counts and loads, from its samples: what the cost model gets wrong) and on the
     long simulation (what the recommendation says: adds the load rate's and the waiting's
     sampling). The measured figures are the row's mean step and tokens per second; the loads are
-    priced as the recommendation prices them (pooled)."""
+    priced as the recommendation prices them (pooled), along the run's ``--load-path`` (one-copy:
+    its median in a step), and its CPU-cache misses at the cold storage read where the run read
+    its adapters' files (else not at all: it loaded them from host memory)."""
     rows = ok_points(view.kept)
     rows = rows[(rows["mode"] == "residency") & (rows.kernels.map(backend_of) != "vllm")]
     samples = view.steps if view.steps is not None else pd.DataFrame(columns=["point", "tokens", "n_active", "loads"])
@@ -199,16 +217,19 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
                  "loads_per_step": float(r.loads_per_step), "tokens_per_step": float(r.tokens_per_step)}
         counts = [int(x) for x in r.captured_counts]
         sizes = [int(b) for b in r.capture_sizes]
+        reads_per_step = getattr(r, "storage_reads_per_step", None)
+        read = bool(pd.notna(reads_per_step) and reads_per_step > 0)  # its misses read their files within the steps
+        path = getattr(r, "load_path", None) or "per-slice"
+        entry["load_path"] = path
         try:
             if own.tokens.isna().any() or own.empty:
                 raise ValueError("its samples lack the steps' tokens and loads")
-            same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras))
-            p = Pricer(view, r.kernels, int(r.max_loras), same).price(r.strategy, counts)
+            reads = own["reads"] if read and "reads" in own else None
+            same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras), cpu_misses=reads)
             adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens))
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
-            q = Pricer(view, r.kernels, int(r.max_loras), long).price(r.strategy, counts)
-            if q is not None:  # the residency run loads every adapter from host memory: it read no files
-                q = replace(q, miss_ms=None)
+            p, q = (_as_run(view, r, read, path, Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts))
+                    for occ in (same, long))
         except ValueError as e:
             p = q = None
             entry["why"] = str(e)

@@ -15,6 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from lorabench.analysis.cpu_cache import CacheChoice, CachePolicy
 from lorabench.analysis.decision import AutoDecision, ResidencyDecision
 from lorabench.analysis.optimise import auto_decisions
 from lorabench.analysis.reasons import PLAIN, reason, versus_card
@@ -24,7 +25,8 @@ from lorabench.analysis.view import RunView
 from lorabench.commands import recommendation_file
 from lorabench.commands.tables import mib
 from lorabench.config.flags import to_int, to_positive
-from lorabench.config.peft import adapter_folders, is_count
+from lorabench.config.limits import DTYPE_BYTES
+from lorabench.config.peft import adapter_elements, adapter_folders, is_count
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
 from lorabench.config.spec import coerce
 from lorabench.config.strategies import STRATEGIES
@@ -124,14 +126,38 @@ def residency_table(d: ResidencyDecision) -> Table:
     return table
 
 
+def cache_table(choice: CacheChoice) -> Table:
+    """One row per CPU cache size priced: host memory, misses, expected step and tokens/s."""
+    table = Table(title="CPU cache (--max-cpu-loras): each size priced for the choice", box=box.SIMPLE_HEAD,
+                  padding=(0, 0), pad_edge=False)
+    for col in ["adapters", "host GiB", "misses/1k", "ms", "tok/s"]:
+        table.add_column(col, justify="right", no_wrap=True)
+    for c in choice.sizes:
+        mark = " *" if choice.chosen is not None and c.size == choice.chosen.size else ""
+        table.add_row(f"{c.size}{mark}", f"{c.host_gib:.2f}", f"{1000 * c.misses_per_step:.1f}", f"{c.step_ms:.3f}",
+                      f"{c.tokens_per_s:,.0f}")
+    return table
+
+
+def adapter_host_bytes(folders: list[Path], view: RunView) -> float:
+    """One adapter's bytes in vLLM's CPU cache: the user's adapters' mean at their own ranks in
+    the run's dtype."""
+    return sum(adapter_elements(f) for f in folders) / len(folders) * DTYPE_BYTES[view.first["dtype"]]
+
+
 def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: str | None, output_tokens: str | None,
                         max_cpu_loras: str | None, gpu_memory_budget: str | None, kernels: str | None,
-                        max_loras: str | None, console: Console) -> int:
+                        max_loras: str | None, console: Console, host_memory_budget: str | None = None) -> int:
     """``lorabench recommend RUN --adapters N``: max_loras, capture set and CPU cache for N
-    adapters under a workload (``lorabench.analysis.residency``)."""
+    adapters under a workload (``lorabench.analysis.residency``; the CPU cache, when not given,
+    ``lorabench.analysis.cpu_cache``)."""
+    if host_memory_budget is not None and max_cpu_loras is not None:
+        raise UserError("--host-memory-budget chooses --max-cpu-loras: give one of them")
+    host_budget = to_positive("host_memory_budget", host_memory_budget) * 2**30 if host_memory_budget is not None else None
     view = RunView.read(run_dir)
     # a folder of PEFT adapters: their count (the run's slots, padded to its rank, price their loads)
-    n = coerce("adapters", adapters if is_count(adapters) else len(adapter_folders(adapters, "--adapters")))
+    folders = None if is_count(adapters) else adapter_folders(adapters, "--adapters")
+    n = coerce("adapters", adapters if folders is None else len(folders))
     out = coerce("output_tokens", output_tokens) if output_tokens is not None else OUTPUT_TOKENS
     cpu = coerce("max_cpu_loras", max_cpu_loras) if max_cpu_loras is not None else None
     c = to_int("concurrency", clients, 1) if clients is not None else None
@@ -140,8 +166,11 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
     try:
         wl = parse_workload(workload)
         check_residency(wl, n, None, [1])  # a max_loras above the CPU cache is left out, and says so
+        policy = None if cpu is not None else CachePolicy(
+            None if folders is None else adapter_host_bytes(folders, view), host_budget)
         decisions = residency_decisions(view, workload, Adapters(n, cpu, out), c, budget,
-                                        kernels=coerce("kernels", kernels) if kernels else None, max_loras=slots)
+                                        kernels=coerce("kernels", kernels) if kernels else None, max_loras=slots,
+                                        source=None if folders is None else str(adapters).strip(), cache=policy)
     except ValueError as e:
         raise UserError(str(e)) from None
     if not decisions:
@@ -154,6 +183,7 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
             console.print(f"{d.kernels}: nothing to recommend: {reason(d)}")
             continue
         c = priced_json(d.chosen)
+        choice = d.cpu_cache  # chosen for the configuration chosen with every adapter in it
         console.print(f"{d.kernels}: max_loras {c['max_loras']}, {d.chosen.set_name} {c['counts']}: "
                       f"{c['expected_step_ms']:.3f} ms per step, {c['tokens_per_s']:,.0f} tokens/s, "
                       f"{1000 * c['loads_per_step']:.1f} loads per 1000 steps; {reason(d)}")
@@ -163,7 +193,18 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
         cpu_slots = d.adapters.cpu_slots
         console.print(f"  memory: graphs {_mib(c['graph_mem_bytes'])} MiB + {c['max_loras']} adapter slots {_mib(c['slot_bytes'])} MiB"
                       + (f" = {c['kv_tokens_given_up']:,} KV-cache tokens given up" if c["kv_tokens_given_up"] is not None else "")
-                      + f"; CPU cache {cpu_slots} adapters = {cpu_slots * c['slot_bytes'] / c['max_loras'] / 2**30:.1f} GiB of host memory")
+                      + (f"; CPU cache {cpu_slots} adapters = {cpu_slots * c['slot_bytes'] / c['max_loras'] / 2**30:.1f} GiB "
+                         "of host memory" if choice is None else ""))
+        if choice is not None:
+            if choice.sizes:
+                console.print(cache_table(choice))
+            if choice.chosen is None:
+                console.print(f"  CPU cache: not chosen: {choice.why}")
+            else:
+                x = choice.chosen
+                console.print(f"  CPU cache: --max-cpu-loras {x.size} ({x.host_gib:.2f} GiB of host memory per worker, "
+                              f"{1000 * x.misses_per_step:.1f} misses per 1000 steps, {x.tokens_per_s:,.0f} tokens/s): "
+                              f"{choice.why}")
         for note in d.notes:
             console.print(f"  note: {note}")
         for x in d.load_paths:

@@ -102,6 +102,13 @@ def adapter_folders(source: str, where: str) -> list[Path]:
     return folders
 
 
+def adapter_elements(folder: Path, where: str = "--adapters") -> int:
+    """The elements of an adapter folder's LoRA tensors (its header's shapes): what vLLM's CPU
+    cache holds of it, at its own rank, in the model's dtype."""
+    shapes = _shapes(folder / WEIGHTS_FILE, f"{where}: {folder.name}")
+    return sum(math.prod(s) for k, s in shapes.items() if _KEY.match(k))
+
+
 def read_adapters(source: str, cfg: ModelConfig, max_rank: int, where: str = "--adapters") -> tuple[PeftAdapter, ...]:
     """Every adapter ``source`` names, checked against ``cfg`` (the whole model, not a TP rank's
     shard) and ``max_rank`` (vLLM's --max-lora-rank); one UserError line for the first problem."""

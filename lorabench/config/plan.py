@@ -73,6 +73,7 @@ class Job:
     adapter_dir: str | None = None  # --adapters DIR: the PEFT adapters the slots hold (slot i: adapter i)
     max_cpu_loras: int | None = None  # --max-cpu-loras (None: every adapter in the CPU cache)
     output_tokens: int = OUTPUT_TOKENS  # --output-tokens: decode steps per request of a residency run
+    load_path: str = "per-slice"  # --load-path: how a residency run's loads reach the slots
 
     @property
     def residency(self) -> Adapters | None:

@@ -64,6 +64,7 @@ class Schedule:
     cpu_misses: np.ndarray  # loads whose adapter had to be read from storage first
     waiting: np.ndarray  # requests waiting for a slot (not admitted) at the step
     first_slots: list[int] = field(default_factory=list)  # each slot's adapter at the first timed step (-1: none yet)
+    reads: list[list[int]] = field(default_factory=list)  # per step, the adapters read from storage first (its misses)
 
     def slots_at(self, starts) -> dict[int, list[int]]:
         """Each slot's adapter before step ``i``'s loads, for every ``i`` of ``starts``: what the
@@ -181,7 +182,7 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
             if r[0] >= 0:
                 batch[r[0]] = None
         waiting = kept
-        loads, misses = [], 0
+        loads, missed = [], []
         for a in batch:
             if a in cpu:
                 cpu.move_to_end(a)
@@ -189,7 +190,7 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
                 used[slot_of[a]] = step
                 continue
             if a not in cpu:
-                misses += 1
+                missed.append(a)
                 cpu[a] = None
                 if len(cpu) > adapters.cpu_slots:
                     cpu.popitem(last=False)
@@ -204,8 +205,9 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
             out.batches.append([slot_of[r[0]] if r[0] >= 0 else -1 for r in running])
             out.requests.append([r[0] for r in running])
             out.loads.append(loads)
+            out.reads.append(missed)
             out.tokens[i], out.n_active[i], out.n_loads[i] = len(running), len(batch), len(loads)
-            out.cpu_misses[i], out.waiting[i] = misses, len(waiting)
+            out.cpu_misses[i], out.waiting[i] = len(missed), len(waiting)
         still = []
         for r in running:
             r[1] -= 1

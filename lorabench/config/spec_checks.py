@@ -14,6 +14,7 @@ from lorabench.config.models import check_moe_options
 from lorabench.config.limits import Shape, culprit, estimate, graph_count, model_bytes, size
 from lorabench.config.residency import check_residency
 from lorabench.config.strategies import AUTO, Vllm
+from lorabench.config.sweep_spec import LOAD_PATHS
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
 
@@ -76,8 +77,10 @@ def check_memory(spec, machine: Machine, graphs: Callable[[KernelsLabel, int], i
 def check_adapters(spec, names) -> None:
     """--adapters N makes the workload runs residency runs; --max-cpu-loras and --output-tokens
     only mean something with it."""
+    if spec.load_path not in LOAD_PATHS:
+        raise UserError(f"{names('load_path')}: {spec.load_path!r} is not one of {', '.join(LOAD_PATHS)}")
     if spec.adapters is None:
-        given = [n for n in ("max_cpu_loras", "output_tokens") if getattr(spec, n) != getattr(type(spec), n)]
+        given = [n for n in ("max_cpu_loras", "output_tokens", "load_path") if getattr(spec, n) != getattr(type(spec), n)]
         if given:
             raise UserError(f"{names(given[0])}: goes with --adapters N (the residency runs it sets up)")
         return

@@ -16,6 +16,8 @@ MAX_STEPS = 100_000  # --iters, --warmup: a worker draws every timed step's batc
 MAX_ADAPTERS = 1_000_000  # --adapters, --max-cpu-loras: the residency loop keeps one entry per adapter
 OUTPUT_TOKENS = 128  # --output-tokens: decode steps per request by default (vllm bench's random dataset's output length)
 LIST = "comma-separated"
+LOAD_PATHS = {"per-slice": "vLLM's: every slice zeroed and copied",
+              "one-copy": "the adapter's one pinned buffer copied at once, then scattered on the GPU"}
 
 
 @dataclass
@@ -75,8 +77,12 @@ class SweepSpec:
                                   "slots as the steps need them (timed)",
                                   shown="one adapter per slot, none loaded", maximum=MAX_ADAPTERS, column=True)
     max_cpu_loras: int | None = option(None, "With --adapters: vLLM's CPU cache of adapters (at least max_loras); a load "
-                                       "of an adapter not in it is counted as a read from storage, which lorabench does "
-                                       "not time", shown="every adapter", maximum=MAX_ADAPTERS)
+                                       "of an adapter not in it reads the adapter's file from storage first, its pages "
+                                       "dropped from the page cache (--adapters DIR; a count's random adapters have no "
+                                       "files: such loads are counted, not read)", shown="every adapter",
+                                       maximum=MAX_ADAPTERS)
+    load_path: str = option("per-slice", f"With --adapters: how the residency runs load an adapter into its slot: "
+                            f"{'; '.join(f'{k} ({v})' for k, v in LOAD_PATHS.items())}", column=True)
     output_tokens: int = option(OUTPUT_TOKENS, "With --adapters: tokens each request decodes (a trace's output_tokens "
                                 "column overrides it)", maximum=MAX_STEPS)
     # Not options: what planning resolves.

@@ -10,7 +10,9 @@ when the model is built, so those 2 small writes per layer are not made).
 
 The host holds a small bank of adapters in pinned memory, each with one slot's shapes (the
 adapter at the slots' rank, as the model pads it), copied from the model's own slots; adapter
-``a`` is copied from ``bank[a % BANK]``. A copy's time does not depend on which pinned buffer it
+``a`` is copied from ``bank[a % BANK]``. Each bank entry's tensors are views of one contiguous
+host buffer (``flat``), so that the one-copy path (``lorabench.runtime.load_paths``) copies the
+very bytes the per-slice path copies, with no second pinned copy. A copy's time does not depend on which pinned buffer it
 reads, and the bank keeps a residency run over 200 adapters from pinning 200 adapters of host
 memory. With the user's adapters (``--adapters DIR``) the bank holds every one of them, as
 vLLM's CPU cache would, each padded to the slots' shapes; where their ranks differ, a load also
@@ -54,29 +56,34 @@ class AdapterLoader:
                 every = slice(None)
                 for a, b in ((m.w13_a, m.w13_b), (m.w2_a, m.w2_b)):
                     self.parts.extend((a[s], every, b[s], every) for s in range(a.shape[0]))
-        pin = self.cuda
-
-        def host(t: torch.Tensor) -> torch.Tensor:
-            out = t.detach().to("cpu", copy=True)
-            return out.pin_memory() if pin else out
-
         self.slot_rank, self.enabled = model.slot_rank, model.expert_lora_enabled
         self.ranks = self.expert_lora = None  # per bank entry, where a load must write them
         self.held: list[int] | None = None  # the user's adapters: which one each slot holds (fill_slots' order first)
+        self.flat: list[torch.Tensor] = []  # each bank entry's bytes, one host buffer (pinned on a GPU machine)
+        self.bank: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per entry, per part: its A and B, views of flat
         if not adapters:
-            self.bank = [[(host(a[k % self.max_loras, ar]), host(b[k % self.max_loras, br]))
-                          for a, ar, b, br in self.parts] for k in range(bank)]
+            for k in range(bank):
+                self._keep(k % self.max_loras)
             return
-        self.bank = []
         for adapter in adapters:  # each padded to the slots' shapes by way of slot 0, which then gets its own back
             fill_slot(model, 0, adapter)
-            self.bank.append([(host(a[0, ar]), host(b[0, br])) for a, ar, b, br in self.parts])
+            self._keep(0)
         fill_slot(model, 0, adapters[0])
         self.held = [s % len(adapters) for s in range(self.max_loras)]
         if len({a.rank for a in adapters}) > 1:
             self.ranks = [a.rank for a in adapters]
         if self.enabled is not None and len({a.has_expert_lora for a in adapters}) > 1:
             self.expert_lora = [int(a.has_expert_lora) for a in adapters]
+
+    def _keep(self, slot: int) -> None:
+        """A new bank entry: ``slot``'s A and B of every part, copied into one host buffer."""
+        tensors = [t for a, ar, b, br in self.parts for t in (a[slot, ar], b[slot, br])]
+        buf = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=self.cuda)
+        views = [v.view(t.shape) for v, t in zip(torch.split(buf, [t.numel() for t in tensors]), tensors)]
+        for v, t in zip(views, tensors):
+            v.copy_(t)
+        self.flat.append(buf)
+        self.bank.append(list(zip(views[0::2], views[1::2])))
 
     @property
     def slot_ops(self) -> int:

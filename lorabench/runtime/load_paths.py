@@ -27,40 +27,38 @@ import torch
 
 from lorabench.runtime.adapters import BANK, LOADS, WARMUP, AdapterLoader, time_loads
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.timing import time_steps
+from lorabench.runtime.timing import Events, time_steps
 
-ONE_COPY, PAGEABLE, OVERLAPPED, STORAGE = "one-copy", "pageable", "overlapped", "storage"
+ONE_COPY, PAGEABLE, OVERLAPPED, STORAGE, HOST_LINK = "one-copy", "pageable", "overlapped", "storage", "host-link"
+LINK_BYTES = 256 * 2**20  # the host link's copy: large enough that its fixed costs vanish
 ONE_COPY_CALLS = 2  # host calls of a one-copy load: the transfer and the scatter
 STORAGE_LOCK = os.path.join(tempfile.gettempdir(), "lorabench-storage-reads.lock")
 
 
 class OneCopy:
-    """The first ``BANK`` adapters of ``AdapterLoader``'s bank, each flattened into one host
-    buffer (pinned on a GPU machine), loaded by one copy into a device staging buffer (one slot's
-    bytes more on the GPU while it lives) and one scatter into the slot; adapter ``a`` is
-    ``bank[a % BANK]``, as the timed loads need no more."""
+    """``AdapterLoader``'s bank, each entry's one host buffer (``loader.flat``; pageable: copies of
+    the first ``BANK`` entries in pageable memory) loaded by one copy into a device staging
+    buffer (one slot's bytes more on the GPU while it lives) and one scatter into the slot;
+    adapter ``a`` is entry ``a`` modulo their count, as ``AdapterLoader.load`` takes it."""
 
     def __init__(self, loader: AdapterLoader, pageable: bool = False, staging: torch.Tensor | None = None):
         """staging: another OneCopy's, shared (one slot's bytes on the GPU, not two)."""
         self.loader, self.cuda, self.max_loras = loader, loader.cuda, loader.max_loras
-        pieces = [[t.reshape(-1) for pair in entry for t in pair] for entry in loader.bank[:BANK]]
-        numel = sum(p.numel() for p in pieces[0])
-        pin = self.cuda and not pageable
-        self.flat = []
-        for entry in pieces:  # written straight into the (pinned) buffer: no second host copy on the way
-            buf = torch.empty(numel, dtype=entry[0].dtype, pin_memory=pin)
-            torch.cat(entry, out=buf)
-            self.flat.append(buf)
+        self.flat = [buf.clone() for buf in loader.flat[:BANK]] if pageable and self.cuda else loader.flat
+        numel = self.flat[0].numel()
         device = loader.parts[0][0].device
         self.staging = torch.empty(numel, dtype=self.flat[0].dtype, device=device) if staging is None else staging
         shapes = [t.shape for pair in loader.bank[0] for t in pair]
-        self.views = list(torch.split(self.staging, [int(np.prod(s)) for s in shapes]))
-        self.views = [v.view(s) for v, s in zip(self.views, shapes)]
+        self.views = [v.view(s) for v, s in zip(torch.split(self.staging, [int(np.prod(s)) for s in shapes]), shapes)]
 
     @property
     def ops(self) -> int:
         """Host calls of one load (and the loader's ``slot_ops``)."""
         return ONE_COPY_CALLS + self.loader.slot_ops
+
+    def place(self, adapters: list[int]) -> None:
+        """As ``AdapterLoader.place`` (untimed: by its per-slice loads)."""
+        self.loader.place(adapters)
 
     def load(self, slot: int, adapter: int) -> None:
         """Adapter ``adapter`` into ``slot``, queued on the current stream."""
@@ -114,6 +112,27 @@ def time_overlap(one: OneCopy, d: Dispatcher, loads: int = LOADS, warmup: int = 
     return {"usable_ms": usable, "lost_ms": lost}
 
 
+def time_host_link(device: torch.device, nbytes: int = LINK_BYTES, copies: int = 10) -> np.ndarray:
+    """The host link's bandwidth (GB/s, 1e9 bytes), pinned host memory to the device: ``copies``
+    copies of ``nbytes``, each in CUDA events after one untimed (the bound a load path is held
+    to: its adapter's bytes over this)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    events = Events(copies)
+    for i in range(copies):
+        events.start(i)
+        dev.copy_(host, non_blocking=True)
+        events.stop(i)
+        events.wait(i)
+    out = nbytes / (events.ms() * 1e6)
+    del host, dev
+    torch.cuda.empty_cache()
+    getattr(torch._C, "_host_emptyCache", lambda: None)()  # the pinned buffer back to the host
+    return out
+
+
 def drop_cached(path: str) -> None:
     """Ask the kernel to drop ``path``'s pages from the page cache (clean pages go; a file on a
     memory-backed filesystem, tmpfs, stays in memory whatever is asked)."""
@@ -134,6 +153,24 @@ def filesystem(path: str) -> str | None:
     best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
                key=lambda m: len(m[0]), default=None)
     return best[1] if best else None
+
+
+class StorageReads:
+    """A residency run's CPU-cache misses: adapter ``a``'s file (``files[a]``) read with
+    safetensors into host memory, cold (``drop`` first, outside the step's time), as vLLM reads
+    an adapter its CPU cache lacks before activating it. What was read is dropped: the load
+    itself then copies the bank's pinned entry, as vLLM copies the adapter it has just read."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+
+    def drop(self, adapter: int) -> None:
+        drop_cached(self.files[adapter % len(self.files)])
+
+    def read(self, adapter: int) -> None:
+        from safetensors.torch import load_file
+
+        load_file(self.files[adapter % len(self.files)], device="cpu")
 
 
 def time_storage(paths: list[str], reads: int = LOADS) -> dict[str, np.ndarray]:
@@ -159,21 +196,19 @@ def time_load_paths(loader: AdapterLoader, d: Dispatcher, files: list[str], load
     """Every path but vLLM's per-slice one (``time_loads`` times that): path -> its samples, as
     ``time_loads`` gives them (``load_ms`` in a step, ``alone_ms``, ``host_us``), the overlapped
     path's ``usable_ms`` and ``lost_ms``, storage's ``cold_ms`` and ``warm_ms`` (``files``: the
-    user's adapters' files; none: not timed)."""
+    user's adapters' files; none: not timed), and on a GPU the host link's ``gb_s``."""
     one = OneCopy(loader)
     out = {ONE_COPY: time_loads(one, d, loads)}
     overlap = time_overlap(one, d, loads)
     if overlap is not None:
         out[OVERLAPPED] = overlap
-    staging = one.staging
-    del one  # its pinned buffers, before the pageable ones are made
-    out[PAGEABLE] = time_loads(OneCopy(loader, pageable=True, staging=staging), d, loads, in_step=False)
-    del staging
+    out[PAGEABLE] = time_loads(OneCopy(loader, pageable=True, staging=one.staging), d, loads, in_step=False)
+    del one
     if files:
         out[STORAGE] = time_storage(files, loads)
     if loader.cuda:
         torch.cuda.empty_cache()  # the staging buffer's memory back to the device
-        getattr(torch._C, "_host_emptyCache", lambda: None)()  # and the pinned buffers' to the host
+        out[HOST_LINK] = {"gb_s": time_host_link(loader.parts[0][0].device)}
     if loader.held is not None:  # the timed loads moved the user's adapters
         loader.restore()
     return out
@@ -192,7 +227,8 @@ def columns(paths: dict[str, dict], files: list[str], loader: AdapterLoader) -> 
             "load_overlap_lost_ms_median": median(OVERLAPPED, "lost_ms"),
             "storage_read_cold_ms_median": median(STORAGE, "cold_ms"),
             "storage_read_warm_ms_median": median(STORAGE, "warm_ms"),
-            "storage_fs": filesystem(files[0]) if files and STORAGE in paths else None}
+            "storage_fs": filesystem(files[0]) if files and STORAGE in paths else None,
+            "host_link_gb_s_median": median(HOST_LINK, "gb_s")}
 
 
 def samples(paths: dict[str, dict]) -> dict[str, tuple[list, list, list]]:
@@ -203,6 +239,8 @@ def samples(paths: dict[str, dict]) -> dict[str, tuple[list, list, list]]:
     for path, t in paths.items():
         if path == OVERLAPPED:
             out[path] = (t["lost_ms"].tolist(), t["usable_ms"].tolist(), [None] * len(t["lost_ms"]))
+        elif path == HOST_LINK:
+            continue  # one figure per worker, in its rows
         elif path == STORAGE:
             for kind in ("cold", "warm"):
                 reads = t[f"{kind}_ms"].tolist()

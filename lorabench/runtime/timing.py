@@ -81,16 +81,22 @@ class StepSamples:
     launch_counts: np.ndarray
     tokens: np.ndarray
     loads: np.ndarray
+    reads: np.ndarray
 
 
 def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0,
                loads: list[list[tuple[int, int]]] | None = None, loader=None,
-               start_slots: list[int] | None = None) -> StepSamples:
+               start_slots: list[int] | None = None, reads: list[list[int]] | None = None,
+               storage=None) -> StepSamples:
     """Run ``warmup`` untimed steps, then ``iters`` timed ones over ``batches[first:]``, cycling
     (``first``: where a strategy's previous turn at this point left off). ``loads``: per batch,
-    the (slot, adapter) pairs ``loader`` (``lorabench.runtime.adapters.AdapterLoader``) loads
-    within that step, after its metadata's copy and before its replay; ``start_slots``: what the
-    slots hold when the timed steps start (``loader.place``, untimed, after the warm-up)."""
+    the (slot, adapter) pairs ``loader`` (``lorabench.runtime.adapters.AdapterLoader``, or a
+    load path's) loads within that step, after its metadata's copy and before its replay;
+    ``start_slots``: what the slots hold when the timed steps start (``loader.place``, untimed,
+    after the warm-up). ``reads``: per batch, the adapters whose files ``storage``
+    (``lorabench.runtime.load_paths.StorageReads``) reads before the step's loads, inside its
+    events, their pages dropped from the page cache before the step (untimed): the timed steps'
+    CPU-cache misses (the warm-up reads nothing)."""
     cuda = d.use_graphs
     for i in range(warmup):
         k = (first + i) % len(batches)
@@ -103,10 +109,13 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         torch.cuda.synchronize()
         events = Events(iters)
     step_ms, host_us, copy_us, launch_us = (np.empty(iters) for _ in range(4))
-    n_active, launches, tokens, loaded = (np.zeros(iters, dtype=np.int64) for _ in range(4))
+    n_active, launches, tokens, loaded, read = (np.zeros(iters, dtype=np.int64) for _ in range(5))
     clock = time.perf_counter_ns
     for i in range(iters):
         k = (first + i) % len(batches)
+        missed = reads[k] if reads else ()
+        for adapter in missed:
+            storage.drop(adapter)
         t0 = clock()
         prep = d.prepare(batches[k])
         tc = clock()
@@ -114,6 +123,8 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         if cuda:
             events.start(i)
         t_start = clock()
+        for adapter in missed:  # read from storage first, as vLLM reads a missed adapter before activating it
+            storage.read(adapter)
         for slot, adapter in loads[k] if loads else ():  # the step's loads: inside its events, as it waits for them
             loader.load(slot, adapter)
         t1 = clock()
@@ -127,10 +138,10 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
             step_ms[i] = (t2 - t_start) / 1e6
         host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
         n_active[i], launches[i], tokens[i] = prep.n_active, d.grid_of(prep.route), prep.batch_tokens
-        loaded[i] = len(loads[k]) if loads else 0
+        loaded[i], read[i] = len(loads[k]) if loads else 0, len(missed)
     if cuda and iters:
         step_ms[:] = events.ms()
-    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded)
+    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded, read)
 
 
 def summarize(step_ms: np.ndarray) -> dict:

@@ -11,6 +11,7 @@ the jobs of one ``lorabench.config.plan.groups`` group); the
 sweep runs it through ``python -m lorabench.runtime.lifeline SWEEP_PID lorabench.runtime.worker``.
 """
 
+import functools
 import json
 import os
 import random
@@ -34,7 +35,7 @@ from lorabench.runtime.adapters import AdapterLoader, time_loads
 from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.load_paths import time_load_paths
+from lorabench.runtime.load_paths import ONE_COPY, OneCopy, StorageReads, time_load_paths
 from lorabench.runtime.load_paths import columns as load_path_columns
 from lorabench.runtime.load_paths import samples as load_path_samples
 from lorabench.runtime.model import LlamaLoRA
@@ -102,6 +103,7 @@ class Worker:
         # --adapters DIR: the user's adapters, checked against the model when planned
         self.adapters = read_adapters(job.adapter_dir, job.model, job.rank) if job.adapter_dir else ()
         self.start_slots: dict[int, list[int]] = {}  # a residency point's slots at each turn's first step
+        self.reads: list[list[int]] | None = None  # a residency point's CPU-cache misses per step, read from storage
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -220,6 +222,14 @@ class Worker:
                           t["host_us"].tolist()))
         self.time_load_paths(d)
 
+    @functools.cached_property
+    def residency_loader(self) -> AdapterLoader | OneCopy:
+        """What a residency run's loads go through (``--load-path``): vLLM's per-slice copies, or
+        the adapter's one buffer at once (its staging buffer, one slot's bytes, stays on the GPU)."""
+        if self.loader is None:
+            raise RuntimeError("this worker could not load adapters (its log says why)")
+        return OneCopy(self.loader) if self.lead.load_path == ONE_COPY else self.loader
+
     def time_load_paths(self, d: Dispatcher) -> None:
         """The other load paths (``lorabench.runtime.load_paths``): their row columns and samples.
         A path that cannot be timed leaves its columns empty; vLLM's path still prices the runs."""
@@ -270,6 +280,7 @@ class Worker:
                 raise RuntimeError("this worker could not load adapters (its log says why)")
             steps = simulate(wl, job.residency, c, job.max_loras, job.iters, job.seed)
             self.start_slots = steps.slots_at(range(0, job.iters, TURN))  # each turn's first step's slots
+            self.reads = steps.reads if self.adapters else None  # random adapters have no files to read
             return steps.batches, steps.loads
         return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)], None
 
@@ -316,8 +327,10 @@ class Worker:
         steps = min(TURN, self.lead.iters - timed.steps)
         warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
         start = self.start_slots.get(timed.steps) if loads else None
+        reads = self.reads if loads else None
         timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps, loads=loads,
-                             loader=self.loader, start_slots=start), rnd)
+                             loader=self.residency_loader if loads else None, start_slots=start, reads=reads,
+                             storage=StorageReads([a.weights for a in self.adapters]) if reads else None), rnd)
 
     def run(self) -> None:
         SWEEP.emit(self.env)

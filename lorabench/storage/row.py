@@ -155,6 +155,11 @@ class Row:
         "residency rows: mean running requests and adapter loads per timed step (`tokens_per_s` = all tokens / all "
         "step time)")
     loads_per_step: float | None = column()
+    storage_reads_per_step: float | None = column(
+        "residency rows: adapter files read from storage per timed step, inside its events (its CPU-cache misses; "
+        "`--adapters DIR` only: random adapters have no files, their misses are counted, not read); and the path "
+        "the run's loads took (`--load-path`)")
+    load_path: str | None = column()
     load_ms_median: float | None = column(
         "what loading one adapter into a slot from pinned host memory adds to the step that waits for it: the "
         "worker's median of 30 and its 95 % interval")
@@ -179,6 +184,8 @@ class Row:
         "page cache, and again at once, medians; the filesystem it is on (tmpfs: never cold)")
     storage_read_warm_ms_median: float | None = column()
     storage_fs: str | None = column()
+    host_link_gb_s_median: float | None = column(
+        "pinned host memory to the device, GB/s (1e9 B), a 256 MiB copy, median of 10: the bound a load path is held to")
     experts: int | None = column("MoE models: routed experts per MoE layer, experts per token, each expert's "
                                  "intermediate size (one rank's) and the shared expert's (0: none)")
     top_k: int | None = column()

@@ -18,6 +18,7 @@ class Steps:
     launches: list[int]
     tokens: list[int]
     loads: list[int]
+    reads: list[int]  # adapters' files read from storage within the step (its CPU-cache misses, --adapters DIR)
 
 
 @dataclass(frozen=True)

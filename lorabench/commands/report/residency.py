@@ -46,13 +46,26 @@ def build(view: RunView) -> ResidencyReport | None:
     paths = pd.DataFrame()
     if "load_one_copy_alone_ms_median" in ok:
         have = ok.dropna(subset=["load_one_copy_alone_ms_median"]).drop_duplicates(["kernels", "max_loras"])
+        have = have.reindex(columns=[*have.columns, *(c for c in PATH_COLUMNS if c not in have)])  # older runs lack some
         paths = have[["kernels", "max_loras", *PATH_COLUMNS]].sort_values(["kernels", "max_loras"])
     return ResidencyReport(loads, validation(view), decisions, runs, paths)
 
 
 PATH_COLUMNS = ["load_alone_ms_median", "load_one_copy_ms_median", "load_one_copy_alone_ms_median", "load_one_copy_ops",
                 "load_pageable_alone_ms_median", "load_overlap_usable_ms_median", "load_overlap_lost_ms_median",
-                "storage_read_cold_ms_median", "storage_read_warm_ms_median", "storage_fs"]
+                "storage_read_cold_ms_median", "storage_read_warm_ms_median", "storage_fs", "host_link_gb_s_median",
+                "lora_bytes_per_slot"]
+
+
+def link_bound_ms(r) -> float | None:
+    """An adapter's bytes over the host link's measured bandwidth, ms: what no load path beats."""
+    link = getattr(r, "host_link_gb_s_median", None)
+    return None if link is None or pd.isna(link) or not link else r.lora_bytes_per_slot / (link * 1e6)
+
+
+def best_alone(r) -> float:
+    """The fastest blocking load path's time alone (per-slice or one-copy from pinned memory)."""
+    return min(x for x in (r.load_alone_ms_median, r.load_one_copy_alone_ms_median) if pd.notna(x))
 
 
 def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
@@ -76,14 +89,18 @@ def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
         out += [f"**The other load paths ({u}, medians, ms)**: vLLM's per-slice copies alone; one pinned buffer per "
                 "adapter copied at once then scattered (in a step, alone, host calls); the same from pageable memory; "
                 "on a side stream beside the steps (until usable, what a step beside it lost); the adapter's file read "
-                "from storage with its pages dropped first and again at once (--adapters DIR only)", "",
+                "from storage with its pages dropped first and again at once (--adapters DIR only); the host link's "
+                "bandwidth (a 256 MiB pinned copy) and the adapter's bytes over it, the bound: the fastest blocking "
+                "path alone as a multiple of it", "",
                 markdown_table(["kernels", "max_loras", "per-slice alone", "one-copy in a step", "one-copy alone",
                                 "calls", "pageable alone", "overlapped until usable", "step beside it lost",
-                                "storage cold", "storage warm", "filesystem"],
+                                "storage cold", "storage warm", "filesystem", "link GB/s", "bytes/link ms", "best / bound"],
                                [[r.kernels, int(r.max_loras), r.load_alone_ms_median, r.load_one_copy_ms_median,
                                  r.load_one_copy_alone_ms_median, _int(r.load_one_copy_ops), r.load_pageable_alone_ms_median,
                                  r.load_overlap_usable_ms_median, r.load_overlap_lost_ms_median,
-                                 r.storage_read_cold_ms_median, r.storage_read_warm_ms_median, r.storage_fs or "-"]
+                                 r.storage_read_cold_ms_median, r.storage_read_warm_ms_median, r.storage_fs or "-",
+                                 r.host_link_gb_s_median, link_bound_ms(r),
+                                 None if link_bound_ms(r) is None else best_alone(r) / link_bound_ms(r)]
                                 for r in rep.paths.itertuples()]), ""]
     v = rep.validation
     if len(v):
