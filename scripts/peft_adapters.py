@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lorabench.config.models import resolve  # noqa: E402
+from lorabench.config.models import resolve
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGETS = {"all": (*ATTENTION, "gate_proj", "up_proj", "down_proj"), "attention": ATTENTION}
