@@ -286,11 +286,10 @@ PY
       [ -d "$dir" ] || python3 scripts/peft_adapters.py "$dir" --model llama-3.1-8b --count 64 --ranks 8,16,32,64 \
         --targets all,attention 2>&1 | tail -n 1 | tee -a "$OUT/stages.log"
       for path in ${PR_PATHS:-per-slice one-copy}; do
-        check=(); [ "$path" != per-slice ] && check=(--no-check)
         /usr/bin/time -f "peft-residency $path wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
           --model llama-3.1-8b --rank 64 --adapters "$dir" --max-cpu-loras 16 --max-loras "${PR_LORAS:-8}" \
           --concurrency 4,8,16 --strategy max --workload zipf:1 --output-tokens 64 --iters "${PR_ITERS:-200}" \
-          --load-path "$path" "${check[@]}" --out "results/peft-residency/$path" 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
+          --load-path "$path" --no-check --out "results/peft-residency/$path" 2>&1 | tail -n 3 | tee -a "$OUT/stages.log"
         run=$(ls -td results/peft-residency/$path/2*/ | head -1)
         lorabench report "$run" 2>&1 | tail -n 1 | tee -a "$OUT/stages.log"
         grep -A6 "Residency runs: measured against predicted" "$run/report.md" | tee -a "$OUT/stages.log"

@@ -1,6 +1,8 @@
 """The load paths beside vLLM's per-slice one: each leaves the slots as a per-slice load does
 (dense and expert LoRA, random and the user's adapters), and each is timed."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from lorabench.kernels import get_backend
 from lorabench.runtime.adapters import LOADS, AdapterLoader
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.load_paths import (HOST_LINK, ONE_COPY, OVERLAPPED, PAGEABLE, STORAGE, OneCopy, StorageReads,
-                                          drop_cached, filesystem, time_host_link, time_load_paths, time_overlap)
+                                          drop_cached, filesystem, read_line, time_host_link, time_load_paths, time_overlap)
 from lorabench.runtime.timing import time_steps
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slots
@@ -106,7 +108,7 @@ def test_a_residency_steps_misses_are_read_inside_the_step_after_their_pages_wer
 
         def read(self, adapter):
             calls.append(("read", adapter))
-            super().read(adapter)
+            return super().read(adapter)
 
     for i in range(3):
         write(tmp_path, adapter_files(f"x{i}", 8, 16, ("q_proj",), seed=i))
@@ -119,6 +121,7 @@ def test_a_residency_steps_misses_are_read_inside_the_step_after_their_pages_wer
     s = time_steps(d, [[0, 1], [1, 2]], 4, 1, loads=[[(1, 2)], []], loader=loader, reads=[[2], []],
                    storage=Recording(files))
     assert s.reads.tolist() == [1, 0, 1, 0] and s.loads.tolist() == [1, 0, 1, 0]
+    assert s.read_bytes.tolist() == [Path(files[2]).stat().st_size, 0] * 2
     assert calls == [("drop", 2), ("read", 2)] * 2  # the warm-up step reads nothing
 
 
@@ -149,3 +152,12 @@ def test_a_load_that_fails_leaves_its_slot_unknown_and_restore_loads_it_again(us
     assert loader.held == [0, 1, 0]
     for x, y in zip(m.state_dict().values(), want.state_dict().values()):
         assert torch.equal(x, y)
+
+
+def test_a_cold_read_is_priced_as_a_line_in_its_files_bytes():
+    sizes = np.array([1e7, 4e7, 1e7, 4e7])
+    line = read_line({"bytes": sizes, "cold_ms": 5 + sizes / 2e6})  # 5 ms + 2 GB/s
+    assert line["storage_read_cold_gb_s"] == pytest.approx(2.0) and line["storage_read_cold_fixed_ms"] == pytest.approx(5)
+    alike = read_line({"bytes": np.array([1e7, 1e7]), "cold_ms": np.array([4.0, 6.0])})  # one size: through the origin
+    assert alike == {"storage_read_cold_gb_s": pytest.approx(2e7 / 10 / 1e6), "storage_read_cold_fixed_ms": 0.0}
+    assert read_line(None) == {"storage_read_cold_gb_s": None, "storage_read_cold_fixed_ms": None}

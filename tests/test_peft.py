@@ -330,21 +330,25 @@ def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tm
         assert as_slice.predicted_ms - v.predicted_ms == pytest.approx(v.loads_per_step * (per_slice - one_copy))
         unread = validation(dataclasses.replace(view, rows=view.rows.assign(  # as if its misses had read nothing
             storage_reads_per_step=view.rows.storage_reads_per_step.where(~residency, 0.0)))).iloc[0]
-        miss = rows.drop_duplicates("max_loras").storage_read_cold_ms_median.median()
-        assert v.predicted_ms - unread.predicted_ms == pytest.approx(steps.reads.mean() * miss)
+        rate = rows.drop_duplicates("max_loras").storage_read_cold_gb_s.median() * 1e6  # bytes per ms
+        assert v.predicted_ms - unread.predicted_ms == pytest.approx(steps.read_bytes.mean() / rate)
+        assert (steps.read_bytes == steps.reads * (tmp_path / "four" / "x0" / "adapter_model.safetensors").stat().st_size).all()
         return
     capsys.readouterr()
     assert main(["recommend", str(run), "--adapters", folder, "--workload", "uniform", "--max-cpu-loras", "2",
                  "--output-tokens", "2"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # as Rich wrapped it, unwrapped
-    assert "miss the CPU cache of 2: each pays the run's cold read of an adapter's file" in out
+    assert "miss the CPU cache of 2: each pays its file's bytes at the run's cold read rate" in out
     assert "loads per-slice:" in out and "loads one-copy:" in out
     section = next(iter(json.loads((run / "recommendation.json").read_text())["residency"].values()))[0]
     chosen = section["chosen"]
-    assert chosen["miss_ms"] > 0 and chosen["cpu_misses_per_step"] > 0
+    size = (tmp_path / "four" / "x0" / "adapter_model.safetensors").stat().st_size  # all four alike
+    assert chosen["cpu_misses_per_step"] > 0 and chosen["miss_read_gb_s"] > 0
+    assert chosen["miss_bytes_per_step"] == pytest.approx(chosen["cpu_misses_per_step"] * size, rel=1e-3)
+    assert chosen["miss_ms_per_step"] == pytest.approx(chosen["miss_bytes_per_step"] / (chosen["miss_read_gb_s"] * 1e6),
+                                                       rel=1e-3)  # its bytes at the cold reads' rate
     assert chosen["expected_step_ms"] == pytest.approx(
-        chosen["decode_ms"] + chosen["loads_per_step"] * chosen["load_ms"] + chosen["cpu_misses_per_step"] * chosen["miss_ms"],
-        rel=1e-3)
+        chosen["decode_ms"] + chosen["loads_per_step"] * chosen["load_ms"] + chosen["miss_ms_per_step"], rel=1e-3)
     assert [p["path"] for p in section["load_paths"]] == ["per-slice", "one-copy"]  # no GPU: no overlapped path
     assert "cpu_cache" not in section  # given, not chosen
 
@@ -360,7 +364,7 @@ def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tm
     choice = section["cpu_cache"]
     sizes = {x["max_cpu_loras"]: x for x in choice["sizes"]}
     assert sorted(sizes) == [2, 3, 4] and sizes[4]["misses_per_step"] == 0 < sizes[2]["misses_per_step"]
-    miss, decode = section["chosen"]["miss_ms"], section["chosen"]["decode_ms"]
+    miss, decode = size / (section["chosen"]["miss_read_gb_s"] * 1e6), section["chosen"]["decode_ms"]
     for x in sizes.values():  # the same configuration; only the misses change
         assert x["expected_step_ms"] == pytest.approx(
             decode + section["chosen"]["loads_per_step"] * section["chosen"]["load_ms"] + x["misses_per_step"] * miss,

@@ -257,3 +257,17 @@ def test_a_max_loras_above_the_cpu_cache_is_left_out():
                                steps=2000)
     assert r.chosen.max_loras == 2 and "above --max-cpu-loras 2" in reason(r.at[4])
     assert r.chosen.occ.cpu_misses > 0 and any("lower bound" in n for n in r.notes)
+
+
+def test_misses_are_priced_by_the_bytes_they_read_where_the_files_are_known():
+    from lorabench.analysis.occupancy import simulated
+    from lorabench.analysis.residency_price import MissPrice
+
+    sizes = tuple(10_000 * (1 + i % 4) for i in range(20))  # four sizes, as ranks 8..64 make them
+    known = simulated("zipf:1", Adapters(20, 4, 8, sizes), 6, 2, [6], steps=3000)
+    unknown = simulated("zipf:1", Adapters(20, 4, 8), 6, 2, [6], steps=3000)
+    assert unknown.miss_bytes is None and known.cpu_misses == unknown.cpu_misses > 0
+    assert min(sizes) * known.cpu_misses <= known.miss_bytes <= max(sizes) * known.cpu_misses
+    price = MissPrice(read_ms=9.0, bytes_per_ms=1e4, fixed_ms=0.5)
+    assert price.per_step(known) == pytest.approx(0.5 * known.cpu_misses + known.miss_bytes / 1e4)
+    assert price.per_step(unknown) == pytest.approx(9.0 * unknown.cpu_misses)  # no sizes: the median read per miss

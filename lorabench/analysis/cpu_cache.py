@@ -69,7 +69,7 @@ def choose_cpu_cache(view: RunView, chosen: Priced, adapters: Adapters, workload
     """The CPU cache for ``chosen`` (see the module's docstring)."""
     adapter_bytes = policy.adapter_bytes if policy.adapter_bytes is not None else chosen.slot_bytes / chosen.max_loras
     host_budget_bytes = policy.host_budget_bytes
-    if chosen.miss_ms is None:
+    if chosen.miss is None:
         return CacheChoice(why="the run timed no read of an adapter's file (sweep with --adapters DIR), so a miss "
                                "cannot be priced: every adapter stays in the CPU cache")
     rows = view.compared
@@ -77,8 +77,8 @@ def choose_cpu_cache(view: RunView, chosen: Priced, adapters: Adapters, workload
     sizes = [int(b) for b in mine.capture_sizes.iloc[0]]
     priced = []
     for size in candidates(chosen.max_loras, adapters.count):
-        occ = simulated(workload, Adapters(adapters.count, size, adapters.output_tokens), clients, chosen.max_loras,
-                        sizes, steps)
+        occ = simulated(workload, Adapters(adapters.count, size, adapters.output_tokens, adapters.file_bytes), clients,
+                        chosen.max_loras, sizes, steps)
         p = Pricer(view, chosen.kernels, chosen.max_loras, occ).price(chosen.strategy, chosen.counts)
         if p is not None:
             priced.append(CacheSize(size, size * adapter_bytes, occ.cpu_misses, p.step_ms, p.tokens_per_s))

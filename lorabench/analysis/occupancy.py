@@ -32,11 +32,13 @@ class Occupancy:
     cpu_misses: float
     waiting: float
     steps: int
+    miss_bytes: float | None = None  # bytes the misses read per step (None: the adapters' files are not known)
 
 
 def occupancy(tokens, n_active, loads, capture_sizes: list[int], max_loras: int, cpu_misses=None,
-              waiting=None) -> Occupancy:
-    """The Occupancy of steps given per step (arrays of equal length)."""
+              waiting=None, miss_bytes=None) -> Occupancy:
+    """The Occupancy of steps given per step (arrays of equal length; ``miss_bytes``: what each
+    step's misses read, None where not known)."""
     tokens, n_active = np.asarray(tokens, dtype=np.int64), np.asarray(n_active, dtype=np.int64)
     buckets = np.array([choose_bucket(int(t), capture_sizes) or int(t) for t in tokens], dtype=np.int64)
     weights, pmf = {}, {}
@@ -45,7 +47,8 @@ def occupancy(tokens, n_active, loads, capture_sizes: list[int], max_loras: int,
         weights[b] = len(here) / len(tokens)
         pmf[b] = np.bincount(np.minimum(here, min(b, max_loras)), minlength=min(b, max_loras) + 1) / len(here)
     mean = (lambda x: float(np.mean(x)) if x is not None else 0.0)
-    return Occupancy(weights, pmf, float(tokens.mean()), mean(loads), mean(cpu_misses), mean(waiting), len(tokens))
+    return Occupancy(weights, pmf, float(tokens.mean()), mean(loads), mean(cpu_misses), mean(waiting), len(tokens),
+                     None if miss_bytes is None else mean(miss_bytes))
 
 
 def simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, capture_sizes: list[int],
@@ -58,7 +61,9 @@ def simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, c
 def _simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, capture_sizes: tuple[int, ...],
                steps: int, seed: int) -> Occupancy:
     s = simulate(parse_workload(workload), adapters, clients, max_loras, steps, seed)
-    return occupancy(s.tokens, s.n_active, s.n_loads, list(capture_sizes), max_loras, s.cpu_misses, s.waiting)
+    sizes = adapters.file_bytes
+    read = [sum(sizes[a % len(sizes)] for a in r) for r in s.reads] if sizes else None
+    return occupancy(s.tokens, s.n_active, s.n_loads, list(capture_sizes), max_loras, s.cpu_misses, s.waiting, read)
 
 
 def kv_bytes_per_token(row) -> int:

@@ -137,7 +137,11 @@ def priced_json(p: Priced) -> dict:
             "waiting_per_step": round(p.occ.waiting, 3), "cpu_misses_per_step": round(p.occ.cpu_misses, 5),
             "graph_mem_bytes": None if p.graph_mem_bytes is None else int(p.graph_mem_bytes),
             "slot_bytes": p.slot_bytes, "kv_tokens_given_up": p.kv_tokens, "model_values": p.values,
-            "miss_ms": None if p.miss_ms is None else round(p.miss_ms, 4)}
+            "miss_read_ms": None if p.miss is None else round(p.miss.read_ms, 4),
+            "miss_read_gb_s": None if p.miss is None or p.miss.bytes_per_ms is None else round(p.miss.bytes_per_ms / 1e6, 4),
+            "miss_read_fixed_ms": None if p.miss is None else round(p.miss.fixed_ms, 4),
+            "miss_bytes_per_step": None if p.occ.miss_bytes is None else round(p.occ.miss_bytes),
+            "miss_ms_per_step": round(p.miss_ms_per_step, 5)}
 
 
 def set_choice_json(s: SetChoice) -> dict:

@@ -152,11 +152,15 @@ def _advise(view: RunView, d: ResidencyDecision, first, source: str | None = Non
     notes = []
     if c.occ.cpu_misses > 0:
         missed = f"{1000 * c.occ.cpu_misses:.1f} loads per 1000 steps miss the CPU cache of {d.adapters.cpu_slots}: "
-        if c.miss_ms is not None:
+        if c.miss is not None:
             fs = first.get("storage_fs")
             where = (f" (its files are on {fs}: memory, so no read was cold; a disk's would cost more)"
                      if fs in ("tmpfs", "ramfs") else f" (on {fs})" if isinstance(fs, str) else "")
-            notes.append(f"{missed}each pays the run's cold read of an adapter's file, {c.miss_ms:.2f} ms{where}")
+            how = (f"its file's bytes at the run's cold read rate, {c.miss.fixed_ms:.1f} ms + "
+                   f"{c.miss.bytes_per_ms / 1e6:.2f} GB/s: "
+                   f"{c.miss_ms_per_step / c.occ.cpu_misses:.2f} ms per miss" if c.occ.miss_bytes is not None and
+                   c.miss.bytes_per_ms else f"the run's cold read of an adapter's file, {c.miss.read_ms:.2f} ms")
+            notes.append(f"{missed}each pays {how}{where}")
         else:
             notes.append(f"{missed}their reads from storage are not priced (the run read no adapter files: sweep "
                          "with --adapters DIR), so the expected step is a lower bound")

@@ -31,6 +31,25 @@ AUTO_SET = "auto"  # the cost model's best set within the budget (lorabench.anal
 
 
 @dataclass(frozen=True)
+class MissPrice:
+    """What CPU-cache misses cost: the run's cold reads of its adapters' files, as their median
+    (ms per read) and as a line in the file's bytes (``fixed_ms`` + bytes / ``bytes_per_ms``;
+    None: a run made before it was kept). Priced by the bytes the misses read where the
+    adapters' files are known (they differ in size: a rank-8 attention adapter's is a tenth of
+    a rank-64 one's), else at the median read per miss."""
+
+    read_ms: float
+    bytes_per_ms: float | None = None
+    fixed_ms: float = 0.0
+
+    def per_step(self, occ: Occupancy) -> float:
+        """The misses' ms per step under ``occ``."""
+        if occ.miss_bytes is not None and self.bytes_per_ms:
+            return occ.cpu_misses * self.fixed_ms + occ.miss_bytes / self.bytes_per_ms
+        return occ.cpu_misses * self.read_ms
+
+
+@dataclass(frozen=True)
 class Priced:
     """One (kernels, max_loras, capture set) under the residency workload, as the run prices it."""
 
@@ -45,11 +64,15 @@ class Priced:
     slot_bytes: int
     kv_token_bytes: int
     values: dict[str, int] = field(default_factory=dict)  # how the cost model priced it (measured, interpolated, ...)
-    miss_ms: float | None = None  # what a CPU-cache miss adds (the storage read); None: not timed, not priced
+    miss: MissPrice | None = None  # what CPU-cache misses add (the storage reads); None: not timed, not priced
+
+    @property
+    def miss_ms_per_step(self) -> float:
+        return 0.0 if self.miss is None else self.miss.per_step(self.occ)
 
     @property
     def step_ms(self) -> float:
-        return self.decode_ms + self.occ.loads * self.load_ms + self.occ.cpu_misses * (self.miss_ms or 0.0)
+        return self.decode_ms + self.occ.loads * self.load_ms + self.miss_ms_per_step
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,7 +111,7 @@ class Pricer:
         self.model = view.cost_model(kernels, max_loras)
         self.pricing = Pricing(self.model, occ.pmf, occ.weights)
         self.load_key = (LOAD, kernels)
-        self.load_ms, self.slot_bytes, self.kv_token_bytes, self.miss_ms = view.memo(
+        self.load_ms, self.slot_bytes, self.kv_token_bytes, self.miss = view.memo(
             ("residency", kernels, max_loras), lambda: _costs(view, kernels, max_loras))
 
     def unpriced(self, counts: list[int]) -> str | None:
@@ -101,13 +124,13 @@ class Pricer:
         if plan is None or self.unpriced(counts):
             return None
         return Priced(self.kernels, self.L, name, plan.counts, plan.expected_ms, self.load_ms or 0.0, self.occ,
-                      plan.graph_mem_bytes, self.slot_bytes, self.kv_token_bytes, plan.sources, self.miss_ms)
+                      plan.graph_mem_bytes, self.slot_bytes, self.kv_token_bytes, plan.sources, self.miss)
 
     def step(self, counts: list[int]) -> Callable:
         """The expected step (ms) as a function of the medians."""
         def step(m):
             loads = self.occ.loads * m[self.load_key] if self.occ.loads > 0 else 0.0
-            return self.pricing.expected_ms(counts, m) + loads + self.occ.cpu_misses * (self.miss_ms or 0.0)
+            return self.pricing.expected_ms(counts, m) + loads + (0.0 if self.miss is None else self.miss.per_step(self.occ))
         return step
 
     def medians(self) -> dict:
@@ -122,15 +145,18 @@ def _median_of(rows: pd.DataFrame, column: str) -> float | None:
     return float(values.median()) if len(values) else None
 
 
-def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int, float | None]:
-    """(the load's ms, the slots' bytes, a KV-cache token's bytes, a storage read's ms) at (kernels, max_loras)."""
+def _costs(view: RunView, kernels: str, max_loras: int) -> tuple[float | None, int, int, MissPrice | None]:
+    """(the load's ms, the slots' bytes, a KV-cache token's bytes, the misses' price) at (kernels, max_loras)."""
     ok = view.compared
     mine = ok[ok.kernels == kernels]
     loads = view.pooled_loads.get(kernels)
     load_ms = float(np.median(loads)) if loads is not None and len(loads) else _median_of(mine, "load_ms_median")
     first = mine[mine.max_loras == max_loras].iloc[0]
     slot_bytes = int(first.lora_bytes_per_slot) * max_loras if pd.notna(first.lora_bytes_per_slot) else 0
-    return load_ms, slot_bytes, kv_bytes_per_token(first), _median_of(mine, "storage_read_cold_ms_median")
+    read_ms = _median_of(mine, "storage_read_cold_ms_median")
+    gb_s, fixed = _median_of(mine, "storage_read_cold_gb_s"), _median_of(mine, "storage_read_cold_fixed_ms")
+    miss = None if read_ms is None else MissPrice(read_ms, None if gb_s is None else gb_s * 1e6, fixed or 0.0)
+    return load_ms, slot_bytes, kv_bytes_per_token(first), miss
 
 
 @dataclass(frozen=True)
@@ -163,7 +189,7 @@ def path_prices(view: RunView, p: Priced) -> list[PathPrice]:
         load_ms = p.load_ms if column is None else _median_of(rows, column)
         if load_ms is None:
             continue
-        step = p.decode_ms + p.occ.loads * load_ms + p.occ.cpu_misses * (p.miss_ms or 0.0)
+        step = p.decode_ms + p.occ.loads * load_ms + p.miss_ms_per_step
         out.append(PathPrice(path, load_ms, step, 1e3 * p.occ.tokens / step, engine))
     return out
 
@@ -186,7 +212,7 @@ def _as_run(view: RunView, row, read: bool, path: str, p: Priced | None) -> Pric
     if p is None:
         return None
     if not read:
-        p = replace(p, miss_ms=None)
+        p = replace(p, miss=None)
     column = LOAD_PATHS[path][0] if path in LOAD_PATHS else None
     if column is not None:
         load_ms = _median_of(view.compared[view.compared.kernels == row.kernels], column)
@@ -225,8 +251,12 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
             if own.tokens.isna().any() or own.empty:
                 raise ValueError("its samples lack the steps' tokens and loads")
             reads = own["reads"] if read and "reads" in own else None
-            same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras), cpu_misses=reads)
-            adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens))
+            read_bytes = own["read_bytes"] if read and "read_bytes" in own else None
+            same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras), cpu_misses=reads,
+                             miss_bytes=read_bytes)
+            files = getattr(r, "adapter_file_bytes", None)
+            adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens),
+                                tuple(int(b) for b in files) if files is not None and len(files) else ())
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
             p, q = (_as_run(view, r, read, path, Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts))
                     for occ in (same, long))

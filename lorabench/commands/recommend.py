@@ -26,7 +26,7 @@ from lorabench.commands import recommendation_file
 from lorabench.commands.tables import mib
 from lorabench.config.flags import to_int, to_positive
 from lorabench.config.limits import DTYPE_BYTES
-from lorabench.config.peft import adapter_elements, adapter_folders, is_count
+from lorabench.config.peft import WEIGHTS_FILE, adapter_elements, adapter_folders, is_count
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
 from lorabench.config.spec import coerce
 from lorabench.config.strategies import STRATEGIES
@@ -168,7 +168,8 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
         check_residency(wl, n, None, [1])  # a max_loras above the CPU cache is left out, and says so
         policy = None if cpu is not None else CachePolicy(
             None if folders is None else adapter_host_bytes(folders, view), host_budget)
-        decisions = residency_decisions(view, workload, Adapters(n, cpu, out), c, budget,
+        files = () if folders is None else tuple((f / WEIGHTS_FILE).stat().st_size for f in folders)  # what misses read
+        decisions = residency_decisions(view, workload, Adapters(n, cpu, out, files), c, budget,
                                         kernels=coerce("kernels", kernels) if kernels else None, max_loras=slots,
                                         source=None if folders is None else str(adapters).strip(), cache=policy)
     except ValueError as e:

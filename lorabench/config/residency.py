@@ -45,6 +45,7 @@ class Adapters:
     count: int
     max_cpu_loras: int | None = None  # None: every adapter fits in the CPU cache
     output_tokens: int = OUTPUT_TOKENS
+    file_bytes: tuple[int, ...] = ()  # the user's adapters: each one's file, what a miss reads (empty: random adapters)
 
     @property
     def cpu_slots(self) -> int:

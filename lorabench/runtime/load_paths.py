@@ -167,18 +167,22 @@ class StorageReads:
     def drop(self, adapter: int) -> None:
         drop_cached(self.files[adapter % len(self.files)])
 
-    def read(self, adapter: int) -> None:
+    def read(self, adapter: int) -> int:
+        """Read the file; returns its bytes."""
         from safetensors.torch import load_file
 
-        load_file(self.files[adapter % len(self.files)], device="cpu")
+        path = self.files[adapter % len(self.files)]
+        load_file(path, device="cpu")
+        return os.path.getsize(path)
 
 
 def time_storage(paths: list[str], reads: int = LOADS) -> dict[str, np.ndarray]:
     """Each file of ``paths`` in turn read with safetensors into host memory, ``reads`` times:
-    ``cold_ms`` after its pages were dropped, then ``warm_ms`` read again at once."""
+    ``cold_ms`` after its pages were dropped, then ``warm_ms`` read again at once; ``bytes``,
+    each read file's size."""
     from safetensors.torch import load_file
 
-    cold, warm = np.empty(reads), np.empty(reads)
+    cold, warm, sizes = np.empty(reads), np.empty(reads), np.empty(reads)
     with open(STORAGE_LOCK, "a") as lock:  # one worker of this host at a time: another's reads would warm or drop these files
         fcntl.flock(lock, fcntl.LOCK_EX)
         for i in range(reads):
@@ -189,7 +193,8 @@ def time_storage(paths: list[str], reads: int = LOADS) -> dict[str, np.ndarray]:
             t1 = time.perf_counter()
             load_file(path, device="cpu")
             cold[i], warm[i] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
-    return {"cold_ms": cold, "warm_ms": warm}
+            sizes[i] = os.path.getsize(path)
+    return {"cold_ms": cold, "warm_ms": warm, "bytes": sizes}
 
 
 def time_load_paths(loader: AdapterLoader, d: Dispatcher, files: list[str], loads: int = LOADS) -> dict[str, dict]:
@@ -214,6 +219,20 @@ def time_load_paths(loader: AdapterLoader, d: Dispatcher, files: list[str], load
     return out
 
 
+def read_line(storage: dict | None) -> dict:
+    """A cold read's time as a line in its file's bytes, ms = fixed + bytes / rate, fitted to the
+    timed reads (least squares) where their files differ in size, else through the origin (their
+    bytes over their time): the columns ``storage_read_cold_gb_s`` and ``..._fixed_ms``."""
+    if storage is None:
+        return {"storage_read_cold_gb_s": None, "storage_read_cold_fixed_ms": None}
+    sizes, ms = storage["bytes"], storage["cold_ms"]
+    if len(np.unique(sizes)) > 1:
+        slope, fixed = np.polyfit(sizes, ms, 1)
+        if slope > 0 and fixed >= 0:
+            return {"storage_read_cold_gb_s": float(1 / slope / 1e6), "storage_read_cold_fixed_ms": float(fixed)}
+    return {"storage_read_cold_gb_s": float(sizes.sum() / ms.sum() / 1e6), "storage_read_cold_fixed_ms": 0.0}
+
+
 def columns(paths: dict[str, dict], files: list[str], loader: AdapterLoader) -> dict:
     """The rows' medians of ``time_load_paths``' samples (None where a path was not timed)."""
     def median(path, key):
@@ -228,6 +247,7 @@ def columns(paths: dict[str, dict], files: list[str], loader: AdapterLoader) -> 
             "storage_read_cold_ms_median": median(STORAGE, "cold_ms"),
             "storage_read_warm_ms_median": median(STORAGE, "warm_ms"),
             "storage_fs": filesystem(files[0]) if files and STORAGE in paths else None,
+            **read_line(paths.get(STORAGE)),
             "host_link_gb_s_median": median(HOST_LINK, "gb_s")}
 
 

@@ -32,8 +32,10 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict) -> tup
         row["graph_loras"] = int(s.launch_counts[0])
     if point.mode == RESIDENCY:  # tokens per second over the whole run: a step of few tokens counts as few
         row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
-                   loads_per_step=float(s.loads.mean()), storage_reads_per_step=float(s.reads.mean()))
+                   loads_per_step=float(s.loads.mean()), storage_reads_per_step=float(s.reads.mean()),
+                   storage_read_bytes_per_step=float(s.read_bytes.mean()))
     steps = Steps(turn=t.turns(), step_ms=s.step_ms.tolist(), host_us=s.host_us.tolist(), copy_us=s.copy_us.tolist(),
                   launch_us=s.launch_us.tolist(), n_active=s.n_active.tolist(), launches=s.launch_counts.tolist(),
-                  tokens=s.tokens.tolist(), loads=s.loads.tolist(), reads=s.reads.tolist())
+                  tokens=s.tokens.tolist(), loads=s.loads.tolist(), reads=s.reads.tolist(),
+                  read_bytes=s.read_bytes.tolist())
     return row, steps

@@ -82,6 +82,7 @@ class StepSamples:
     tokens: np.ndarray
     loads: np.ndarray
     reads: np.ndarray
+    read_bytes: np.ndarray
 
 
 def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0,
@@ -109,7 +110,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         torch.cuda.synchronize()
         events = Events(iters)
     step_ms, host_us, copy_us, launch_us = (np.empty(iters) for _ in range(4))
-    n_active, launches, tokens, loaded, read = (np.zeros(iters, dtype=np.int64) for _ in range(5))
+    n_active, launches, tokens, loaded, read, read_bytes = (np.zeros(iters, dtype=np.int64) for _ in range(6))
     clock = time.perf_counter_ns
     for i in range(iters):
         k = (first + i) % len(batches)
@@ -124,7 +125,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
             events.start(i)
         t_start = clock()
         for adapter in missed:  # read from storage first, as vLLM reads a missed adapter before activating it
-            storage.read(adapter)
+            read_bytes[i] += storage.read(adapter)
         for slot, adapter in loads[k] if loads else ():  # the step's loads: inside its events, as it waits for them
             loader.load(slot, adapter)
         t1 = clock()
@@ -141,7 +142,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         loaded[i], read[i] = len(loads[k]) if loads else 0, len(missed)
     if cuda and iters:
         step_ms[:] = events.ms()
-    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded, read)
+    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded, read, read_bytes)
 
 
 def summarize(step_ms: np.ndarray) -> dict:

@@ -102,6 +102,8 @@ class Worker:
         self.loader: AdapterLoader | None = None  # after the check: loads overwrite slots
         # --adapters DIR: the user's adapters, checked against the model when planned
         self.adapters = read_adapters(job.adapter_dir, job.model, job.rank) if job.adapter_dir else ()
+        if self.adapters:  # what a CPU-cache miss reads, per adapter (the recommendation prices misses by it)
+            self.common["adapter_file_bytes"] = [os.path.getsize(a.weights) for a in self.adapters]
         self.start_slots: dict[int, list[int]] = {}  # a residency point's slots at each turn's first step
         self.reads: list[list[int]] | None = None  # a residency point's CPU-cache misses per step, read from storage
 

@@ -159,6 +159,7 @@ class Row:
         "residency rows: adapter files read from storage per timed step, inside its events (its CPU-cache misses; "
         "`--adapters DIR` only: random adapters have no files, their misses are counted, not read); and the path "
         "the run's loads took (`--load-path`)")
+    storage_read_bytes_per_step: float | None = column()
     load_path: str | None = column()
     load_ms_median: float | None = column(
         "what loading one adapter into a slot from pinned host memory adds to the step that waits for it: the "
@@ -184,6 +185,12 @@ class Row:
         "page cache, and again at once, medians; the filesystem it is on (tmpfs: never cold)")
     storage_read_warm_ms_median: float | None = column()
     storage_fs: str | None = column()
+    storage_read_cold_gb_s: float | None = column(
+        "a cold read as a line in its file's bytes, ms = fixed + bytes / rate (rate in GB/s, 1e9 B), fitted to the "
+        "timed reads where their files differ in size, else fixed 0: what a CPU-cache miss is priced by")
+    storage_read_cold_fixed_ms: float | None = column()
+    adapter_file_bytes: list[int] | None = column("`--adapters DIR`: each adapter's safetensors file's size, in the "
+                                                  "folder's order")
     host_link_gb_s_median: float | None = column(
         "pinned host memory to the device, GB/s (1e9 B), a 256 MiB copy, median of 10: the bound a load path is held to")
     experts: int | None = column("MoE models: routed experts per MoE layer, experts per token, each expert's "

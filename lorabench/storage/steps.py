@@ -19,6 +19,7 @@ class Steps:
     tokens: list[int]
     loads: list[int]
     reads: list[int]  # adapters' files read from storage within the step (its CPU-cache misses, --adapters DIR)
+    read_bytes: list[int]  # their bytes
 
 
 @dataclass(frozen=True)
