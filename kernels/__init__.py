@@ -35,11 +35,18 @@ if __name__ == "kernels":
     _elsewhere = [p for p in sys.path if Path(p or ".").resolve() != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
     if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (lorabench's kernels import as lorabench.kernels)",
-                                  name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module  # what this import returns; the rest of this file goes to a discarded module
-    _spec.loader.exec_module(_module)
+        # None installed: an empty module with no file and no version, which transformers'
+        # package check reads as a namespace package shadowing on sys.path, "not installed" (an
+        # import error here would break its check, and every config it guards)
+        import types
+
+        _module = types.ModuleType("kernels", "not installed (lorabench's kernels import as lorabench.kernels)")
+        _module.__spec__ = importlib.machinery.ModuleSpec("kernels", None)
+        sys.modules["kernels"] = _module
+    else:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # what this import returns; the rest of this file goes to a discarded module
+        _spec.loader.exec_module(_module)
 
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM allows as --max-lora-rank; the kernels take any 1..512
 MAX_RANK = 512

@@ -30,11 +30,39 @@ def test_import_contracts_are_kept(tmp_path):
     assert p.returncode == 0 and "0 broken" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]
 
 
+def test_without_an_installed_kernels_package_the_folder_reads_as_none_to_transformers():
+    """A machine without Hugging Face's ``kernels`` (the GPU image): run from the repository root,
+    a top-level ``import kernels`` gets an empty module (no file, no version), transformers' package
+    check says it is not installed, and its configs load."""
+    pytest.importorskip("transformers")
+    code = ("import importlib.machinery as m\n"
+            "find = m.PathFinder.find_spec\n"  # as if no kernels package were installed anywhere
+            "m.PathFinder.find_spec = classmethod(lambda cls, name, path=None, target=None: None if name == 'kernels' "
+            "and path is not None else find(name, path, target))\n"
+            "import importlib.metadata as md\n"
+            "version = md.version\n"
+            "def no_kernels(name):\n    if name == 'kernels':\n        raise md.PackageNotFoundError(name)\n"
+            "    return version(name)\n"
+            "md.version = no_kernels\n"
+            "import kernels\n"
+            "assert getattr(kernels, '__file__', None) is None and not hasattr(kernels, 'RANKS'), kernels\n"
+            "try:\n    from kernels import get_kernel\nexcept ImportError:\n    pass\nelse:\n    raise AssertionError\n"
+            "from transformers.utils.import_utils import _is_package_available\n"
+            "assert not _is_package_available('kernels', return_version=True)[0]\n"
+            "from transformers import LlamaConfig\n"
+            "import lorabench.kernels\n"
+            "print(LlamaConfig.__name__, lorabench.kernels.__file__)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    name, ours = p.stdout.split()
+    assert name == "LlamaConfig" and Path(ours) == ROOT / "kernels" / "__init__.py"
+
+
 def test_the_kernels_folder_shadows_no_installed_kernels_package():
     """Run from the repository root (``python -m``, ``python -c``), ``kernels/`` would shadow PyPI's
     ``kernels`` (Hugging Face's, which transformers imports): a top-level import gets that package,
     or none, while lorabench.kernels stays this folder."""
-    code = ("try:\n    import kernels\n    print(kernels.__file__)\nexcept ModuleNotFoundError:\n    print('none')\n"
+    code = ("import kernels\nprint(getattr(kernels, '__file__', None) or 'none')\n"
             "import lorabench.kernels\nprint(lorabench.kernels.__file__)")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

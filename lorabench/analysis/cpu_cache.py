@@ -13,26 +13,11 @@ every adapter, as vLLM's default does when ``--max-cpu-loras`` is unset.
 
 from dataclasses import dataclass
 
-from lorabench.analysis.decision import PAYS_PCT
+from lorabench.analysis.decision import PAYS_PCT, CacheChoice, CacheSize
 from lorabench.analysis.occupancy import STEPS, simulated
 from lorabench.analysis.residency_price import Priced, Pricer
 from lorabench.analysis.view import RunView
 from lorabench.config.residency import Adapters
-
-
-@dataclass(frozen=True)
-class CacheSize:
-    """One CPU cache size, priced for the chosen configuration."""
-
-    size: int  # adapters the cache holds
-    host_bytes: float  # what they take in host memory (one worker process's)
-    misses_per_step: float
-    step_ms: float
-    tokens_per_s: float
-
-    @property
-    def host_gib(self) -> float:
-        return self.host_bytes / 2**30
 
 
 @dataclass(frozen=True)
@@ -41,16 +26,6 @@ class CachePolicy:
     its rank) and the most the cache may take (None: no limit)."""
 
     adapter_bytes: float | None = None
-    host_budget_bytes: float | None = None
-
-
-@dataclass(frozen=True)
-class CacheChoice:
-    """The candidate sizes and the one chosen (None: not chosen, ``why`` says why)."""
-
-    sizes: tuple[CacheSize, ...] = ()
-    chosen: CacheSize | None = None
-    why: str = ""
     host_budget_bytes: float | None = None
 
 

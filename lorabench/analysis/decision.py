@@ -14,7 +14,6 @@ interval of its gain; without, its medians' gain.
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from lorabench.analysis.compare import Comparison
 from lorabench.analysis.costmodel import Plan
@@ -23,9 +22,6 @@ from lorabench.analysis.residency_price import PathPrice, Priced
 from lorabench.analysis.vllm import VllmAdvice
 from lorabench.config.residency import Adapters
 from lorabench.config.strategies import BASELINE
-
-if TYPE_CHECKING:  # cpu_cache reads this module's PAYS_PCT
-    from lorabench.analysis.cpu_cache import CacheChoice
 
 PAYS = 0.02  # an option must be >= 2 % better than the one with fewer graphs to be worth its graphs
 PAYS_PCT = 100 * PAYS
@@ -201,6 +197,31 @@ class SetChoice:
 
 
 @dataclass(frozen=True)
+class CacheSize:
+    """One CPU cache size, priced for the chosen configuration."""
+
+    size: int  # adapters the cache holds
+    host_bytes: float  # what they take in host memory (one worker process's)
+    misses_per_step: float
+    step_ms: float
+    tokens_per_s: float
+
+    @property
+    def host_gib(self) -> float:
+        return self.host_bytes / 2**30
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    """The candidate sizes and the one chosen (None: not chosen, ``why`` says why)."""
+
+    sizes: tuple[CacheSize, ...] = ()
+    chosen: CacheSize | None = None
+    why: str = ""
+    host_budget_bytes: float | None = None
+
+
+@dataclass(frozen=True)
 class ResidencyDecision:
     """The whole LoRA configuration for one kernels label under residency: across the max_loras
     that fit the budget, the most tokens per second (``best``), or the fewest slots whose
@@ -223,7 +244,7 @@ class ResidencyDecision:
     unavailable: str | None = None  # why nothing could be priced at all
     pays_pct: float = PAYS_PCT
     load_paths: tuple[PathPrice, ...] = ()  # the choice under each load path the run timed
-    cpu_cache: "CacheChoice | None" = None  # --max-cpu-loras chosen (None: given, every adapter by default)
+    cpu_cache: CacheChoice | None = None  # --max-cpu-loras chosen (None: given, every adapter by default)
 
     @property
     def configs(self) -> list[Priced]:

@@ -34,8 +34,8 @@ import numpy as np
 import pandas as pd
 
 from lorabench.analysis.costmodel import Plan
-from lorabench.analysis.cpu_cache import CacheChoice
-from lorabench.analysis.decision import PAYS_PCT, AutoDecision, MeasuredDecision, ResidencyDecision, SetChoice
+from lorabench.analysis.decision import (PAYS_PCT, AutoDecision, CacheChoice, MeasuredDecision, ResidencyDecision,
+                                         SetChoice)
 from lorabench.analysis.intervals import Gain, versus
 from lorabench.analysis.reasons import BASIS, MEDIANS_ONLY, decided_on, pays_rule, reason, versus_card
 from lorabench.analysis.residency_price import Priced

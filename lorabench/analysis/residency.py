@@ -18,8 +18,8 @@ does not price: they are left out.
 """
 
 from lorabench.analysis import search
-from lorabench.analysis.cpu_cache import CacheChoice, CachePolicy, choose_cpu_cache
-from lorabench.analysis.decision import PAYS_PCT, ResidencyDecision, SetChoice
+from lorabench.analysis.cpu_cache import CachePolicy, choose_cpu_cache
+from lorabench.analysis.decision import PAYS_PCT, CacheChoice, ResidencyDecision, SetChoice
 from lorabench.analysis.occupancy import STEPS, simulated
 from lorabench.analysis.residency_price import AUTO_SET, Pricer, path_prices, throughput_gain
 from lorabench.analysis.view import RunView

@@ -15,8 +15,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from lorabench.analysis.cpu_cache import CacheChoice, CachePolicy
-from lorabench.analysis.decision import AutoDecision, ResidencyDecision
+from lorabench.analysis.cpu_cache import CachePolicy
+from lorabench.analysis.decision import AutoDecision, CacheChoice, ResidencyDecision
 from lorabench.analysis.optimise import auto_decisions
 from lorabench.analysis.reasons import PLAIN, reason, versus_card
 from lorabench.analysis.recommendation_json import auto_json, plan_json, priced_json, residency_json
