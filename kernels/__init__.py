@@ -37,7 +37,8 @@ if __name__ == "kernels":
     if _spec is None:
         # None installed: an empty module with no file and no version, which transformers'
         # package check reads as a namespace package shadowing on sys.path, "not installed" (an
-        # import error here would break its check, and every config it guards)
+        # import error here would break its check, and every config it guards). A library that
+        # only tries `import kernels` would take it as installed, then find none of its names.
         import types
 
         _module = types.ModuleType("kernels", "not installed (lorabench's kernels import as lorabench.kernels)")

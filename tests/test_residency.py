@@ -109,6 +109,7 @@ def test_a_missed_adapter_is_not_in_the_cpu_cache_it_is_read_into():
     for reads, loads, requests in zip(s.reads, s.loads, s.requests):
         for a in dict.fromkeys(a for a in requests if a >= 0):  # each running adapter is used, in the batch's order
             if a in cache:
+                assert a not in reads  # a cached adapter is never read
                 cache.move_to_end(a)
             elif any(a == b for _, b in loads):
                 assert a in reads

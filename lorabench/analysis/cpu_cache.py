@@ -57,6 +57,8 @@ def choose_cpu_cache(view: RunView, chosen: Priced, adapters: Adapters, workload
         p = Pricer(view, chosen.kernels, chosen.max_loras, occ).price(chosen.strategy, chosen.counts)
         if p is not None:
             priced.append(CacheSize(size, size * adapter_bytes, occ.cpu_misses, p.step_ms, p.tokens_per_s))
+    if not priced:
+        return CacheChoice(why="no cache size could be priced for the chosen configuration")
     fits = [c for c in priced if host_budget_bytes is None or c.host_bytes <= host_budget_bytes]
     if not fits:
         return CacheChoice(tuple(priced), why="no cache of at least max_loras adapters fits --host-memory-budget",

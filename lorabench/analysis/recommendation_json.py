@@ -138,7 +138,8 @@ def priced_json(p: Priced) -> dict:
             "graph_mem_bytes": None if p.graph_mem_bytes is None else int(p.graph_mem_bytes),
             "slot_bytes": p.slot_bytes, "kv_tokens_given_up": p.kv_tokens, "model_values": p.values,
             "miss_read_ms": None if p.miss is None else round(p.miss.read_ms, 4),
-            "miss_read_gb_s": None if p.miss is None or p.miss.bytes_per_ms is None else round(p.miss.bytes_per_ms / 1e6, 4),
+            "miss_read_gb_s": (None if p.miss is None or p.miss.bytes_per_ms is None
+                               else float(f"{p.miss.bytes_per_ms / 1e6:.6g}")),  # a slow disk's rate is small
             "miss_read_fixed_ms": None if p.miss is None else round(p.miss.fixed_ms, 4),
             "miss_bytes_per_step": None if p.occ.miss_bytes is None else round(p.occ.miss_bytes),
             "miss_ms_per_step": round(p.miss_ms_per_step, 5)}

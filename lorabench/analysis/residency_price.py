@@ -243,8 +243,9 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
                  "loads_per_step": float(r.loads_per_step), "tokens_per_step": float(r.tokens_per_step)}
         counts = [int(x) for x in r.captured_counts]
         sizes = [int(b) for b in r.capture_sizes]
-        reads_per_step = getattr(r, "storage_reads_per_step", None)
-        read = bool(pd.notna(reads_per_step) and reads_per_step > 0)  # its misses read their files within the steps
+        files = getattr(r, "adapter_file_bytes", None)
+        # its misses read their files within the steps: the user's adapters, in a run that reads them (not an older one)
+        read = bool(pd.notna(getattr(r, "storage_reads_per_step", None)) and files is not None and len(files))
         path = getattr(r, "load_path", None) or "per-slice"
         entry["load_path"] = path
         try:
@@ -254,7 +255,6 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
             read_bytes = own["read_bytes"] if read and "read_bytes" in own else None
             same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras), cpu_misses=reads,
                              miss_bytes=read_bytes)
-            files = getattr(r, "adapter_file_bytes", None)
             adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens),
                                 tuple(int(b) for b in files) if files is not None and len(files) else ())
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)

@@ -187,7 +187,9 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
         choice = d.cpu_cache  # chosen for the configuration chosen with every adapter in it
         console.print(f"{d.kernels}: max_loras {c['max_loras']}, {d.chosen.set_name} {c['counts']}: "
                       f"{c['expected_step_ms']:.3f} ms per step, {c['tokens_per_s']:,.0f} tokens/s, "
-                      f"{1000 * c['loads_per_step']:.1f} loads per 1000 steps; {reason(d)}")
+                      f"{1000 * c['loads_per_step']:.1f} loads per 1000 steps"
+                      + (" (every adapter in the CPU cache: the cache chosen is priced below)" if choice else "")
+                      + f"; {reason(d)}")
         if d.card is not None:
             console.print(f"  against the card's max_loras {d.card.max_loras} (max): {round(d.card.tokens_per_s, 1):,.0f} "
                           f"tokens/s; the choice: {versus_card(d)}")

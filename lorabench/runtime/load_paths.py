@@ -159,7 +159,10 @@ class StorageReads:
     """A residency run's CPU-cache misses: adapter ``a``'s file (``files[a]``) read with
     safetensors into host memory, cold (``drop`` first, outside the step's time), as vLLM reads
     an adapter its CPU cache lacks before activating it. What was read is dropped: the load
-    itself then copies the bank's pinned entry, as vLLM copies the adapter it has just read."""
+    itself then copies the bank's pinned entry, as vLLM copies the adapter it has just read.
+    Not isolated from other workers of the same host reading the same folder at once (one GPU
+    each): one's read can warm a file another has just dropped (``time_storage`` takes a lock,
+    a timed step cannot wait for one)."""
 
     def __init__(self, files: list[str]):
         self.files = files

@@ -126,6 +126,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         t_start = clock()
         for adapter in missed:  # read from storage first, as vLLM reads a missed adapter before activating it
             read_bytes[i] += storage.read(adapter)
+        t_read = clock()
         for slot, adapter in loads[k] if loads else ():  # the step's loads: inside its events, as it waits for them
             loader.load(slot, adapter)
         t1 = clock()
@@ -137,7 +138,8 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
             events.wait(i)
         else:
             step_ms[i] = (t2 - t_start) / 1e6
-        host_us[i], copy_us[i], launch_us[i] = (tc - t0) / 1e3, (t1 - tc) / 1e3, (t2 - t1) / 1e3
+        host_us[i], launch_us[i] = (tc - t0) / 1e3, (t2 - t1) / 1e3
+        copy_us[i] = (t1 - tc - (t_read - t_start)) / 1e3  # the metadata's copy and the loads, not the storage reads
         n_active[i], launches[i], tokens[i] = prep.n_active, d.grid_of(prep.route), prep.batch_tokens
         loaded[i], read[i] = len(loads[k]) if loads else 0, len(missed)
     if cuda and iters:
