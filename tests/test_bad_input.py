@@ -291,6 +291,8 @@ CASES = {
                                               files=adapter_files("x", tensors={"base_model.model.lm_head.weight": LONE_A})),
     "sweep adapters without lora_alpha": sweep("--adapters", "{tmp}/x", "no lora_alpha in adapter_config.json",
                                                files={**adapter_files("x"), "x/adapter_config.json": '{"r": 8}'}),
+    "sweep adapters bare parameters": sweep("--adapters", "{tmp}/x", "vLLM serves LoRA on bare parameters only on a MoE",
+                                            files=adapter_files("x", config={"target_parameters": ["mlp.gate.weight"]})),
     "sweep adapters dora": sweep("--adapters", "{tmp}/x", "use_dora is set", files=adapter_files("x", config={"use_dora": True})),
     "sweep adapters dir with ranks": sweep("--rank", "64", "--ranks", "8:1", "--adapters", "{tmp}/x",
                                            "--ranks: not with --adapters DIR", files=adapter_files("x")),

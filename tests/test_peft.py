@@ -126,6 +126,76 @@ def test_the_lora_in_the_slots_is_peft_s_own(tmp_path):
         torch.testing.assert_close(x @ a.T @ b.T, want, rtol=1e-4, atol=1e-5)
 
 
+def peft_fused_experts(folder, r=4, alpha=8.0, parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+    """A transformers-5 Qwen3-MoE model at tiny-moe's shapes with PEFT's LoRA on its fused expert
+    parameters (and q), saved by PEFT; returns the PEFT model."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    if not hasattr(transformers, "Qwen3MoeConfig"):
+        pytest.skip("this transformers has no Qwen3-MoE")
+    cfg = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, intermediate_size=INTER, moe_intermediate_size=64, num_experts=16,
+                                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, vocab_size=512, decoder_sparse_step=1,
+                                      mlp_only_layers=[])
+    torch.manual_seed(0)
+    base = transformers.Qwen3MoeForCausalLM(cfg)
+    if base.model.layers[0].mlp.experts.gate_up_proj.dim() != 3:
+        pytest.skip("this transformers keeps its experts as modules")
+    lora = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj"], target_parameters=list(parameters),
+                           init_lora_weights=False)
+    model = peft.get_peft_model(base, lora)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_lora_on_fused_expert_parameters_is_peft_s_own(tmp_path):
+    """PEFT's target_parameters on transformers-5 fused experts (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]): every expert's LoRA update in the slots equals PEFT's own delta weight."""
+    peft_model = peft_fused_experts(tmp_path / "fused")
+    (adapter,) = read_adapters(str(tmp_path / "fused"), resolve("tiny-moe"), RANK)
+    assert adapter.has_expert_lora and adapter.rank == 4
+    model = build(resolve("tiny-moe"), (adapter,), max_loras=2)
+    for layer in (0, 1):
+        outer = peft_model.base_model.model.model.layers[layer].mlp.experts  # down_proj's wrapper, around gate_up's
+        with torch.no_grad():
+            gate_up, down = outer.base_layer.get_delta_weight("default"), outer.get_delta_weight("default")
+        moe = model.layers[layer].moe
+        for slot in (0, 1):  # one adapter: both slots hold it
+            w13 = [moe.w13_b[s, slot] @ moe.w13_a[s, slot] for s in (0, 1)]  # [E, I, H] each: gate, up
+            torch.testing.assert_close(torch.cat(w13, dim=1), gate_up, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(moe.w2_b[0, slot] @ moe.w2_a[0, slot], down, rtol=1e-4, atol=1e-6)
+            assert not moe.w13_a[:, slot, :, 4:].any() and not moe.w2_b[0, slot, :, :, 4:].any()  # zero-padded to RANK
+    assert model.expert_lora_enabled.tolist()[:2] == [1, 1]
+    rank0 = LlamaLoRA(shard(resolve("tiny-moe"), 2), max_loras=1, rank=RANK, max_tokens=4, context_len=8,
+                      dtype=torch.float32, device="cpu")  # a TP rank: half of each expert's intermediate
+    fill_slots(rank0, (adapter,))
+    moe, whole = rank0.layers[0].moe, model.layers[0].moe
+    torch.testing.assert_close(moe.w13_b[:, 0], whole.w13_b[:, 0, :, :32])  # gate's and up's first 32 outputs
+    torch.testing.assert_close(moe.w13_a[:, 0], whole.w13_a[:, 0])
+    torch.testing.assert_close(moe.w2_a[0, 0], whole.w2_a[0, 0, :, :, :32])  # row-parallel: the first 32 inputs
+    torch.testing.assert_close(moe.w2_b[0, 0], whole.w2_b[0, 0])
+
+
+def test_fused_expert_lora_that_vllm_cannot_read_is_refused(tmp_path):
+    peft_fused_experts(tmp_path / "down-only", parameters=("mlp.experts.down_proj",))
+    with pytest.raises(UserError, match="one of gate_up_proj and down_proj only; vLLM 0.33 reads fused-expert LoRA as the pair"):
+        read_adapters(str(tmp_path / "down-only"), resolve("tiny-moe"), RANK)
+    peft_fused_experts(tmp_path / "fused")
+    from safetensors.torch import load_file, save_file
+
+    swapped = {k.replace("experts.base_layer.", "experts.TMP.").replace("experts.lora_", "experts.base_layer.lora_")
+               .replace("experts.TMP.", "experts."): v for k, v in load_file(tmp_path / "fused" / "adapter_model.safetensors").items()}
+    (tmp_path / "swapped").mkdir()
+    save_file(swapped, tmp_path / "swapped" / "adapter_model.safetensors")
+    (tmp_path / "swapped" / "adapter_config.json").write_text((tmp_path / "fused" / "adapter_config.json").read_text())
+    with pytest.raises(UserError, match=r"down_proj has A \[64, 128\].*experts need A \[16·r, 64\]"):
+        read_adapters(str(tmp_path / "swapped"), resolve("tiny-moe"), RANK)
+    with pytest.raises(UserError, match="tiny-moe-shared.s 6 experts need A"):  # another model's experts
+        read_adapters(str(tmp_path / "fused"), resolve("tiny-moe-shared"), RANK)
+    with pytest.raises(UserError, match="has no experts"):  # a dense model
+        read_adapters(str(tmp_path / "fused"), resolve("tiny"), RANK)
+
+
 def test_expert_and_shared_expert_modules_fill_their_slots(tmp_path):
     """Mixtral's expert names (block_sparse_moe.experts.E.w1/w3/w2) and Qwen2-MoE's (mlp.experts.E.*,
     mlp.shared_expert.*, a dense layer's mlp.*); an adapter without expert LoRA is flagged off."""
@@ -328,8 +398,8 @@ def test_recommend_prices_cpu_misses_with_the_storage_read_and_each_load_path(tm
         per_slice = float(np.median(view.pooled_loads[res.kernels]))
         one_copy = rows.drop_duplicates("max_loras").load_one_copy_ms_median.median()
         assert as_slice.predicted_ms - v.predicted_ms == pytest.approx(v.loads_per_step * (per_slice - one_copy))
-        unread = validation(dataclasses.replace(view, rows=view.rows.assign(  # as if its misses had read nothing
-            storage_reads_per_step=view.rows.storage_reads_per_step.where(~residency, 0.0)))).iloc[0]
+        unread = validation(dataclasses.replace(view, rows=view.rows.assign(  # as a run made before misses were read
+            storage_reads_per_step=view.rows.storage_reads_per_step.where(~residency, np.nan)))).iloc[0]
         rate = rows.drop_duplicates("max_loras").storage_read_cold_gb_s.median() * 1e6  # bytes per ms
         assert v.predicted_ms - unread.predicted_ms == pytest.approx(steps.read_bytes.mean() / rate)
         assert (steps.read_bytes == steps.reads * (tmp_path / "four" / "x0" / "adapter_model.safetensors").stat().st_size).all()

@@ -6,7 +6,10 @@ workers copy the weights into the slots (``lorabench.runtime.peft_slots``).
 Names map as vLLM maps them onto its fused LoRA linears: q, k, v -> the slices of qkv; o; gate,
 up -> gate_up; down; in a MoE layer each expert's gate/w1, up/w3 -> w13 and down/w2 -> w2
 (``mlp.experts.E.*`` or Mixtral's ``block_sparse_moe.experts.E.*``), a shared expert's
-(``mlp.shared_expert.*``) -> that layer's gate_up and down. A linear an adapter does not target
+(``mlp.shared_expert.*``) -> that layer's gate_up and down; LoRA on a MoE layer's fused expert
+parameters (PEFT's ``target_parameters``: ``mlp.experts.gate_up_proj`` and ``down_proj``, stored
+as ``mlp.experts.base_layer`` and ``mlp.experts``, A ``[E·r, K]`` and B ``[N, r·E]``, as vLLM's
+model manager reads them) -> every expert's w13 (gate and up share the one A) and w2. A linear an adapter does not target
 holds zeros in its slot, as vLLM's ``reset_lora`` leaves it. Each module's scale (lora_alpha / r,
 or / sqrt(r) with rsLoRA; ``alpha_pattern`` per module) is folded into its B, as vLLM folds it.
 """
@@ -33,6 +36,12 @@ _DENSE_MLP = {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj
 _EXPERT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
            "down_proj": ("w2", 0), "w2": ("w2", 0)}
 _EXPERT_PATH = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+# PEFT's target_parameters on a MoE layer's fused experts: the inner wrapper (gate_up_proj) is saved
+# as experts.base_layer, the outer (down_proj) as experts, whatever order the config lists them in
+# (a set); vLLM reads them so, and the shapes are checked.
+_FUSED = {"mlp.experts.base_layer": ("w13", "gate_up_proj"), "mlp.experts": ("w2", "down_proj")}
+_FUSED_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+FUSED_EXPERTS = -2  # PeftModule.expert of a fused-experts module: every expert's LoRA in one A and one B
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ class PeftModule:
     layer: int
     linear: str  # qkv, o, gate_up, down (a dense MLP's, or a MoE layer's shared expert's); w13, w2 (an expert's)
     slice: int  # which slice of the fused linear (q 0, k 1, v 2; gate 0, up 1)
-    expert: int  # the routed expert (w13, w2); -1 for the dense linears
+    expert: int  # the routed expert (w13, w2); -1 for the dense linears; FUSED_EXPERTS: every expert at once
     a_key: str
     b_key: str
     rank: int
@@ -60,7 +69,7 @@ class PeftAdapter:
 
     @property
     def has_expert_lora(self) -> bool:
-        return any(m.expert >= 0 for m in self.modules)
+        return any(m.linear in ("w13", "w2") for m in self.modules)
 
 
 def slot_ranks(adapters: tuple[PeftAdapter, ...], max_loras: int) -> tuple[int, ...]:
@@ -142,6 +151,9 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int, where: str = "--
             raise UserError(f"{here}: targets layers.{layer}, but {cfg.name} has {cfg.full_layers} layers")
         if layer >= cfg.layers:
             continue  # the model is shortened (--layers): its later layers are not built
+        if path in _FUSED and settings["fused_experts"]:
+            modules.append(_fused(cfg, layer, path, keys, shapes, names[layer, path], settings, max_rank, here))
+            continue
         linear, slice_, expert = _target(cfg, layer, path, here)
         k, n = _expected(cfg, layer, linear, slice_)
         a_shape, b_shape = shapes[keys["A"]], shapes[keys["B"]]
@@ -161,7 +173,43 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int, where: str = "--
         modules.append(PeftModule(layer, linear, slice_, expert, keys["A"], keys["B"], rank, scale))
     if not modules:
         raise UserError(f"{here}: targets none of the {cfg.layers} layers lorabench builds of {cfg.name}")
+    fused = {}
+    for m in modules:
+        if m.expert == FUSED_EXPERTS:
+            fused.setdefault(m.layer, set()).add(m.linear)
+    for layer, linears in fused.items():
+        if linears != {"w13", "w2"}:
+            raise UserError(f"{here}: layers.{layer}.mlp.experts has LoRA on one of gate_up_proj and down_proj only; "
+                            "vLLM 0.33 reads fused-expert LoRA as the pair")
     return PeftAdapter(folder.name, str(weights), max(m.rank for m in modules), tuple(modules))
+
+
+def _fused(cfg: ModelConfig, layer: int, path: str, keys: dict[str, str], shapes: dict, name: str, settings: dict,
+           max_rank: int, here: str) -> PeftModule:
+    """A fused-experts module (``target_parameters``): its A [E·r, K] and B [N, r·E], checked."""
+    linear, parameter = _FUSED[path]
+    if not moe_layer(cfg, layer):
+        raise UserError(f"{here}: layers.{layer}.{path}: layer {layer} of {cfg.name} has no experts")
+    e = cfg.moe.experts
+    k, n = ((cfg.hidden, 2 * cfg.moe.intermediate) if linear == "w13" else (cfg.moe.intermediate, cfg.hidden))
+    a_shape, b_shape = shapes[keys["A"]], shapes[keys["B"]]
+    ok = len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] % e == 0 and a_shape[0] > 0
+    rank = a_shape[0] // e if ok else -1
+    if not ok or a_shape[1] != k or b_shape != (n, rank * e):
+        raise UserError(f"{here}: layers.{layer}.mlp.experts.{parameter} has A {list(a_shape)} and B {list(b_shape)}; "
+                        f"{cfg.name}'s {e} experts need A [{e}·r, {k}] and B [{n}, r·{e}] (vLLM reads "
+                        "experts.base_layer as gate_up_proj, experts as down_proj)")
+    if rank > max_rank:
+        raise UserError(f"{here}: layers.{layer}.mlp.experts.{parameter} has rank {rank}, above --rank {max_rank} "
+                        "(vLLM's --max-lora-rank: raise it, or leave this adapter out)")
+    name = name.removesuffix(".base_layer") + f".{parameter}"  # what the patterns match, as vLLM's PEFTHelper
+    want_rank = _pattern(settings["rank_pattern"], name, settings["r"], here)
+    if want_rank != rank:
+        raise UserError(f"{here}: layers.{layer}.mlp.experts.{parameter} has rank {rank} in its weights, {want_rank} "
+                        f"in {CONFIG_FILE}")
+    alpha = float(_pattern(settings["alpha_pattern"], name, settings["lora_alpha"], here))
+    scale = alpha / (math.sqrt(rank) if settings["use_rslora"] else rank)
+    return PeftModule(layer, linear, -1, FUSED_EXPERTS, keys["A"], keys["B"], rank, scale)
 
 
 def _settings(folder: Path, here: str) -> dict:
@@ -174,9 +222,16 @@ def _settings(folder: Path, here: str) -> dict:
     if raw.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{here}: a {raw.get('peft_type')} adapter; only LoRA adapters are served")
     for setting, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "transposed (Conv1D) weights"),
-                         ("modules_to_save", "fully trained modules"), ("target_parameters", "LoRA on bare parameters")):
+                         ("modules_to_save", "fully trained modules")):
         if raw.get(setting):
             raise UserError(f"{here}: {setting} is set ({why}); vLLM serves plain LoRA on linear modules only")
+    parameters = raw.get("target_parameters") or []
+    if isinstance(parameters, str):
+        parameters = [parameters]
+    other = [p for p in parameters if not any(str(p).endswith(f) for f in ("experts.gate_up_proj", "experts.down_proj"))]
+    if other:
+        raise UserError(f"{here}: target_parameters {other[0]!r}: vLLM serves LoRA on bare parameters only on a MoE "
+                        f"layer's fused experts ({', '.join(_FUSED_PARAMETERS)})")
     if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
         raise UserError(f"{here}: trained biases (bias {raw.get('bias')!r}, lora_bias {raw.get('lora_bias')!r}): "
                         "vLLM serves LoRA without them")
@@ -189,7 +244,8 @@ def _settings(folder: Path, here: str) -> dict:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UserError(f"{here}: lora_alpha {alpha!r} in {CONFIG_FILE} is not a positive number")
     return {"r": r, "lora_alpha": alpha, "use_rslora": bool(raw.get("use_rslora")),
-            "rank_pattern": raw.get("rank_pattern") or {}, "alpha_pattern": raw.get("alpha_pattern") or {}}
+            "rank_pattern": raw.get("rank_pattern") or {}, "alpha_pattern": raw.get("alpha_pattern") or {},
+            "fused_experts": bool(parameters)}
 
 
 def _shapes(weights: Path, here: str) -> dict[str, tuple[int, ...]]:

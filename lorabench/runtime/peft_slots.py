@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lorabench.config.peft import PeftAdapter, PeftModule
+from lorabench.config.peft import FUSED_EXPERTS, PeftAdapter, PeftModule
 from lorabench.runtime.model import LlamaLoRA, LoRALinear
 
 
@@ -45,6 +45,9 @@ def fill_slot(model: LlamaLoRA, slot: int, adapter: PeftAdapter, tensors: dict[s
                     getattr(layer.moe, name)[:, slot].zero_()
         for m in adapter.modules:
             a, b = tensors[m.a_key], tensors[m.b_key].float() * m.scale  # scaled once, then rounded to the slot's dtype
+            if m.expert == FUSED_EXPERTS:
+                _fused(model.layers[m.layer].moe, slot, m.linear, a, b)
+                continue
             if m.expert >= 0:
                 moe = model.layers[m.layer].moe
                 slot_a = getattr(moe, f"{m.linear}_a")[m.slice, slot, m.expert]  # [R, K]
@@ -61,10 +64,27 @@ def fill_slot(model: LlamaLoRA, slot: int, adapter: PeftAdapter, tensors: dict[s
             model.expert_lora_enabled[slot] = int(adapter.has_expert_lora)
 
 
+def _fused(moe, slot: int, linear: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Every expert's LoRA from a fused-experts module, as vLLM's model manager splits it: A
+    ``[E·r, K]`` -> ``[E, r, K]``, B ``[N, r·E]`` -> ``[N, r, E]`` -> ``[E, N, r]``; gate_up's one
+    A serves both slices of w13, its B's first half the gate's outputs, its second the up's."""
+    experts = moe.w13_a.shape[2]
+    a3 = a.reshape(experts, -1, a.shape[-1])
+    b3 = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+    if linear == "w13":
+        half = b3.shape[1] // 2
+        for s, part in enumerate((b3[:, :half], b3[:, half:])):
+            _lead(moe.w13_a[s, slot], a3)
+            _lead(moe.w13_b[s, slot], part)
+    else:
+        _lead(moe.w2_a[0, slot], a3)
+        _lead(moe.w2_b[0, slot], b3)
+
+
 def _lead(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """``src``'s leading block into ``dest``'s (both 2-D)."""
-    rows, cols = min(dest.shape[0], src.shape[0]), min(dest.shape[1], src.shape[1])
-    dest[:rows, :cols].copy_(src[:rows, :cols])
+    """``src``'s leading block of its last two axes into ``dest``'s (any leading axes equal)."""
+    rows, cols = min(dest.shape[-2], src.shape[-2]), min(dest.shape[-1], src.shape[-1])
+    dest[..., :rows, :cols].copy_(src[..., :rows, :cols])
 
 
 def fill_slots(model: LlamaLoRA, adapters: Sequence[PeftAdapter]) -> None:
