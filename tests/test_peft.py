@@ -16,7 +16,7 @@ from peft_folders import HIDDEN, INTER, KV, PREFIX, Q, adapter_files, module_ten
 
 from lorabench.cli import main
 from lorabench.config.flags import Machine
-from lorabench.config.models import resolve, shard
+from lorabench.config.models import PRESETS, resolve, shard
 from lorabench.config.spec_checks import check_adapter_bank
 from lorabench.config.peft import read_adapters, slot_ranks
 from lorabench.config.residency import Adapters, simulate
@@ -470,3 +470,47 @@ def test_the_adapters_script_writes_peft_folders_lorabench_reads(tmp_path):
     adapters = read_adapters(str(tmp_path / "pa"), resolve("tiny"), 16)
     assert [(a.rank, len(a.modules)) for a in adapters] == [(8, 14), (16, 14), (8, 8)]  # 2 layers: 7 modules, then q k v o
     assert "3 adapters" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_model_familys_module_names_map_onto_its_lora_linears(tmp_path, preset):
+    """An adapter on every module vLLM serves LoRA on, in the first and last layers, at each
+    preset's own shapes (worked out here from its config, not from lorabench's linears), with its
+    family's names: Llama/Mistral/Qwen attention and MLP, Mixtral's block_sparse_moe.experts.E.w1/w3/w2,
+    the others' mlp.experts.E.*, Qwen-MoE's shared expert; each lands on its linear, slice and expert."""
+    from lorabench.config.models import moe_layer
+
+    cfg = resolve(preset)
+    r, q, kv = 2, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    tensors, want = {}, set()
+
+    def module(layer, path, k, n, linear, slice_, expert=-1):
+        tensors[f"{PREFIX}.{layer}.{path}.lora_A.weight"] = np.zeros((r, k), dtype=np.float16)
+        tensors[f"{PREFIX}.{layer}.{path}.lora_B.weight"] = np.zeros((n, r), dtype=np.float16)
+        want.add((layer, linear, slice_, expert))
+
+    for layer in sorted({0, cfg.full_layers - 1}):
+        for i, (name, n) in enumerate((("q_proj", q), ("k_proj", kv), ("v_proj", kv))):
+            module(layer, f"self_attn.{name}", cfg.hidden, n, "qkv", i)
+        module(layer, "self_attn.o_proj", q, cfg.hidden, "o", 0)
+        if cfg.moe is None or not moe_layer(cfg, layer):
+            mlp = cfg.intermediate
+            module(layer, "mlp.gate_proj", cfg.hidden, mlp, "gate_up", 0)
+            module(layer, "mlp.up_proj", cfg.hidden, mlp, "gate_up", 1)
+            module(layer, "mlp.down_proj", mlp, cfg.hidden, "down", 0)
+            continue
+        e, i = cfg.moe.experts - 1, cfg.moe.intermediate  # the last expert
+        names = (("block_sparse_moe", "w1", "w3", "w2") if cfg.architecture == "MixtralForCausalLM"
+                 else ("mlp", "gate_proj", "up_proj", "down_proj"))
+        module(layer, f"{names[0]}.experts.{e}.{names[1]}", cfg.hidden, i, "w13", 0, e)
+        module(layer, f"{names[0]}.experts.{e}.{names[2]}", cfg.hidden, i, "w13", 1, e)
+        module(layer, f"{names[0]}.experts.{e}.{names[3]}", i, cfg.hidden, "w2", 0, e)
+        if cfg.moe.shared_intermediate:
+            s = cfg.moe.shared_intermediate
+            module(layer, "mlp.shared_expert.gate_proj", cfg.hidden, s, "gate_up", 0)
+            module(layer, "mlp.shared_expert.up_proj", cfg.hidden, s, "gate_up", 1)
+            module(layer, "mlp.shared_expert.down_proj", s, cfg.hidden, "down", 0)
+    write(tmp_path, adapter_files("all", r, 4, (), tensors=tensors))
+    (adapter,) = read_adapters(str(tmp_path / "all"), cfg, RANK)
+    assert {(m.layer, m.linear, m.slice, m.expert) for m in adapter.modules} == want
+    assert {m.scale for m in adapter.modules} == {2.0} and adapter.has_expert_lora == (cfg.moe is not None)
