@@ -57,6 +57,14 @@ def simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, c
     return _simulated(workload, adapters, clients, max_loras, tuple(capture_sizes), steps, seed)
 
 
+def windows(workload: str, adapters: Adapters, clients: int, max_loras: int, capture_sizes: list[int], steps: int,
+            count: int) -> list[Occupancy]:
+    """``count`` short runs of the loop, ``steps`` steps each (seeds 1, 2, ...; not cached): what
+    runs as long as a measured one vary by."""
+    return [_simulated.__wrapped__(workload, adapters, clients, max_loras, tuple(capture_sizes), steps, seed)
+            for seed in range(1, count + 1)]
+
+
 @lru_cache(maxsize=256)
 def _simulated(workload: str, adapters: Adapters, clients: int, max_loras: int, capture_sizes: tuple[int, ...],
                steps: int, seed: int) -> Occupancy:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from lorabench.analysis.costmodel import Pricing
 from lorabench.analysis.intervals import Gain, interval_of, points_read
-from lorabench.analysis.occupancy import STEPS, Occupancy, kv_bytes_per_token, occupancy, simulated
+from lorabench.analysis.occupancy import STEPS, Occupancy, kv_bytes_per_token, occupancy, simulated, windows
 from lorabench.analysis.points import ok_points
 from lorabench.analysis.view import LOAD, RunView
 from lorabench.config.backends import backend_of
@@ -206,6 +206,9 @@ def throughput_gain(view: RunView, a: tuple[Pricer, Priced], b: tuple[Pricer, Pr
     return Gain(100 * (ca.tokens_per_s / cb.tokens_per_s - 1), iv, why)
 
 
+WINDOWS = 16  # simulated runs as long as a residency run: the spread of their tokens/s (``window_sd_pct``)
+
+
 def _as_run(view: RunView, row, read: bool, path: str, p: Priced | None) -> Priced | None:
     """``p`` priced as the residency run ``row`` loaded: along its load path, and its misses at
     the storage read only where it read files (else it loaded every adapter from host memory)."""
@@ -229,7 +232,9 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
     sampling). The measured figures are the row's mean step and tokens per second; the loads are
     priced as the recommendation prices them (pooled), along the run's ``--load-path`` (one-copy:
     its median in a step), and its CPU-cache misses at the cold storage read where the run read
-    its adapters' files (else not at all: it loaded them from host memory)."""
+    its adapters' files (else not at all: it loaded them from host memory). ``window_sd_pct``:
+    how much ``WINDOWS`` simulated runs as long as this one differ in tokens/s (standard
+    deviation, % of their mean): a long-run error within about twice it is chance."""
     rows = ok_points(view.kept)
     rows = rows[(rows["mode"] == "residency") & (rows.kernels.map(backend_of) != "vllm")]
     samples = view.steps if view.steps is not None else pd.DataFrame(columns=["point", "tokens", "n_active", "loads"])
@@ -260,6 +265,12 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
             p, q = (_as_run(view, r, read, path, Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts))
                     for occ in (same, long))
+            short = [_as_run(view, r, read, path, Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts))
+                     for occ in windows(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, len(own),
+                                        WINDOWS)]
+            if all(x is not None for x in short):
+                tps = np.array([x.tokens_per_s for x in short])
+                entry["window_sd_pct"] = float(100 * tps.std() / tps.mean())
         except ValueError as e:
             p = q = None
             entry["why"] = str(e)

@@ -106,12 +106,15 @@ def markdown(rep: ResidencyReport, plot: Path | None, u: str) -> list[str]:
     if len(v):
         rows = [[r.kernels, r.max_loras, r.strategy, r.workload, r.clients, r.tokens_per_step, 1000 * r.loads_per_step,
                  r.measured_ms, getattr(r, "predicted_ms", None), getattr(r, "error_pct", None),
-                 r.measured_tokens_per_s, getattr(r, "long_run_tokens_per_s", None), getattr(r, "long_run_error_pct", None)]
+                 r.measured_tokens_per_s, getattr(r, "long_run_tokens_per_s", None), getattr(r, "long_run_error_pct", None),
+                 getattr(r, "window_sd_pct", None)]
                 for r in v.sort_values(["kernels", "workload", "max_loras", "strategy"]).itertuples()]
         out += [f"**Residency runs: measured against predicted ({u}, mean step)**", "",
                 markdown_table(["kernels", "max_loras", "strategy", "workload", "clients", "tokens/step", "loads/1k steps",
                                 "measured ms", "predicted ms (same steps)", "error %", "measured tokens/s",
-                                "predicted tokens/s (long run)", "error %"], rows), ""]
+                                "predicted tokens/s (long run)", "error %", "runs this long: SD %"], rows),
+                "", "The last column: how much simulated runs of as many steps differ in tokens/s (standard deviation): "
+                "a long-run error within about twice it is the run's shortness, not the prediction's.", ""]
         why = v[v.get("why", pd.Series(dtype=object)).notna()] if "why" in v else v.iloc[:0]
         out += [f"- point {int(r.point)}: not predicted: {r.why}" for r in why.itertuples()]
     for d in rep.decisions:
