@@ -165,7 +165,7 @@ def test_lora_on_fused_expert_parameters_is_peft_s_own(tmp_path):
             torch.testing.assert_close(torch.cat(w13, dim=1), gate_up, rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(moe.w2_b[0, slot] @ moe.w2_a[0, slot], down, rtol=1e-4, atol=1e-6)
             assert not moe.w13_a[:, slot, :, 4:].any() and not moe.w2_b[0, slot, :, :, 4:].any()  # zero-padded to RANK
-    assert model.expert_lora_enabled.tolist()[:2] == [1, 1]
+    assert model.expert_lora_enabled[:, :2].tolist() == [[1, 1], [1, 1]]  # both layers, both slots
     rank0 = LlamaLoRA(shard(resolve("tiny-moe"), 2), max_loras=1, rank=RANK, max_tokens=4, context_len=8,
                       dtype=torch.float32, device="cpu")  # a TP rank: half of each expert's intermediate
     fill_slots(rank0, (adapter,))
@@ -222,7 +222,7 @@ def test_expert_and_shared_expert_modules_fill_their_slots(tmp_path):
     torch.testing.assert_close(model.layers[1].moe.w13_b[1, 1, 3, :, :8], tensors[f"{w3}.lora_B.weight"] * 2)
     assert not moe.w13_a[1, 1].any() and not moe.w13_a[0, 1, 1].any()  # no w3 in layer 0, no expert 1
     assert not moe.w13_a[:, 0].any() and not model.layers[1].moe.w2_b[:, 1].any()
-    assert model.expert_lora_enabled.tolist()[:2] == [0, 1]
+    assert model.expert_lora_enabled[:, :2].tolist() == [[0, 1], [0, 1]]  # per layer: experts in both of its layers
 
     shared = module_tensors(0, "mlp.shared_expert.down_proj", 8, 96, HIDDEN, rng)
     shared |= module_tensors(0, "mlp.experts.2.up_proj", 8, HIDDEN, 64, rng)
@@ -276,7 +276,9 @@ def test_loads_from_the_bank_leave_the_slots_as_filling_them_does(two_adapters):
 
 
 def test_loads_write_the_expert_lora_flag_and_restore_puts_each_adapter_back(tmp_path):
-    experts = module_tensors(0, "block_sparse_moe.experts.1.w1", 8, HIDDEN, 64, np.random.default_rng(4))
+    """Each MoE layer's flag, as vLLM keeps it: the adapter with experts in layer 1 only is flagged
+    there, not in layer 0."""
+    experts = module_tensors(1, "block_sparse_moe.experts.1.w1", 8, HIDDEN, 64, np.random.default_rng(4))
     write(tmp_path, adapter_files("a", 8, 8, ("q_proj",)))
     write(tmp_path, adapter_files("b", 8, 8, ("q_proj",), tensors=experts, seed=5))
     cfg = resolve("tiny-moe")
@@ -284,11 +286,13 @@ def test_loads_write_the_expert_lora_flag_and_restore_puts_each_adapter_back(tmp
     model, want = build(cfg, adapters), build(cfg, adapters)
     loader = AdapterLoader(model, adapters=adapters)
     assert loader.ops == 4 * len(loader.parts) + 1  # one rank, but not all with expert LoRA: the flag too
+    assert model.expert_lora_enabled[:, :3].tolist() == [[0, 0, 0], [0, 1, 0]]
     loader.load(0, 1)
     loader.load(1, 0)
-    assert model.expert_lora_enabled.tolist()[:3] == [1, 0, 0]
+    assert model.expert_lora_enabled[:, :3].tolist() == [[0, 0, 0], [1, 0, 0]]
     loader.restore()
-    assert model.expert_lora_enabled.tolist()[:3] == [0, 1, 0]
+    assert model.expert_lora_enabled[:, :3].tolist() == [[0, 0, 0], [0, 1, 0]]
+    assert model.expert_lora_enabled[:, -1].tolist() == [0, 0]  # the unused last entry
     for got, ref in zip(model.state_dict().values(), want.state_dict().values()):
         torch.testing.assert_close(got, ref)
 

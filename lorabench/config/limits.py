@@ -127,8 +127,9 @@ def model_bytes(s: Shape) -> tuple[int, int, int, int]:
     scratch = 4 * cfg.layers * LORA_LINEARS_PER_LAYER * s.max_tokens * MAX_SLICES * s.rank
     scratch += 4 * s.max_loras  # each slot's own rank (int32)
     if moe is not None:  # each MoE layer's routing (topk_ids int64, topk_weights float32), and
-        # each slot's expert LoRA on or off (int32, vLLM's adapter_enabled: max_loras + 1, the last unused)
-        scratch += moe_layers * (8 + 4) * s.max_tokens * moe.top_k + 4 * (s.max_loras + 1)
+        # each layer's slots' expert LoRA on or off (int32, vLLM's adapter_enabled per layer: max_loras + 1, the
+        # last unused; a row for every layer, dense ones unread)
+        scratch += moe_layers * (8 + 4) * s.max_tokens * moe.top_k + 4 * cfg.layers * (s.max_loras + 1)
     return weights, adapters, kv_cache, scratch
 
 

@@ -69,7 +69,12 @@ class PeftAdapter:
 
     @property
     def has_expert_lora(self) -> bool:
-        return any(m.linear in ("w13", "w2") for m in self.modules)
+        return bool(self.expert_layers)
+
+    @property
+    def expert_layers(self) -> frozenset[int]:
+        """The layers whose experts it has LoRA on (vLLM flags each MoE layer's)."""
+        return frozenset(m.layer for m in self.modules if m.linear in ("w13", "w2"))
 
 
 def slot_ranks(adapters: tuple[PeftAdapter, ...], max_loras: int) -> tuple[int, ...]:

@@ -5,8 +5,9 @@ for every LoRA linear of every layer and every slice of it, the slot's A and B a
 waits for the copies. Host time of issuing them counts too: a step's CUDA events enclose both.
 A MoE layer's expert LoRA loads as vLLM's ``FusedMoEWithLoRA.set_lora`` loads it: per slice of
 w13 and for w2, the slot's A ``[E, R, K]`` and B ``[E, N, R]`` of every expert zeroed and copied
-whole (vLLM also writes an enabled flag per layer; lorabench keeps one for the model, set once
-when the model is built, so those 2 small writes per layer are not made).
+whole (vLLM also writes each layer's enabled flag for the slot, 2 small writes per layer; lorabench
+keeps the same flags, per layer and slot, and writes a slot's column of them, one copy, only where
+the adapters differ in them).
 
 The host holds a small bank of adapters in pinned memory, each with one slot's shapes (the
 adapter at the slots' rank, as the model pads it), copied from the model's own slots; adapter
@@ -17,7 +18,7 @@ reads, and the bank keeps a residency run over 200 adapters from pinning 200 ada
 memory. With the user's adapters (``--adapters DIR``) the bank holds every one of them, as
 vLLM's CPU cache would, each padded to the slots' shapes; where their ranks differ, a load also
 writes the slot's rank (read by the ``+unpadded`` kernels), and where only some have expert
-LoRA, the slot's enabled flag. Loads overwrite slots, so they run after the check: what a slot
+LoRA (in some layers), the slot's enabled flags. Loads overwrite slots, so they run after the check: what a slot
 holds then is another slot's adapter, the same sizes and distribution.
 """
 
@@ -30,7 +31,7 @@ from lorabench.runtime.dispatch import Dispatcher
 from lorabench.config.peft import PeftAdapter
 from lorabench.runtime.model import LlamaLoRA, LoRALinear
 from lorabench.runtime.moe import MoEMLP
-from lorabench.runtime.peft_slots import fill_slot
+from lorabench.runtime.peft_slots import expert_flags, fill_slot
 from lorabench.runtime.timing import Events, time_steps
 
 BANK = 2  # adapters held in pinned host memory
@@ -72,8 +73,9 @@ class AdapterLoader:
         self.held = [s % len(adapters) for s in range(self.max_loras)]
         if len({a.rank for a in adapters}) > 1:
             self.ranks = [a.rank for a in adapters]
-        if self.enabled is not None and len({a.has_expert_lora for a in adapters}) > 1:
-            self.expert_lora = [int(a.has_expert_lora) for a in adapters]
+        if self.enabled is not None and len({a.expert_layers for a in adapters}) > 1:
+            layers = self.enabled.shape[0]
+            self.expert_lora = [expert_flags(a, layers).to(self.enabled.device) for a in adapters]
 
     def _keep(self, slot: int) -> None:
         """A new bank entry: ``slot``'s A and B of every part, copied into one host buffer."""
@@ -105,7 +107,7 @@ class AdapterLoader:
         if self.ranks is not None:
             self.slot_rank[slot] = self.ranks[k]
         if self.expert_lora is not None:
-            self.enabled[slot] = self.expert_lora[k]
+            self.enabled[:, slot].copy_(self.expert_lora[k], non_blocking=True)
 
     def done(self, slot: int, k: int) -> None:
         """After them: ``slot`` holds bank entry ``k``."""

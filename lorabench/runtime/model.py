@@ -131,7 +131,7 @@ class Block(nn.Module):
         )
         attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
         h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
-        if self.moe is not None:  # moe_state: (each slot's expert LoRA enabled [L], reuse the last routing)
+        if self.moe is not None:  # moe_state: (each slot's expert LoRA enabled in this layer [L + 1], reuse the last routing)
             return x, self.moe(h, lora, scratch, *moe_state, fused, pdl)
         return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused, pdl), lora, scratch[3])
 
@@ -172,12 +172,12 @@ class LlamaLoRA(nn.Module):
         for m in self.modules():
             if isinstance(m, (LoRALinear, MoEMLP)):
                 m.pad(own, rank)
-        # Expert LoRA per slot, vLLM's adapter_enabled ([max_loras + 1], the last unused): 0 where the slot's
-        # adapter has none on its experts.
+        # Expert LoRA per layer and slot, each MoE layer's adapter_enabled as vLLM keeps it ([max_loras + 1],
+        # the last unused): 0 where the slot's adapter has none on that layer's experts.
         enabled = None
         if cfg.moe is not None:
-            enabled = torch.ones(max_loras + 1, dtype=torch.int32, device=device)
-            enabled[-1] = 0
+            enabled = torch.ones(cfg.layers, max_loras + 1, dtype=torch.int32, device=device)
+            enabled[:, -1] = 0
         self.register_buffer("expert_lora_enabled", enabled, persistent=False)
         self.reuse_routing = False  # MoE layers replay the last step's routing (the check's reference)
 
@@ -188,8 +188,9 @@ class LlamaLoRA(nn.Module):
         x, delta = self.embed[input_ids], None
         rope = (self.rope_cos, self.rope_sin)
         pdl = lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
-        moe_state = (self.expert_lora_enabled, self.reuse_routing)
+        enabled = self.expert_lora_enabled
         for i, layer in enumerate(self.layers):
+            moe_state = (None if enabled is None else enabled[i], self.reuse_routing)
             x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl, moe_state)
         h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
         return F.linear(h, self.lm_head)

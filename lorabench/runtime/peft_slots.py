@@ -61,7 +61,12 @@ def fill_slot(model: LlamaLoRA, slot: int, adapter: PeftAdapter, tensors: dict[s
             start, end = lin.slice_starts[m.slice], lin.slice_starts[m.slice + 1]
             _lead(lin.lora_b[slot, start:end], b)
         if model.expert_lora_enabled is not None:
-            model.expert_lora_enabled[slot] = int(adapter.has_expert_lora)
+            model.expert_lora_enabled[:, slot] = expert_flags(adapter, model.expert_lora_enabled.shape[0])
+
+
+def expert_flags(adapter: PeftAdapter, layers: int) -> torch.Tensor:
+    """Per layer, 1 where the adapter has LoRA on that layer's experts (a dense layer's flag is unread)."""
+    return torch.tensor([int(i in adapter.expert_layers) for i in range(layers)], dtype=torch.int32)
 
 
 def _fused(moe, slot: int, linear: str, a: torch.Tensor, b: torch.Tensor) -> None:
