@@ -272,3 +272,11 @@ def test_misses_are_priced_by_the_bytes_they_read_where_the_files_are_known():
     price = MissPrice(read_ms=9.0, bytes_per_ms=1e4, fixed_ms=0.5)
     assert price.per_step(known) == pytest.approx(0.5 * known.cpu_misses + known.miss_bytes / 1e4)
     assert price.per_step(unknown) == pytest.approx(9.0 * unknown.cpu_misses)  # no sizes: the median read per miss
+
+
+def test_an_overlapped_load_costs_the_waiting_requests_tokens():
+    from lorabench.analysis.residency_price import overlapped_tokens
+
+    # 0.1 loads per step, each usable after 20 ms of 10 ms steps: 0.2 of a token per step lost
+    assert overlapped_tokens(16.0, 0.1, 20.0, 10.0) == pytest.approx(15.8)
+    assert overlapped_tokens(16.0, 0.0, 20.0, 10.0) == 16.0 and overlapped_tokens(1.0, 1.0, 50.0, 10.0) == 0.0

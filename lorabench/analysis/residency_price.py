@@ -176,9 +176,17 @@ LOAD_PATHS = {
     "per-slice": (None, "vLLM's and SGLang's default: every slice zeroed and copied"),
     "one-copy": ("load_one_copy_ms_median", "no flag in vLLM 0.33 (one contiguous pinned buffer per adapter: vLLM #31317)"),
     "overlapped": ("load_overlap_lost_ms_median", "SGLang's --enable-lora-overlap-loading (vLLM #41785 proposes it); "
-                                                  "priced as what a step beside the load loses, as if no request "
-                                                  "waited for its adapter: optimistic"),
+                                                  "priced as what a step beside the load loses, and the waiting "
+                                                  "request's tokens until its adapter is usable"),
 }
+OVERLAP_USABLE = "load_overlap_usable_ms_median"
+
+
+def overlapped_tokens(tokens: float, loads: float, usable_ms: float, step_ms: float) -> float:
+    """Tokens per step when each load runs beside the steps: the request that needs the adapter
+    decodes nothing until it is usable, ``usable_ms / step_ms`` steps, while the others go on (a
+    first-order estimate: one request per load, the steps it waits at their mean length)."""
+    return max(tokens - loads * usable_ms / step_ms, 0.0)
 
 
 def path_prices(view: RunView, p: Priced) -> list[PathPrice]:
@@ -190,7 +198,13 @@ def path_prices(view: RunView, p: Priced) -> list[PathPrice]:
         if load_ms is None:
             continue
         step = p.decode_ms + p.occ.loads * load_ms + p.miss_ms_per_step
-        out.append(PathPrice(path, load_ms, step, 1e3 * p.occ.tokens / step, engine))
+        tokens = p.occ.tokens
+        if path == "overlapped":
+            usable = _median_of(rows, OVERLAP_USABLE)
+            if usable is None:
+                continue
+            tokens = overlapped_tokens(tokens, p.occ.loads, usable, step)
+        out.append(PathPrice(path, load_ms, step, 1e3 * tokens / step, engine))
     return out
 
 
