@@ -223,20 +223,15 @@ def throughput_gain(view: RunView, a: tuple[Pricer, Priced], b: tuple[Pricer, Pr
 WINDOWS = 16  # simulated runs as long as a residency run: the spread of their tokens/s (``window_sd_pct``)
 
 
-def _as_run(view: RunView, row, read: bool, path: str, p: Priced | None) -> Priced | None:
-    """``p`` priced as the residency run ``row`` loaded: along its load path, and its misses at
-    the storage read only where it read files (else it loaded every adapter from host memory)."""
-    if p is None:
-        return None
-    if not read:
-        p = replace(p, miss=None)
+def _path_load_ms(view: RunView, kernels: str, path: str) -> float | None:
+    """What one load along ``path`` costs (None: vLLM's per-slice path, the pooled loads' price)."""
     column = LOAD_PATHS[path][0] if path in LOAD_PATHS else None
-    if column is not None:
-        load_ms = _median_of(view.compared[view.compared.kernels == row.kernels], column)
-        if load_ms is None:
-            raise ValueError(f"the run timed no {path} loads")
-        p = replace(p, load_ms=load_ms)
-    return p
+    if column is None:
+        return None
+    load_ms = _median_of(view.compared[view.compared.kernels == kernels], column)
+    if load_ms is None:
+        raise ValueError(f"the run timed no {path} loads")
+    return load_ms
 
 
 def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
@@ -277,11 +272,18 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
             adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens),
                                 tuple(int(b) for b in files) if files is not None and len(files) else ())
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
-            p, q = (_as_run(view, r, read, path, Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts))
-                    for occ in (same, long))
-            short = [_as_run(view, r, read, path, Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts))
-                     for occ in windows(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, len(own),
-                                        WINDOWS)]
+            load_ms = _path_load_ms(view, r.kernels, path)
+
+            def as_run(occ: Occupancy) -> Priced | None:
+                """Priced as the run loaded: along its load path, its misses read only where it read files."""
+                p = Pricer(view, r.kernels, int(r.max_loras), occ).price(r.strategy, counts)
+                if p is None:
+                    return None
+                return replace(p, miss=p.miss if read else None, load_ms=p.load_ms if load_ms is None else load_ms)
+
+            p, q = as_run(same), as_run(long)
+            short = [as_run(occ) for occ in windows(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes,
+                                                    len(own), WINDOWS)]
             if all(x is not None for x in short):
                 tps = np.array([x.tokens_per_s for x in short])
                 entry["window_sd_pct"] = float(100 * tps.std() / tps.mean())

@@ -166,15 +166,7 @@ def read_adapter(folder: Path, cfg: ModelConfig, max_rank: int, where: str = "--
         if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != k or b_shape[0] != n or b_shape[1] != rank:
             raise UserError(f"{here}: layers.{layer}.{path} has A {list(a_shape)} and B {list(b_shape)}; {cfg.name} "
                             f"needs A [r, {k}] and B [{n}, r]")
-        if rank > max_rank:
-            raise UserError(f"{here}: layers.{layer}.{path} has rank {rank}, above --rank {max_rank} "
-                            "(vLLM's --max-lora-rank: raise it, or leave this adapter out)")
-        name = names[layer, path]
-        want_rank = _pattern(settings["rank_pattern"], name, settings["r"], here)
-        if want_rank != rank:
-            raise UserError(f"{here}: layers.{layer}.{path} has rank {rank} in its weights, {want_rank} in {CONFIG_FILE}")
-        alpha = float(_pattern(settings["alpha_pattern"], name, settings["lora_alpha"], here))
-        scale = alpha / (math.sqrt(rank) if settings["use_rslora"] else rank)
+        scale = _scale(settings, names[layer, path], rank, max_rank, f"{here}: layers.{layer}.{path}", here)
         modules.append(PeftModule(layer, linear, slice_, expert, keys["A"], keys["B"], rank, scale))
     if not modules:
         raise UserError(f"{here}: targets none of the {cfg.layers} layers lorabench builds of {cfg.name}")
@@ -204,17 +196,23 @@ def _fused(cfg: ModelConfig, layer: int, path: str, keys: dict[str, str], shapes
         raise UserError(f"{here}: layers.{layer}.mlp.experts.{parameter} has A {list(a_shape)} and B {list(b_shape)}; "
                         f"{cfg.name}'s {e} experts need A [{e}·r, {k}] and B [{n}, r·{e}] (vLLM reads "
                         "experts.base_layer as gate_up_proj, experts as down_proj)")
-    if rank > max_rank:
-        raise UserError(f"{here}: layers.{layer}.mlp.experts.{parameter} has rank {rank}, above --rank {max_rank} "
-                        "(vLLM's --max-lora-rank: raise it, or leave this adapter out)")
     name = name.removesuffix(".base_layer") + f".{parameter}"  # what the patterns match, as vLLM's PEFTHelper
+    scale = _scale(settings, name, rank, max_rank, f"{here}: layers.{layer}.mlp.experts.{parameter}", here)
+    return PeftModule(layer, linear, -1, FUSED_EXPERTS, keys["A"], keys["B"], rank, scale)
+
+
+def _scale(settings: dict, name: str, rank: int, max_rank: int, module: str, here: str) -> float:
+    """A module's scale (lora_alpha / r, / sqrt(r) with rsLoRA; alpha_pattern by its ``name``),
+    once its weights' rank is checked against --rank and against rank_pattern. ``module``: how
+    refusals name it."""
+    if rank > max_rank:
+        raise UserError(f"{module} has rank {rank}, above --rank {max_rank} "
+                        "(vLLM's --max-lora-rank: raise it, or leave this adapter out)")
     want_rank = _pattern(settings["rank_pattern"], name, settings["r"], here)
     if want_rank != rank:
-        raise UserError(f"{here}: layers.{layer}.mlp.experts.{parameter} has rank {rank} in its weights, {want_rank} "
-                        f"in {CONFIG_FILE}")
+        raise UserError(f"{module} has rank {rank} in its weights, {want_rank} in {CONFIG_FILE}")
     alpha = float(_pattern(settings["alpha_pattern"], name, settings["lora_alpha"], here))
-    scale = alpha / (math.sqrt(rank) if settings["use_rslora"] else rank)
-    return PeftModule(layer, linear, -1, FUSED_EXPERTS, keys["A"], keys["B"], rank, scale)
+    return alpha / (math.sqrt(rank) if settings["use_rslora"] else rank)
 
 
 def _settings(folder: Path, here: str) -> dict:
