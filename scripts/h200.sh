@@ -52,7 +52,7 @@
 #            the shapes each tuned, and how many of them chose one GPU's config
 #   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
 #   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers; MOE_LORAS picks one
-#            max_loras, STAGE_TIMEOUT stops it resumably): results/moe/
+#            max_loras, MOE_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/moe/
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
 #            paths (the sorted path's expand grouped to 512 programs (its default), 2048, and one per tile; its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]), the per-entry path's K loop
@@ -167,9 +167,11 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
     moe-qwen3 | moe-mixtral)  # sweeps/moe-*.toml: lorabench's expert LoRA vs vLLM's fused_moe_lora: results/moe/
       # One spec takes longer than a 10-minute call: MOE_LORAS (e.g. 4, then 16) splits it, STAGE_TIMEOUT stops
       # it with its finished rows kept (then: lorabench sweep --resume results/moe/<run>).
+      # MOE_ARGS adds sweep options (e.g. "--concurrency 1,2,4,8,16 --active-counts 1,8,16").
       lor=(); [ -n "${MOE_LORAS:-}" ] && lor=(--max-loras "$MOE_LORAS")
+      read -r -a more <<<"${MOE_ARGS:-}"
       /usr/bin/time -f "$stage wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
-        --spec sweeps/$stage.toml "${lor[@]}" --out results/moe 2>&1 | tail -n 60 | tee -a "$OUT/stages.log"
+        --spec sweeps/$stage.toml "${lor[@]}" "${more[@]}" --out results/moe 2>&1 | tail -n 60 | tee -a "$OUT/stages.log"
       tar czf "$OUT/$stage.tgz" results/moe ;;
     moe-bench)  # the expert LoRA alone: which path, which expand grouping, and vLLM's specialised sorted path's check
       l=${MB_LORAS:-16}; points="2:1,2:1:$l,8:4,8:4:$l,64:$l"  # every point fits l >= 4
