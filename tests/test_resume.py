@@ -156,6 +156,9 @@ def test_parent_killed_then_resumed(tmp_path, uninterrupted, sig, stage):
     wait_for(lambda: rows_written(tmp_path) >= rows, proc, f"{rows} rows")
     os.kill(proc.pid, sig)
     assert proc.wait(timeout=60) == EXIT[sig], proc.stderr.read()
+    if sig != signal.SIGKILL:
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "interrupted" in err, err  # one line, not a traceback
     deadline = time.monotonic() + 30
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)

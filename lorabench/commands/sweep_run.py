@@ -61,8 +61,35 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop(signum, frame) -> None:
-    raise Stopped(signum)
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP noted while the sweep waits on its workers, raised as
+    ``Stopped`` by ``raise_if_stopped`` between waits: raised from inside the handler, the
+    exception can land in a lock's release in ``queue.get`` and leave a RuntimeError in its place
+    (the run left marked running). A second signal stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.note) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+    def note(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise Stopped(signum)
+        self.signum = signum
+
+    def raise_if_stopped(self) -> None:
+        if self.signum is not None:
+            raise Stopped(self.signum)
 
 
 def now() -> str:
@@ -135,18 +162,15 @@ class Sweep:
         os.replace(tmp, self.run_dir / "run.json")
 
     def run(self, executor: Executor) -> Path:
-        """Measure ``self.todo``, its groups spread by ``executor``. SIGTERM and SIGHUP stop it as
-        Ctrl-C does (``Stopped``): the run is marked interrupted, every task cancelled and its
-        worker killed, every finished row kept."""
+        """Measure ``self.todo``, its groups spread by ``executor``. SIGINT, SIGTERM and SIGHUP
+        stop it (``Stopped``, between waits): the run is marked interrupted, every task cancelled
+        and its worker killed, every finished row kept."""
         t0 = time.perf_counter()
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            handlers = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGHUP)}
         total = len(self.todo) if self.check_only else self.points
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         self.info["executor"] = executor.describe()
         try:
-            with Progress(*columns, console=self.console, transient=False) as progress:
+            with StopSignals() as stops, Progress(*columns, console=self.console, transient=False) as progress:
                 task = progress.add_task("starting", total=total)
 
                 def advance() -> None:
@@ -155,7 +179,7 @@ class Sweep:
                     self.write_info()
 
                 self.progress = lambda text: progress.update(task, description=text)
-                self.execute(executor, advance)
+                self.execute(executor, advance, stops)
         except KeyboardInterrupt as e:
             executor.cancel()
             signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
@@ -167,9 +191,6 @@ class Sweep:
         except BaseException:  # a failure of the sweep itself: no worker left running
             executor.cancel()
             raise
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
         pack_samples(self.run_dir)
         self.info.update(status=FINISHED, wall_s=self.wall_before + time.perf_counter() - t0, finished_at=now())
         self.info.pop("signal", None)
@@ -181,9 +202,10 @@ class Sweep:
         worker-<g>.log and part-<g>.parquet: a resumed group continues the same ones)."""
         return {i: g for g, members in enumerate(groups(list(enumerate(self.jobs)))) for i, _ in members}
 
-    def execute(self, executor: Executor, advance) -> None:
+    def execute(self, executor: Executor, advance, stops: StopSignals | None = None) -> None:
         """Hand every group of ``self.todo`` to the executor, then write what its workers send,
-        in this thread, until every group has ended."""
+        in this thread, until every group has ended or ``stops`` has noted a signal."""
+        stops = stops or StopSignals()
         number = self.group_numbers()
         states: dict[int, GroupRun] = {}
         tasks = []
@@ -200,8 +222,9 @@ class Sweep:
         events: queue.Queue[Event] = queue.Queue()
         executor.start(tasks, events, self.worker_log)
         while any(not state.ended for state in states.values()):
+            stops.raise_if_stopped()
             try:
-                event = events.get(timeout=0.5)  # a timeout: signals reach this thread between waits
+                event = events.get(timeout=0.5)  # a timeout: a noted signal is seen between waits
             except queue.Empty:
                 continue
             self.handle(event, states, advance)
