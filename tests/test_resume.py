@@ -179,6 +179,20 @@ def test_parent_killed_then_resumed(tmp_path, uninterrupted, sig, stage):
     assert info["status"] == FINISHED and info["resumes"][-1]["previous_status"] == cov.status
 
 
+def test_ctrl_c_to_the_sweep_and_its_last_worker_interrupts_the_run(tmp_path, uninterrupted):
+    """Ctrl-C reaches the terminal's whole process group: the last group's worker ends with its
+    sweep at once, and the run still says interrupted (exit 130), not finished."""
+    proc = start(tmp_path, "1,2")
+    worker_of(proc, 1, tmp_path)
+    wait_for(lambda: rows_written(tmp_path) >= STAGES["late"], proc, "5 rows")
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, proc.stderr.read()
+    assert "Traceback" not in proc.stderr.read()
+    run = run_dir(tmp_path)
+    assert coverage(run).status == INTERRUPTED
+    assert resume(run) == 0 and identity(read_points(run)) == uninterrupted["1,2"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_workers_killed_early_middle_late_then_resumed(tmp_path, uninterrupted, sig):
     """Three workers, three hits: the first while it starts (no row yet), the second after its

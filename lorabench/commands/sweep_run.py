@@ -228,6 +228,7 @@ class Sweep:
             except queue.Empty:
                 continue
             self.handle(event, states, advance)
+        stops.raise_if_stopped()  # Ctrl-C reaches the workers too: their groups may all end before the next wait
 
     def handle(self, event: Event, states: "dict[int, GroupRun]", advance) -> None:
         state = states[event.group]
