@@ -49,6 +49,8 @@ def main() -> None:
         parts.append(part)
         samples.update({(i, int(p)): x for p, x in step_times(read_samples(Path(run))).items()})
     df = pd.concat(parts, ignore_index=True)
+    if df.model.nunique() > 1:  # the floor is one model's bytes
+        raise SystemExit(f"moe_figures.py: the runs hold {', '.join(sorted(df.model.unique()))}: one model per call")
     rs = Resampler(samples)
     first = df.iloc[0]
     layers_bytes = first.expert_lora_bytes_per_slot / first.experts  # one (slot, expert) pair, every layer
