@@ -222,13 +222,28 @@ class Sweep:
         events: queue.Queue[Event] = queue.Queue()
         executor.start(tasks, events, self.worker_log)
         while any(not state.ended for state in states.values()):
-            stops.raise_if_stopped()
+            if stops.signum is not None:
+                self.drain(events, states, advance)
+                stops.raise_if_stopped()
             try:
                 event = events.get(timeout=0.5)  # a timeout: a noted signal is seen between waits
             except queue.Empty:
                 continue
-            self.handle(event, states, advance)
+            if stops.signum is None or event.kind is not Kind.END:
+                self.handle(event, states, advance)
         stops.raise_if_stopped()  # Ctrl-C reaches the workers too: their groups may all end before the next wait
+
+    def drain(self, events: "queue.Queue[Event]", states: "dict[int, GroupRun]", advance) -> None:
+        """After a signal: the rows the workers sent before it, kept; a worker's end is not
+        handled, for Ctrl-C reaches the workers too and a worker it ended leaves its points
+        missing (to resume), not failed."""
+        while True:
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                return
+            if event.kind is not Kind.END:
+                self.handle(event, states, advance)
 
     def handle(self, event: Event, states: "dict[int, GroupRun]", advance) -> None:
         state = states[event.group]
