@@ -49,6 +49,10 @@ fi
 mapfile -t files < <(ls -S tests/test_*.py)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))}
 pids=()
+# The shards' logs end up in LOG alone (one file to bring back), even when a time limit stops the run:
+# a shard cut short has no summary line, and the counts below say so.
+gather() { cat "$log".[0-9]* >"$log" 2>/dev/null && rm -f "$log".[0-9]*; }
+trap 'kill "${pids[@]}" 2>/dev/null; wait; gather; echo "gpu tests: stopped before every shard ended (LOG has what ran)"; exit 143' TERM INT
 for ((i = 0; i < shards; i++)); do
   mine=()
   for ((j = i; j < ${#files[@]}; j += shards)); do mine+=("${files[j]}"); done
@@ -58,13 +62,15 @@ done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
 passed=0 failed=0 skipped=0 errors=0
+trap - TERM INT
 for ((i = 0; i < shards; i++)); do
   summary=$(tail -n 1 "$log.$i")
+  grep -qE "(passed|failed|error).* in [0-9.]+s" <<<"$summary" || summary="cut short: no summary line"
   echo "shard $i: $summary"
   passed=$((passed + $(count passed "$summary"))); failed=$((failed + $(count failed "$summary")))
   skipped=$((skipped + $(count skipped "$summary"))); errors=$((errors + $(count error "$summary")))
 done
-cat "$log".[0-9]* >"$log"
+gather
 grep -E "^(FAILED|ERROR) " "$log" | head -n 40
 echo "gpu tests: $passed passed, $failed failed, $skipped skipped, $errors errors (${gpu:-no GPU found}; $shards shards)"
 exit "$rc"
