@@ -202,10 +202,9 @@ class Sweep:
         worker-<g>.log and part-<g>.parquet: a resumed group continues the same ones)."""
         return {i: g for g, members in enumerate(groups(list(enumerate(self.jobs)))) for i, _ in members}
 
-    def execute(self, executor: Executor, advance, stops: StopSignals | None = None) -> None:
+    def execute(self, executor: Executor, advance, stops: StopSignals) -> None:
         """Hand every group of ``self.todo`` to the executor, then write what its workers send,
         in this thread, until every group has ended or ``stops`` has noted a signal."""
-        stops = stops or StopSignals()
         number = self.group_numbers()
         states: dict[int, GroupRun] = {}
         tasks = []
@@ -222,28 +221,29 @@ class Sweep:
         events: queue.Queue[Event] = queue.Queue()
         executor.start(tasks, events, self.worker_log)
         while any(not state.ended for state in states.values()):
-            if stops.signum is not None:
-                self.drain(events, states, advance)
-                stops.raise_if_stopped()
             try:
-                event = events.get(timeout=0.5)  # a timeout: a noted signal is seen between waits
+                event: Event | None = events.get(timeout=0.5)  # a timeout: a noted signal is seen between waits
             except queue.Empty:
-                continue
-            if stops.signum is None or event.kind is not Kind.END:
+                event = None
+            if stops.signum is not None:
+                self.drain(event, events, states, advance)
+                stops.raise_if_stopped()
+            if event is not None:
                 self.handle(event, states, advance)
         stops.raise_if_stopped()  # Ctrl-C reaches the workers too: their groups may all end before the next wait
 
-    def drain(self, events: "queue.Queue[Event]", states: "dict[int, GroupRun]", advance) -> None:
-        """After a signal: the rows the workers sent before it, kept; a worker's end is not
-        handled, for Ctrl-C reaches the workers too and a worker it ended leaves its points
-        missing (to resume), not failed."""
-        while True:
+    def drain(self, event: Event | None, events: "queue.Queue[Event]", states: "dict[int, GroupRun]",
+              advance) -> None:
+        """After a signal: ``event`` and the rest the workers sent before it, their rows kept; a
+        worker's end is not handled, for Ctrl-C reaches the workers too and a worker it ended
+        leaves its points missing (to resume), not failed."""
+        while event is not None:
+            if event.kind is not Kind.END:
+                self.handle(event, states, advance)
             try:
                 event = events.get_nowait()
             except queue.Empty:
-                return
-            if event.kind is not Kind.END:
-                self.handle(event, states, advance)
+                event = None
 
     def handle(self, event: Event, states: "dict[int, GroupRun]", advance) -> None:
         state = states[event.group]
