@@ -8,7 +8,7 @@ import functools
 import os
 import time
 
-from lorabench.runtime import adapters, worker
+from lorabench.runtime import adapters, load_timing, worker
 from lorabench.runtime.dispatch import Dispatcher
 
 
@@ -44,7 +44,7 @@ elif stage == "slow":
 
     worker.Worker.measure = slow_measure
 elif stage == "loads":
-    worker.time_loads = functools.partial(adapters.time_loads, loads=int(index))
+    load_timing.time_loads = functools.partial(adapters.time_loads, loads=int(index))
 else:
     raise SystemExit(f"unknown FAULT {fault!r}")
 

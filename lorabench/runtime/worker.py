@@ -19,7 +19,6 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import torch
 
 from lorabench.config.batches import fixed_batch
@@ -31,13 +30,12 @@ from lorabench.config.sweep_spec import OPTIONS
 from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env, telemetry
-from lorabench.runtime.adapters import AdapterLoader, time_loads
+from lorabench.runtime.adapters import AdapterLoader
 from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
 from lorabench.runtime.dispatch import Dispatcher
-from lorabench.runtime.load_paths import ONE_COPY, OneCopy, StorageReads, time_load_paths
-from lorabench.runtime.load_paths import columns as load_path_columns
-from lorabench.runtime.load_paths import samples as load_path_samples
+from lorabench.runtime.load_paths import ONE_COPY, OneCopy, StorageReads
+from lorabench.runtime.load_timing import timed_loads
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slots
 from lorabench.runtime.probe import probe
@@ -46,10 +44,8 @@ from lorabench.runtime.rows import timed_columns
 from lorabench.runtime.timing import time_steps
 from lorabench.runtime.turns import SWITCH_WARMUP, TURN, Timed
 from lorabench.runtime.vllm_rules import VllmRules
-from lorabench.stats import median_interval
 from lorabench.storage.checks import Checked
 from lorabench.storage.row import Row
-from lorabench.storage.steps import Loads
 from lorabench.storage.tune_files import tuned_table
 
 FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
@@ -204,25 +200,11 @@ class Worker:
                 traceback.print_exc()
 
     def time_loads(self, model: LlamaLoRA, d: Dispatcher) -> None:
-        """What loading one adapter into a slot costs here (``lorabench.runtime.adapters``), in a
-        step of ``d`` and alone: every row's ``load_*`` columns, and the timed loads themselves
-        (``Loads``). A worker that cannot load still times its points; its residency points fail."""
-        try:
-            self.loader = AdapterLoader(model, adapters=self.adapters)
-            t = time_loads(self.loader, d)
-            self.loader.restore()  # the timed loads moved the user's adapters: slot i holds adapter i again
-            self.sync()
-        except Exception:  # noqa: BLE001 - no load cost, no residency runs; the fixed points still count
-            traceback.print_exc()
-            self.loader = None
-            return
-        interval = median_interval(t["load_ms"])
-        self.shared.update(load_ms_median=float(np.median(t["load_ms"])), load_alone_ms_median=float(np.median(t["alone_ms"])),
-                           load_host_us_median=float(np.median(t["host_us"])), load_ops=self.loader.ops,
-                           load_ms_ci_low=interval.low if interval else None, load_ms_ci_high=interval.high if interval else None)
-        SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, t["load_ms"].tolist(), t["alone_ms"].tolist(),
-                          t["host_us"].tolist()))
-        self.time_load_paths(d)
+        """What loading one adapter into a slot costs here, by every path
+        (``lorabench.runtime.load_timing``): every row's ``load_*`` columns. A worker that cannot
+        load still times its points; its residency points fail."""
+        self.loader, columns = timed_loads(model, d, self.adapters, self.lead.kernels, self.lead.max_loras, self.sync)
+        self.shared.update(columns)
 
     @functools.cached_property
     def residency_loader(self) -> AdapterLoader | OneCopy:
@@ -231,27 +213,6 @@ class Worker:
         if self.loader is None:
             raise RuntimeError("this worker could not load adapters (its log says why)")
         return OneCopy(self.loader) if self.lead.load_path == ONE_COPY else self.loader
-
-    def time_load_paths(self, d: Dispatcher) -> None:
-        """The other load paths (``lorabench.runtime.load_paths``): their row columns and samples.
-        A path that cannot be timed leaves its columns empty; vLLM's path still prices the runs."""
-        files = [a.weights for a in self.adapters]
-        try:
-            paths = time_load_paths(self.loader, d, files)
-            self.sync()
-            columns = load_path_columns(paths, files, self.loader)
-            samples = load_path_samples(paths)
-        except Exception:  # noqa: BLE001 - extra columns only
-            traceback.print_exc()
-            try:
-                self.loader.restore()  # slots a failed load left unknown are loaded again
-                self.sync()
-            except Exception:  # noqa: BLE001 - the device itself failed: the points will say so
-                traceback.print_exc()
-            return
-        self.shared.update(columns)
-        for path, (load_ms, alone_ms, host_us) in samples.items():
-            SWEEP.emit(Loads(self.lead.kernels, self.lead.max_loras, load_ms, alone_ms, host_us, path))
 
     def check(self, arm: Arm) -> None:
         """The configuration's correctness verdict, carried by every row; emitted on its own too."""
