@@ -1,0 +1,258 @@
+"""LoRA inside the base GEMM: ``y = x·Wᵀ (+ bias) + B[slot]·h`` in one launch per LoRA linear.
+
+The ``gemm`` backend. Its shrink is lorabench's (``shrink.lora_shrink``: h = scale · x·A[slot]ᵀ
+into the step's fp32 scratch); the base GEMM and the expand are one Triton kernel, the expand in
+the GEMM's epilogue. Against cuBLAS + the shrink/expand pair this saves the expand's launch and
+its read-modify-write of y (y is written once, rounded once), at the price of running the base
+GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
+measures both side by side).
+
+A program owns one output tile ``y[BLOCK_M rows, BLOCK_N columns]``. After its K loop it adds the
+LoRA of every launched slot at once, as one dot over the launched slots' ranks side by side
+(column ``j`` of that axis is rank ``j % R`` of slot ``active_slots[j // R]``):
+
+    hm[m, j]  = h[m, s·R + j % R]   if token m's slot is active_slots[j // R], else 0
+    acc[m, n] += Σ_j hm[m, j] · B[active_slots[j // R]][n, j % R]        for the columns n of slice s
+
+so each program reads its columns of every launched slot's B once (over all programs: each B
+once, the bytes floor of the expand) and its rows of h; a slot that is -1 (fewer active than
+launched) is masked out, and so is a base-model token (slot -1). The launch count sizes the
+epilogue's loop, not the grid: the GEMM's grid covers y whatever the count. A token whose slot lies
+past the launch count gets no LoRA, like the other backends' grids.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import MAX_SLICES
+from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
+from .meta import LoRAMeta
+from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
+from .shrink import lora_shrink
+from .tiles import slice_bounds
+
+# The shrink splits K with fp32 atomics into the model's scratch: it must start at zero.
+NEEDS_ZEROED_SCRATCH = True
+# The shrink lets the GEMM launch at once; the GEMM lets its consumer (a base op that waits first) launch.
+LETS_CONSUMER_LAUNCH = True
+
+
+@triton.jit
+def _expand_tile(h, b, UPCAST: tl.constexpr):
+    """h @ b in fp32 (h [BLOCK_M, BLOCK_J] fp32, b [BLOCK_J, BLOCK_N]): in a 16-bit dtype h goes in
+    as its rounded value plus the remainder (two dots), so y's final rounding is the only one."""
+    if UPCAST:
+        return tl.dot(h, b.to(tl.float32))
+    hi = h.to(b.dtype)
+    acc = tl.dot(hi, b)
+    if b.dtype != tl.float32:
+        acc = tl.dot((h - hi.to(tl.float32)).to(b.dtype), b, acc)
+    return acc
+
+
+@triton.jit
+def _gemm_lora_kernel(
+    x_ptr,  # [T, K] input activations
+    w_ptr,  # [N, K] base weight (unused without HAS_BASE)
+    bias_ptr,  # [N] base bias (HAS_BIAS only)
+    y_ptr,  # [T, N] out; read first when ACCUMULATE (y += LoRA, no base GEMM)
+    h_ptr,  # [T, S·R] float32: the shrink's scale · x·A[slot]ᵀ, slice s at columns s·R..
+    b_ptr,  # [L, N_lora, R] stacked B weights (the slices along the output axis)
+    token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
+    active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
+    T, N, K,
+    R,  # rank: h's columns per slice, B's columns
+    NJ,  # launch count · R: the epilogue's slot-rank axis
+    n1, n2, n3,  # slice boundaries in y's columns (slice s: [n_s, n_{s+1}), n0 = 0)
+    stride_xm, stride_wn, stride_ym, stride_hm, stride_bl, stride_bn,
+    HAS_BASE: tl.constexpr,  # compute x·Wᵀ (else y's own values are the base: ACCUMULATE)
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,  # add the epilogue (a launch count of 0 leaves it out)
+    SLICES: tl.constexpr,  # 1..3
+    BLOCK_M: tl.constexpr,  # token rows per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
+    BLOCK_J: tl.constexpr,  # slot-rank columns per epilogue step
+    GROUP_M: tl.constexpr,  # M tiles walked together (L2 reuse of W across M tiles at prefill sizes)
+    USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch at once
+    UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < T
+    n_mask = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BASE:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                        other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(x, w)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_tile = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if not HAS_BASE:
+        acc += tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
+
+    if HAS_LORA:
+        token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
+        n_lo = pid_n * BLOCK_N
+        for s in tl.static_range(SLICES):
+            lo, hi, _ = slice_bounds(s, n1, n2, n3)
+            if (n_lo < hi) & (n_lo + BLOCK_N > lo):  # this tile holds some of slice s's columns
+                col_mask = n_mask & (offs_n >= lo) & (offs_n < hi)
+                for j0 in range(0, NJ, BLOCK_J):
+                    offs_j = j0 + tl.arange(0, BLOCK_J)
+                    slot_j = tl.load(active_ptr + offs_j // R, mask=offs_j < NJ, other=-1)
+                    r_j = offs_j % R
+                    live = slot_j >= 0
+                    match = (token_slot[:, None] == slot_j[None, :]) & live[None, :] & m_mask[:, None]
+                    hm = tl.load(h_ptr + rows[:, None] * stride_hm + (s * R + r_j)[None, :], mask=match, other=0.0)
+                    b = tl.load(b_ptr + slot_j.to(tl.int64)[:, None] * stride_bl + cols[None, :] * stride_bn
+                                + r_j[:, None], mask=live[:, None] & col_mask[None, :], other=0.0)
+                    acc += _expand_tile(hm, b, UPCAST)
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+SEARCH_SPACE = {"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512],
+                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5]}
+
+# Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
+TUNED_CONFIGS: dict[tuple, GemmConfig] = {}
+
+
+def shape_key(tokens: int, k: int, n: int) -> tuple:
+    return ("gemm", tokens, k, n)
+
+
+def default_config(tokens: int, k: int, n: int) -> GemmConfig:
+    """Decode sizes (up to 64 tokens) are a GEMV over W: one M tile of all the tokens, narrow N
+    tiles so the grid has a program or two per SM, deep K steps in flight. Prefill sizes: square
+    tiles. Measured on an H200 (BENCHMARKS.md, "LoRA inside the GEMM")."""
+    if tokens <= 64:
+        block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
+        block_n = 64 if n >= 8192 else 32
+        return GemmConfig(block_m, block_n, 256, num_warps=4, num_stages=4)
+    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def config_for(tokens: int, k: int, n: int) -> GemmConfig:
+    """The tuned config of the nearest tuned token bucket with the same K and N, else the default."""
+    same = [key for key in TUNED_CONFIGS if key[2:] == (k, n)]
+    if not same:
+        return default_config(tokens, k, n)
+    return TUNED_CONFIGS[min(same, key=lambda key: (abs(key[1] - tokens), -key[1]))]
+
+
+def load_tuned(entries: list[dict]) -> None:
+    """Install the gemm entries of a tune (``{"kernel": "gemm", "shape": [...], "config": {...}}``)."""
+    TUNED_CONFIGS.clear()
+    for e in entries:
+        if e.get("kernel") == "gemm":
+            TUNED_CONFIGS[tuple(e["shape"])] = GemmConfig(**e["config"])
+
+
+def config_dict(cfg: GemmConfig) -> dict:
+    return asdict(cfg)
+
+
+def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, config, pdl):
+    tokens = y.shape[0]
+    n = y.shape[1]
+    k = x.shape[1] if weight is not None else 0
+    lora = launch_count > 0
+    slices = len(slice_starts) - 1 if lora else 1
+    if slices > MAX_SLICES:
+        raise ValueError(f"{slices} slices: the gemm kernel takes at most {MAX_SLICES}")
+    bounds = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices) if lora else [0, 0, 0]
+    rank = lora_b.shape[2] if lora else 1
+    cfg = config or config_for(tokens, k, n)
+    block_j = min(64, max(16, triton.next_power_of_2(launch_count * rank))) if lora else 16
+    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    upcast = INTERPRET and y.dtype == torch.bfloat16
+    _gemm_lora_kernel[grid](
+        x, weight if weight is not None else y, bias if bias is not None else y, y,
+        h if lora else y, lora_b if lora else y, meta.token_slot if lora else y, meta.active_slots if lora else y,
+        tokens, n, k, rank, launch_count * rank, *bounds,
+        x.stride(0), weight.stride(0) if weight is not None else 0, y.stride(0),
+        h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
+        HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora, SLICES=slices,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j, GROUP_M=cfg.group_m,
+        USE_PDL=pdl, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+    )
+
+
+def _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch):
+    """The shrink into ``scratch`` (zeroed, [>= T, >= S·R] fp32; allocated when None): h."""
+    tokens = x.shape[0]
+    rank, slices = lora_b.shape[2], len(slice_starts) - 1
+    if scratch is None:
+        scratch = torch.zeros(tokens, slices * rank, dtype=torch.float32, device=x.device)
+    if scratch.shape[0] < tokens or scratch.shape[1] < slices * rank:
+        raise ValueError(f"scratch {tuple(scratch.shape)} is smaller than [{tokens}, {slices * rank}] (tokens, slices x rank)")
+    h = scratch[:tokens, :slices * rank]
+    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
+    return h
+
+
+def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,
+                 config=None):
+    """``x·weightᵀ + bias`` with the LoRA of the first ``launch_count`` active slots added, as a new
+    [T, N] tensor: the shrink, then one GEMM whose epilogue expands. x [T, K] and weight [N, K]
+    contiguous rows; the rest as in ``triton_lora.lora_apply`` (scratch zero on entry)."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch) if launch_count > 0 else None
+    _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, max(0, launch_count), config, pdl_enabled(x.device))
+    return y
+
+
+def base_linear(x, weight, bias=None, config=None):
+    """``x·weightᵀ + bias`` by the gemm kernel alone (what its base GEMM costs against cuBLAS)."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(y, x, weight, bias, None, None, (0,), None, 0, config, False)
+    return y
+
+
+def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
+    """y += LoRA in place (the backend interface for a y that exists already): the shrink, then the
+    kernel's epilogue alone over y (no base GEMM). The model calls ``linear_apply`` instead."""
+    if launch_count <= 0:
+        return
+    h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
+    _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None, pdl_enabled(x.device))
