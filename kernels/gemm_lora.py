@@ -163,10 +163,10 @@ def default_config(tokens: int, k: int, n: int) -> GemmConfig:
     """Decode sizes (up to 64 tokens) are a GEMV over W: one M tile of all the tokens, narrow N
     tiles so the grid has a program or two per SM, deep K steps in flight. Prefill sizes: square
     tiles. Measured on an H200 (BENCHMARKS.md, "LoRA inside the GEMM")."""
+    if tokens <= 16:
+        return GemmConfig(16, 32, 256, num_warps=4, num_stages=3)
     if tokens <= 64:
-        block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-        block_n = 64 if n >= 8192 else 32
-        return GemmConfig(block_m, block_n, 256, num_warps=4, num_stages=4)
+        return GemmConfig(32 if tokens <= 32 else 64, 32, 128, num_warps=4, num_stages=4 if tokens <= 32 else 3)
     return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 

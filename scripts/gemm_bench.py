@@ -8,7 +8,7 @@ Base: for each LoRA linear's shape (qkv, o, gate_up, down) and token count, one 
 ``REPEAT`` GEMMs over ``COPIES`` weight copies in turn (more bytes than the L2 holds, so every GEMM
 streams its weight from HBM, as in a step), timed with CUDA events against the same graph of
 ``torch.matmul`` (cuBLAS), the two replayed alternately. ``--grid`` also times a small grid of
-tilings at those token counts and reports the best. Each kernel's result is checked against torch.
+tilings at those token counts (first model only) and reports the best. Each kernel's result is checked against torch.
 
 Points (max_loras:tokens:active adapters, launched = active): per linear, the LoRA overhead of
 ``triton`` (cuBLAS, then lorabench's shrink + expand) and ``gemm`` (the shrink, then the GEMM with
@@ -164,12 +164,18 @@ def main() -> None:
     points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",") if p]
     rows = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "base": [], "lora": []}
     print(f"{rows['device']}; bf16; µs per GEMM, median of {REPLAYS} replays of {REPEAT} over {COPIES} weight copies")
-    for model in args.models.split(","):
+    models = args.models.split(",")
+    for model in models:
         cfg = resolve(model)
         for lname, (k, slices) in lora_linears(cfg).items():
             n = sum(slices)
             for t in tokens:
-                r = bench_base(lname, k, n, t, t in grid)
+                try:
+                    r = bench_base(lname, k, n, t, t in grid and model == models[0])
+                except Exception as err:  # one line, and the next shape
+                    print(f"{model:13s} {lname:8s} [{n}x{k}] M={t:<5d} failed: {type(err).__name__}: {str(err)[:160]}")
+                    rows["base"].append({"model": model, "linear": lname, "k": k, "n": n, "tokens": t, "failed": str(err)})
+                    continue
                 rows["base"].append({"model": model, **r})
                 best = "" if r["best"] == "default" else f"  best {r['best_us']:.2f} ({r['best_vs_cublas']:.3f}x) {r['best']}"
                 print(f"{model:13s} {lname:8s} [{n}x{k}] M={t:<5d} cublas {r['cublas_us']:8.2f}  gemm {r['gemm_us']:8.2f} "
