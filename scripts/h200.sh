@@ -59,6 +59,7 @@
 #            in other steps and warps (MB_PER_ENTRY A_ELEMENTS:WARPS,...): $OUT/bench-<model>.json
 #   gemm-bench - scripts/gemm_bench.py: the gemm backend's base GEMM vs cuBLAS at llama-2-7b's and Llama-3.1-8B's linears
 #            (decode and prefill token counts, a grid of tilings at GB_GRID), and each linear's LoRA overhead, triton vs gemm
+#   gemm-sweep - sweeps/gemm.toml (GS_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/gemm/
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   load-paths - every load path (per-slice, one-copy, pageable, overlapped, storage cold/warm) and the host link, for
 #            Llama-3.1-8B with 4 PEFT adapters (scripts/peft_adapters.py) at each rank of LP_RANKS (16 64 128): results/load-paths/
@@ -187,6 +188,10 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
     gemm-bench)  # the gemm backend's base GEMM vs cuBLAS per shape (a grid of tilings at GB_GRID), each linear's LoRA overhead
       timeout -s INT "${STAGE_TIMEOUT:-3000}" python3 scripts/gemm_bench.py --grid "${GB_GRID:-1,32,2048}" ${GB_ARGS:-} \
         --json "$OUT/gemm-bench.json" 2>&1 | tee -a "$OUT/gemm-bench.log" | tail -n 80 ;;
+    gemm-sweep)  # sweeps/gemm.toml: the gemm backend against the pair and vLLM's kernels in whole steps: results/gemm/
+      /usr/bin/time -f "gemm-sweep wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
+        --spec sweeps/gemm.toml ${GS_ARGS:-} --out results/gemm 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
+      tar czf "$OUT/gemm.tgz" results/gemm ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/
       /usr/bin/time -f "moe-adapters wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
         --spec sweeps/moe-adapters.toml --out results/moe-adapters 2>&1 | tail -n 12 | tee -a "$OUT/stages.log"

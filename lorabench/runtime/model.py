@@ -34,7 +34,7 @@ from lorabench.runtime.moe import MoEMLP
 class LoRAStep:
     """What one forward needs to apply LoRA: the backend, the batch metadata, the launch count."""
 
-    backend: object  # a kernels backend module: lora_apply, NEEDS_ZEROED_SCRATCH
+    backend: object  # a kernels backend module: lora_apply (or linear_apply), NEEDS_ZEROED_SCRATCH
     meta: LoRAMeta
     launch_count: int
     scale: float
@@ -74,6 +74,10 @@ class LoRALinear(nn.Module):
                 self.lora_b.data[slot, :, r:] = 0
 
     def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor):
+        linear_apply = getattr(lora.backend, "linear_apply", None) if lora is not None else None
+        if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
+            return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
+                                lora.launch_count, lora.scale, scratch)
         y = F.linear(x, self.weight, self.bias)
         if lora is not None:  # slice_starts may end before y does: a fully sharded rank's share of the outputs (offset 0)
             lora.backend.lora_apply(
