@@ -7,18 +7,21 @@ its read-modify-write of y (y is written once, rounded once), at the price of ru
 GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
 measures both side by side).
 
-A program owns one output tile ``y[BLOCK_M rows, BLOCK_N columns]``. After its K loop it adds the
-LoRA of every launched slot at once, as one dot over the launched slots' ranks side by side
-(column ``j`` of that axis is rank ``j % R`` of slot ``active_slots[j // R]``):
+A program owns one output tile ``y[BLOCK_M rows, BLOCK_N columns]``. It adds the LoRA of every
+launched slot and slice at once, as one dot over a slot-rank axis (column ``j`` is rank ``j % R`` of
+slice ``(j // R) % S`` of launched slot ``active_slots[j // (S·R)]``):
 
-    hm[m, j]  = h[m, s·R + j % R]   if token m's slot is active_slots[j // R], else 0
-    acc[m, n] += Σ_j hm[m, j] · B[active_slots[j // R]][n, j % R]        for the columns n of slice s
+    hm[m, j]  = h[m, s·R + r]   if token m's slot is the column's slot, else 0
+    b[j, n]   = B[slot][n, r]   if output column n lies in the column's slice, else 0
+    acc[m, n] += Σ_j hm[m, j] · b[j, n]
 
-so each program reads its columns of every launched slot's B once (over all programs: each B
-once, the bytes floor of the expand) and its rows of h; a slot that is -1 (fewer active than
-launched) is masked out, and so is a base-model token (slot -1). The launch count sizes the
-epilogue's loop, not the grid: the GEMM's grid covers y whatever the count. A token whose slot lies
-past the launch count gets no LoRA, like the other backends' grids.
+so each program reads its columns of every active slot's B once (over all programs: each B once,
+the expand's bytes floor) and its rows of h. Only the active slots' columns are walked (the
+launched ids past them are -1); a base-model token (slot -1) matches none. The first
+``BLOCK_J`` columns' operands load before the K loop, so their latency (the launched ids, then h
+and B) hides behind the weight's stream instead of following it. The launch count bounds that walk, not the
+grid: the grid covers y whatever the count. A token whose slot lies past the launch count gets no
+LoRA, like the other backends' grids.
 """
 
 from dataclasses import asdict, dataclass
@@ -32,7 +35,8 @@ from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
 from .shrink import lora_shrink
-from .tiles import slice_bounds
+
+MAX_BLOCK_J = 128  # slot-rank columns the epilogue holds at once (its first step's loads stay in registers over the K loop)
 
 # The shrink splits K with fp32 atomics into the model's scratch: it must start at zero.
 NEEDS_ZEROED_SCRATCH = True
@@ -54,28 +58,51 @@ def _expand_tile(h, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr, n1, n2,
+                n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J: tl.constexpr):
+    """The epilogue's operands for slot-rank columns [j0, j0 + BLOCK_J): hm [BLOCK_M, BLOCK_J] (h
+    where the token's slot is the column's, else 0) and b [BLOCK_J, BLOCK_N] (the column's slot's
+    B over the tile's columns of the column's slice, else 0). Column j is rank j % R of slice
+    (j // R) % S of launched slot j // (S·R); ``live`` of them hold an active slot."""
+    offs_j = j0 + tl.arange(0, BLOCK_J)
+    in_j = offs_j < live
+    slot_j = tl.load(active_ptr + offs_j // (S * R), mask=in_j, other=-1)
+    s_j = (offs_j // R) % S
+    r_j = offs_j % R
+    lo_j = tl.where(s_j == 0, 0, tl.where(s_j == 1, n1, n2))
+    hi_j = tl.where(s_j == 0, n1, tl.where(s_j == 1, n2, n3))
+    match = (token_slot[:, None] == slot_j[None, :]) & in_j[None, :] & m_mask[:, None]
+    hm = tl.load(h_ptr + rows[:, None] * stride_hm + (s_j * R + r_j)[None, :], mask=match, other=0.0)
+    cols_ok = in_j[:, None] & n_mask[None, :] & (offs_n[None, :] >= lo_j[:, None]) & (offs_n[None, :] < hi_j[:, None])
+    b = tl.load(b_ptr + slot_j.to(tl.int64)[:, None] * stride_bl + cols[None, :] * stride_bn + r_j[:, None],
+                mask=cols_ok, other=0.0)
+    return hm, b
+
+
+@triton.jit
 def _gemm_lora_kernel(
     x_ptr,  # [T, K] input activations
     w_ptr,  # [N, K] base weight (unused without HAS_BASE)
     bias_ptr,  # [N] base bias (HAS_BIAS only)
-    y_ptr,  # [T, N] out; read first when ACCUMULATE (y += LoRA, no base GEMM)
+    y_ptr,  # [T, N] out; read first without HAS_BASE (y += LoRA)
     h_ptr,  # [T, S·R] float32: the shrink's scale · x·A[slot]ᵀ, slice s at columns s·R..
     b_ptr,  # [L, N_lora, R] stacked B weights (the slices along the output axis)
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
-    active_ptr,  # [>= launch count] active slot ids, -1 past the batch's active count
+    active_ptr,  # [>= launch count] active slot ids first, then -1
     T, N, K,
     R,  # rank: h's columns per slice, B's columns
-    NJ,  # launch count · R: the epilogue's slot-rank axis
-    n1, n2, n3,  # slice boundaries in y's columns (slice s: [n_s, n_{s+1}), n0 = 0)
+    S,  # slices (1..3)
+    LAUNCH,  # launch count: the active slots looked at
+    n1, n2, n3,  # slice ends in y's columns (slice s: [n_s, n_{s+1}), n0 = 0)
     stride_xm, stride_wn, stride_ym, stride_hm, stride_bl, stride_bn,
-    HAS_BASE: tl.constexpr,  # compute x·Wᵀ (else y's own values are the base: ACCUMULATE)
+    HAS_BASE: tl.constexpr,  # compute x·Wᵀ (else y's own values are the base)
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,  # add the epilogue (a launch count of 0 leaves it out)
-    SLICES: tl.constexpr,  # 1..3
     BLOCK_M: tl.constexpr,  # token rows per tile
     BLOCK_N: tl.constexpr,  # output columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
-    BLOCK_J: tl.constexpr,  # slot-rank columns per epilogue step
+    BLOCK_J: tl.constexpr,  # slot-rank columns per epilogue step; the first step's loads go before the K loop
+    LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
     GROUP_M: tl.constexpr,  # M tiles walked together (L2 reuse of W across M tiles at prefill sizes)
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch at once
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
@@ -98,6 +125,14 @@ def _gemm_lora_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     pdl_wait(USE_PDL)
 
+    if HAS_LORA:  # the epilogue's first operands load now, so their latency hides behind the K loop
+        offs_l = tl.arange(0, LAUNCH_PAD)
+        launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
+        live = tl.sum((launched >= 0).to(tl.int32), axis=0) * S * R  # active slots come first
+        token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
+        hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
+                            n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J)
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BASE:
         for k0 in range(0, K, BLOCK_K):
@@ -119,22 +154,11 @@ def _gemm_lora_kernel(
         acc += tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
 
     if HAS_LORA:
-        token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
-        n_lo = pid_n * BLOCK_N
-        for s in tl.static_range(SLICES):
-            lo, hi, _ = slice_bounds(s, n1, n2, n3)
-            if (n_lo < hi) & (n_lo + BLOCK_N > lo):  # this tile holds some of slice s's columns
-                col_mask = n_mask & (offs_n >= lo) & (offs_n < hi)
-                for j0 in range(0, NJ, BLOCK_J):
-                    offs_j = j0 + tl.arange(0, BLOCK_J)
-                    slot_j = tl.load(active_ptr + offs_j // R, mask=offs_j < NJ, other=-1)
-                    r_j = offs_j % R
-                    live = slot_j >= 0
-                    match = (token_slot[:, None] == slot_j[None, :]) & live[None, :] & m_mask[:, None]
-                    hm = tl.load(h_ptr + rows[:, None] * stride_hm + (s * R + r_j)[None, :], mask=match, other=0.0)
-                    b = tl.load(b_ptr + slot_j.to(tl.int64)[:, None] * stride_bl + cols[None, :] * stride_bn
-                                + r_j[:, None], mask=live[:, None] & col_mask[None, :], other=0.0)
-                    acc += _expand_tile(hm, b, UPCAST)
+        acc += _expand_tile(hm, b, UPCAST)
+        for j0 in range(BLOCK_J, live, BLOCK_J):  # more slot-rank columns than one step holds
+            hm, b = _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
+                                n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J)
+            acc += _expand_tile(hm, b, UPCAST)
     tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -161,13 +185,17 @@ def shape_key(tokens: int, k: int, n: int) -> tuple:
 
 def default_config(tokens: int, k: int, n: int) -> GemmConfig:
     """Decode sizes (up to 64 tokens) are a GEMV over W: one M tile of all the tokens, narrow N
-    tiles so the grid has a program or two per SM, deep K steps in flight. Prefill sizes: square
-    tiles. Measured on an H200 (BENCHMARKS.md, "LoRA inside the GEMM")."""
+    tiles so the grid has a program or more per SM, deep K steps in flight (4-5 stages). Prefill
+    sizes: wide square tiles. The best of a grid of tilings per shape on an H200
+    (``scripts/gemm_bench.py --grid``; BENCHMARKS.md, "LoRA inside the GEMM")."""
+    wide = n >= 16384  # gate_up: enough N tiles at 64 columns
     if tokens <= 16:
-        return GemmConfig(16, 32, 256, num_warps=4, num_stages=3)
+        return GemmConfig(16, 64, 128, num_stages=4) if wide else GemmConfig(16, 32, 256, num_stages=5)
+    if tokens <= 32:
+        return GemmConfig(32, 64, 128, num_stages=4) if wide else GemmConfig(32, 32, 128, num_stages=4)
     if tokens <= 64:
-        return GemmConfig(32 if tokens <= 32 else 64, 32, 128, num_warps=4, num_stages=4 if tokens <= 32 else 3)
-    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+        return GemmConfig(64, 64, 128, num_stages=5) if wide else GemmConfig(64, 32, 256, num_stages=4)
+    return GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
 
 
 def config_for(tokens: int, k: int, n: int) -> GemmConfig:
@@ -191,27 +219,28 @@ def config_dict(cfg: GemmConfig) -> dict:
 
 
 def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, config, pdl):
-    tokens = y.shape[0]
-    n = y.shape[1]
+    tokens, n = y.shape
     k = x.shape[1] if weight is not None else 0
     lora = launch_count > 0
     slices = len(slice_starts) - 1 if lora else 1
     if slices > MAX_SLICES:
         raise ValueError(f"{slices} slices: the gemm kernel takes at most {MAX_SLICES}")
-    bounds = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices) if lora else [0, 0, 0]
+    # n1, n2: the slices' ends past the first (a slice past the last ends where the last does)
+    ends = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices) if lora else [0, 0, 0]
     rank = lora_b.shape[2] if lora else 1
     cfg = config or config_for(tokens, k, n)
-    block_j = min(64, max(16, triton.next_power_of_2(launch_count * rank))) if lora else 16
+    block_j = min(MAX_BLOCK_J, max(16, triton.next_power_of_2(launch_count * slices * rank))) if lora else 16
     grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     upcast = INTERPRET and y.dtype == torch.bfloat16
     _gemm_lora_kernel[grid](
         x, weight if weight is not None else y, bias if bias is not None else y, y,
         h if lora else y, lora_b if lora else y, meta.token_slot if lora else y, meta.active_slots if lora else y,
-        tokens, n, k, rank, launch_count * rank, *bounds,
+        tokens, n, k, rank, slices, max(1, launch_count), *ends,
         x.stride(0), weight.stride(0) if weight is not None else 0, y.stride(0),
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
-        HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora, SLICES=slices,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j, GROUP_M=cfg.group_m,
+        HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
+        LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), GROUP_M=cfg.group_m,
         USE_PDL=pdl, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 

@@ -18,6 +18,7 @@ step estimate (the four linears × the model's layers). Results are checked agai
 
 import argparse
 import json
+import os
 import random
 
 import numpy as np
@@ -54,8 +55,8 @@ def rel(out, ref) -> float:
 def grid_configs(tokens: int) -> list:
     bm = gemm_lora.default_config(tokens, 4096, 4096).block_m
     if tokens > 64:
-        return [gemm_lora.GemmConfig(m, n, k, w, s) for m, n in ((64, 128), (128, 128), (128, 256))
-                for k in (32, 64) for w in (4, 8) for s in (3, 4)]
+        return [gemm_lora.GemmConfig(m, n, k, w, s, g) for m, n in ((128, 128), (128, 256), (256, 128))
+                for k in (64, 128) for w in (8,) for s in (3, 4) for g in (8,)]
     return [gemm_lora.GemmConfig(bm, n, k, w, s) for n in (16, 32, 64, 128) for k in (128, 256, 512)
             for w in (4, 8) for s in (3, 4, 5) if n * k <= 32768]
 
@@ -138,6 +139,11 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             out["gemm"] = gemm_lora.linear_apply(x, ws[i % COPIES], None, a, b, starts, meta.meta, active, 0.5, scratch[i])
 
     graphs = {"cublas": capture_graph(cublas), "triton": capture_graph(pair), "gemm": capture_graph(gemm)}
+    os.environ["LORABENCH_PDL"] = "0"
+    try:
+        graphs["gemm/no-pdl"] = capture_graph(gemm)
+    finally:
+        os.environ.pop("LORABENCH_PDL")
     res = timed(graphs)
     for g in graphs.values():
         g.replay()
@@ -147,6 +153,7 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
     return {"linear": name, "max_loras": max_loras, "tokens": tokens, "active": active, "cublas_us": res["cublas"][0],
             "triton_over_us": res["triton"][0] - res["cublas"][0], "gemm_over_us": res["gemm"][0] - res["cublas"][0],
             "triton_spread_us": res["triton"][1], "gemm_spread_us": res["gemm"][1],
+            "gemm_nopdl_over_us": res["gemm/no-pdl"][0] - res["cublas"][0],
             "triton_err": rel(out["triton"], ref), "gemm_err": rel(out["gemm"], ref)}
 
 
@@ -185,9 +192,10 @@ def main() -> None:
             rows["lora"].extend({"model": model, **r} for r in per)
             layers = cfg.layers
             step = {v: sum(r[f"{v}_over_us"] for r in per) * layers / 1000 for v in ("triton", "gemm")}
-            cells = "  ".join(f"{r['linear']} {r['triton_over_us']:.2f}/{r['gemm_over_us']:.2f}" for r in per)
+            cells = "  ".join(f"{r['linear']} {r['triton_over_us']:.2f}/{r['gemm_over_us']:.2f}/{r['gemm_nopdl_over_us']:.2f}"
+                              for r in per)
             worst = max(max(r["triton_err"], r["gemm_err"]) for r in per)
-            print(f"{model:13s} ({max_loras},{t},{active}) triton/gemm µs: {cells}  step≈ triton {step['triton']:.3f} ms, "
+            print(f"{model:13s} ({max_loras},{t},{active}) triton/gemm/gemm-no-pdl µs: {cells}  step≈ triton {step['triton']:.3f} ms, "
                   f"gemm {step['gemm']:.3f} ms  max err {worst:.1e}{'  WRONG' if worst > TOLERANCE else ''}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
