@@ -186,7 +186,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
           --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
       done ;;
     gemm-bench)  # the gemm backend's base GEMM vs cuBLAS per shape (a grid of tilings at GB_GRID), each linear's LoRA overhead
-      timeout -s INT "${STAGE_TIMEOUT:-3000}" python3 scripts/gemm_bench.py --grid "${GB_GRID:-1,32,2048}" ${GB_ARGS:-} \
+      timeout -s INT "${STAGE_TIMEOUT:-3000}" python3 scripts/gemm_bench.py --grid "${GB_GRID-1,32,2048}" ${GB_ARGS:-} \
         --json "$OUT/gemm-bench.json" 2>&1 | tee -a "$OUT/gemm-bench.log" | tail -n 80 ;;
     gemm-sweep)  # sweeps/gemm.toml: the gemm backend against the pair and vLLM's kernels in whole steps: results/gemm/
       /usr/bin/time -f "gemm-sweep wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \

@@ -43,7 +43,7 @@ def test_cases_cover_every_servable_graph_smallest_first():
     assert any(c.n_active == 3 and c.base == 0 for c in cs) and any(c.n_active == 3 and c.base > 0 for c in cs)
 
 
-@pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("torch", "[3,4]"), ("triton", "pow2"), ("fused", "pow2"),
+@pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("torch", "[3,4]"), ("triton", "pow2"), ("fused", "pow2"), ("gemm", "pow2"),
                                              ("fused", "agnostic"), ("torch", "agnostic")])
 def test_lorabench_dispatch_is_correct(kernels, strategy):
     # Triton's interpreter on the CPU: one layer and buckets 1 and 2 (tests/test_graphs.py runs

@@ -74,7 +74,7 @@ def mismatches(d: Dispatcher, seed: int, first: bool = False):
 STRATEGIES = ["max", "pow2", "dense", "[3,4]"]
 
 
-@pytest.mark.parametrize("strategy,kernels", [(s, k) for k in ["triton", "fused", "torch"] for s in STRATEGIES
+@pytest.mark.parametrize("strategy,kernels", [(s, k) for k in ["triton", "fused", "gemm", "torch"] for s in STRATEGIES
                                               if HAS_CUDA or k == "torch" or s == "pow2"])
 def test_every_graph_matches_reference(kernels, strategy):
     d = build(kernels, strategy)
@@ -105,7 +105,7 @@ def test_every_key_is_served():
     assert seen == set(d.keys)
 
 
-@pytest.mark.parametrize("kernels", ["triton", "fused", "torch"])
+@pytest.mark.parametrize("kernels", ["triton", "fused", "gemm", "torch"])
 def test_check_catches_a_launch_count_one_short(kernels, monkeypatch):
     """The check can fail: a dispatcher that rounds the count down on a mixed batch (the class
     of bug docs/design.md warns about) is caught."""

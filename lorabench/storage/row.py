@@ -36,7 +36,7 @@ class Row:
     hidden: int | None = column("hidden size")
     rank: int | None = column("LoRA rank")
     dtype: str | None = column("`float16`, `bfloat16` or `float32`")
-    kernels: str | None = column("kernel backend label: `triton`, `fused`, `torch`, `vllm`, or `<backend>+tuned`")
+    kernels: str | None = column("kernel backend label: `triton`, `fused`, `gemm`, `torch`, `vllm`, or `<backend>+tuned`")
     max_loras: int | None = column("resident adapter slots")
     strategy: str | None = column(
         "canonical strategy name (`max`, `pow2`, `dense`, `agnostic`, `auto`, or a list like `[1,2,4]`)")

@@ -1,0 +1,133 @@
+"""The gemm backend's whole linear (``linear_apply``: base GEMM + bias + LoRA in its epilogue)
+against plain torch, on batches mixing base-model and adapter tokens at every launch count."""
+
+import random
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA
+from lorabench.kernels import gemm_lora
+from lorabench.kernels.reference import lora_delta
+
+from lorabench.runtime.lora_meta import MetaBuffer
+
+# Triton's CPU interpreter returns garbage from bf16 dots (the kernels upcast there): bf16 on the GPU.
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
+TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3 if HAS_CUDA else 1e-4}
+
+
+def case(tokens, k, widths, rank, max_loras, dtype, base_frac=0.3, seed=0, bias=True, a_rows=None):
+    """Inputs, weights and a batch; ``a_rows``: A's rows per slice (rank / TP: a fully sharded rank)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    n = sum(widths)
+    rows = a_rows or rank
+    x = torch.randn(tokens, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b0 = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    a = (torch.randn(max_loras, len(widths) * rows, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(max_loras, n, rank, generator=g).to(DEVICE, dtype)
+    slots = [-1 if rnd.random() < base_frac else rnd.randrange(max_loras) for _ in range(tokens)]
+    return x, w, b0, a, b, slots
+
+
+def starts_of(widths):
+    return tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
+
+
+def run(x, w, bias, a, b, slots, starts, max_loras, launch, rank=None):
+    buf = MetaBuffer(x.shape[0], max_loras, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    rank = rank or b.shape[2]
+    scratch = torch.zeros(x.shape[0], (len(starts) - 1) * rank, dtype=torch.float32, device=DEVICE)
+    y = gemm_lora.linear_apply(x, w, bias, a, b, starts, buf.meta, launch, 0.5, scratch)
+    launched = set(buf.meta.active_slots[:launch].tolist()) - {-1}
+    served = torch.tensor([s if s in launched else -1 for s in slots], device=DEVICE)
+    ref = x.float() @ w.float().t() + (bias.float() if bias is not None else 0)
+    return y, ref, served
+
+
+def close(out, ref, dtype):
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(out).all() and err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rank", [1, 8, 16, 100, 512])
+def test_whole_linear_matches_torch_at_every_rank(dtype, rank):
+    widths = (40, 24, 24)  # q/k/v-like slices of unequal width, none a multiple of the N tile
+    x, w, bias, a, b, slots = case(9, 96, widths, rank, 4, dtype, seed=rank)
+    y, base, served = run(x, w, bias, a, b, slots, starts_of(widths), 4, 4)
+    close(y, base + lora_delta(x, a, b, starts_of(widths), served, 0.5), dtype)
+    # the LoRA is really there, and base-model rows carry none of it
+    is_base = torch.tensor([s < 0 for s in slots], device=DEVICE)
+    assert (y[~is_base].float() - base[~is_base]).abs().max() > 1e-2
+    close(y[is_base], base[is_base], dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 17, 64, 130])  # one M tile of every decode size, and several (prefill)
+@pytest.mark.parametrize("widths", [(72,), (48, 48), (32, 16, 16)], ids=["1slice", "2slices", "3slices"])
+def test_token_counts_and_slices(tokens, widths):
+    x, w, bias, a, b, slots = case(tokens, 64, widths, 16, 4, torch.float16, seed=tokens)
+    y, base, served = run(x, w, bias, a, b, slots, starts_of(widths), 4, 4)
+    close(y, base + lora_delta(x, a, b, starts_of(widths), served, 0.5), torch.float16)
+
+
+@pytest.mark.parametrize("launch", [1, 2, 3, 6])
+def test_launch_count_below_the_active_count_serves_only_the_launched(launch):
+    """A graph launched for fewer slots than the batch holds serves the first ``launch`` active
+    slots only (what a too-small grid does; the dispatcher must never let it happen)."""
+    x, w, bias, a, b, _ = case(12, 64, (48, 16), 16, 6, torch.float32)
+    slots = [0, 1, 2, 3, 4, 5, -1, 5, 4, 3, 2, 1]
+    y, base, served = run(x, w, bias, a, b, slots, starts_of((48, 16)), 6, launch)
+    assert len(set(served.tolist()) - {-1}) == launch
+    close(y, base + lora_delta(x, a, b, starts_of((48, 16)), served, 0.5), torch.float32)
+
+
+def test_launch_count_zero_is_the_base_gemm_alone():
+    x, w, bias, a, b, slots = case(5, 64, (48,), 16, 2, torch.float32)
+    y, base, _ = run(x, w, bias, a, b, slots, starts_of((48,)), 2, 0)
+    close(y, base, torch.float32)
+    close(gemm_lora.base_linear(x, w, bias), base, torch.float32)
+    close(gemm_lora.base_linear(x, w), x.float() @ w.float().t(), torch.float32)
+
+
+def test_many_slots_take_several_epilogue_steps():
+    """32 slots of rank 16 over 3 slices: 1536 slot-rank columns, 12 steps of the epilogue."""
+    widths = (32, 16, 16)
+    x, w, bias, a, b, _ = case(40, 32, widths, 16, 32, torch.float32, bias=False)
+    slots = [t % 32 for t in range(32)] + [-1] * 8
+    y, base, served = run(x, w, bias, a, b, slots, starts_of(widths), 32, 32)
+    close(y, base + lora_delta(x, a, b, starts_of(widths), served, 0.5), torch.float32)
+
+
+def test_all_base_tokens_and_no_bias():
+    x, w, _, a, b, _ = case(4, 64, (48,), 16, 2, torch.float16, bias=False)
+    y, base, _ = run(x, w, None, a, b, [-1] * 4, starts_of((48,)), 2, 2)
+    close(y, base, torch.float16)
+
+
+def test_fully_sharded_shapes():
+    """A fully sharded rank: A holds R / TP rows per slice (the rest of h is other ranks'), and a
+    row-parallel rank's LoRA updates only the first N / TP outputs (slices end before y does)."""
+    x, w, bias, a, b, slots = case(6, 64, (32, 32), 16, 3, torch.float32, a_rows=8)
+    y, base, served = run(x, w, bias, a, b, slots, starts_of((32, 32)), 3, 3)
+    close(y, base + lora_delta(x, a, b, starts_of((32, 32)), served, 0.5), torch.float32)
+    # row-parallel: 64 outputs, LoRA on the first 32
+    x, w, bias, a, _, slots = case(6, 64, (64,), 16, 3, torch.float32)
+    b = torch.randn(3, 32, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    y, base, served = run(x, w, bias, a, b, slots, (0, 32), 3, 3)
+    delta = lora_delta(x, a, b, (0, 32), served, 0.5)
+    close(y[:, :32], base[:, :32] + delta, torch.float32)
+    close(y[:, 32:], base[:, 32:], torch.float32)
+
+
+def test_default_tilings_fit_an_h200s_shared_memory():
+    """The pipelined tiles of every default tiling (stages × (x tile + W tile), 16-bit) fit in the
+    227 KiB an H200's block may take: a tiling past it fails to launch (OutOfResources)."""
+    for tokens in (1, 16, 17, 32, 33, 64, 65, 8192):
+        for n in (1024, 4096, 12288, 22016, 28672):
+            cfg = gemm_lora.default_config(tokens, 4096, n)
+            shared = cfg.num_stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * 2
+            assert shared <= 227 * 1024, (tokens, n, cfg)
+            assert cfg.block_m >= min(tokens, 64)  # decode: all the tokens in one M tile
