@@ -24,7 +24,7 @@ grid: the grid covers y whatever the count. A token whose slot lies past the lau
 LoRA, like the other backends' grids.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -198,6 +198,22 @@ def default_config(tokens: int, k: int, n: int) -> GemmConfig:
     return GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
 
 
+SHARED_BYTES = 200 * 1024  # what a block's pipelined tiles may take (an H200 has 227 KiB; the epilogue needs some)
+
+
+def fitting(cfg: GemmConfig, element_size: int) -> GemmConfig:
+    """``cfg`` with K steps halved, then stages cut, until its pipelined x and W tiles fit in
+    ``SHARED_BYTES`` at this element size (the tilings are chosen for 16-bit weights; fp32 doubles them)."""
+    def shared(c):
+        return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * element_size
+
+    while shared(cfg) > SHARED_BYTES and cfg.block_k > 32:
+        cfg = replace(cfg, block_k=cfg.block_k // 2)
+    while shared(cfg) > SHARED_BYTES and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
 def config_for(tokens: int, k: int, n: int) -> GemmConfig:
     """The tuned config of the nearest tuned token bucket with the same K and N, else the default."""
     same = [key for key in TUNED_CONFIGS if key[2:] == (k, n)]
@@ -228,7 +244,7 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     # n1, n2: the slices' ends past the first (a slice past the last ends where the last does)
     ends = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices) if lora else [0, 0, 0]
     rank = lora_b.shape[2] if lora else 1
-    cfg = config or config_for(tokens, k, n)
+    cfg = config or fitting(config_for(tokens, k, n), y.element_size())
     block_j = min(MAX_BLOCK_J, max(16, triton.next_power_of_2(launch_count * slices * rank))) if lora else 16
     grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     upcast = INTERPRET and y.dtype == torch.bfloat16
