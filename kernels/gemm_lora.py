@@ -34,6 +34,7 @@ from . import MAX_SLICES
 from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
+from . import lora_configs
 from .shrink import lora_shrink
 
 MAX_BLOCK_J = 128  # slot-rank columns the epilogue holds at once (its first step's loads stay in registers over the K loop)
@@ -223,7 +224,9 @@ def config_for(tokens: int, k: int, n: int) -> GemmConfig:
 
 
 def load_tuned(entries: list[dict]) -> None:
-    """Install the gemm entries of a tune (``{"kernel": "gemm", "shape": [...], "config": {...}}``)."""
+    """Install the gemm entries of a tune (``{"kernel": "gemm", "shape": [...], "config": {...}}``)
+    and the triton entries for its shrink (the pair's tuned shrink)."""
+    lora_configs.load_tuned(entries)
     TUNED_CONFIGS.clear()
     for e in entries:
         if e.get("kernel") == "gemm":

@@ -479,3 +479,27 @@ def test_a_tune_shows_its_progress_and_the_sweep_it_prints_runs(tmp_path):
         assert main(argv + ["--strategy", "max", "--layers", "1", "--iters", "2", "--warmup", "1", "--out", str(runs)]) == 0
     df = pd.read_parquet(next(runs.glob("*/points.parquet")))
     assert set(df.kernels) == {"fused", "fused+tuned"} and (df.status == "ok").all() and df.correct.all()
+
+
+@pytest.mark.e2e
+def test_the_gemm_backend_tunes_its_gemm_per_tokens_k_and_n(tmp_path):
+    """--kernels gemm times its GEMM per (tokens, K, N) (default first, then candidates) and writes
+    entries that gemm_lora.load_tuned installs (gemm+tuned runs them)."""
+    from lorabench.kernels import gemm_lora
+
+    assert main(["tune", "--model", "tiny", "--kernels", "gemm", "--tokens", "1", "--max-loras", "2",
+                 "--budget-s", "0.01", "--out", str(tmp_path), "--dtype", "float16"]) == 0
+    shapes = by_shape(cache_rows(tmp_path))
+    assert {k[:2] for k in shapes} == {("gemm", "gemm")} and len(shapes) == 4  # qkv, o, gate_up, down
+    for (_, _, key), rows in shapes.items():
+        assert key[:2] == ("gemm", 1) and rows[0]["default"] and rows[0]["status"] == "ok" and len(rows) >= 2
+        assert rows[0]["config"] == gemm_lora.config_dict(gemm_lora.default_config(*key[1:]))
+    entries = tune_files.tuned_table(tmp_path)
+    assert {e["kernel"] for e in entries} == {"gemm"} and len(entries) == 4
+    try:
+        gemm_lora.load_tuned(entries)
+        for e in entries:
+            assert gemm_lora.config_for(*e["shape"][1:]) == gemm_lora.GemmConfig(**e["config"])
+    finally:
+        gemm_lora.load_tuned([])
+    assert "## gemm" in (tmp_path / "tune.md").read_text()

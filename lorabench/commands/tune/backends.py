@@ -16,7 +16,7 @@ import triton
 from lorabench.commands.tune.shapes import SMEM_BYTES, Shape
 from lorabench.config.batches import fixed_batch
 from lorabench.config.strategies import STRATEGIES, Vllm
-from lorabench.kernels import expand, fused_lora, launch, lora_configs, meta, shrink, tiles, triton_lora, vllm_lora
+from lorabench.kernels import expand, fused_lora, gemm_lora, launch, lora_configs, meta, shrink, tiles, triton_lora, vllm_lora
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.vllm_rules import VllmRules
 
@@ -85,7 +85,7 @@ class TuneBackend:
 
 # Every module whose source decides what lorabench's kernels compute or how fast: a change to any
 # of them makes earlier tune timings stale.
-KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora)
+KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora, gemm_lora)
 
 
 def _source_hash() -> str:
@@ -173,6 +173,45 @@ class Fused(TritonPair):
         fc = fused_lora.FusedConfig(**cfg)
         return lambda: fused_lora.lora_apply(pr.output, pr.x, pr.lora_a, pr.lora_b, pr.starts, pr.meta.meta,
                                              pr.shape.active, 1.0, config=fc)
+
+
+class GemmProblem(LorabenchProblem):
+    """The base weight besides the LoRA inputs, and the [T, N] output the GEMM writes."""
+
+    def __init__(self, shape, rank, dtype, device, seed):
+        super().__init__(shape, rank, dtype, device, seed)
+        self.weight = self.randn(sum(shape.slices), shape.k, std=shape.k**-0.5)
+        self.output = torch.zeros(shape.tokens, sum(shape.slices), dtype=dtype, device=device)
+
+
+class Gemm(TritonPair):
+    """The gemm backend's GEMM (its epilogue expanding one adapter's tokens), tuned per (tokens, K,
+    N): its base GEMM's tiling is what sets its time. Its shrink is the pair's, tuned by ``triton``."""
+
+    name = "gemm"
+
+    def shapes(self, linear, k, slices, tokens, max_loras, rank):
+        return [Shape(self.name, "gemm", key=gemm_lora.shape_key(tokens, k, sum(slices)), linear=linear, k=k,
+                      slices=slices, tokens=tokens, max_loras=max_loras, active=1)]
+
+    def default(self, shape):
+        return gemm_lora.config_dict(gemm_lora.default_config(*shape.key[1:]))
+
+    def space(self, shape):
+        return gemm_lora.SEARCH_SPACE
+
+    def waste(self, shape, c, rank, elem, sm90, default):
+        bm, bn, bk, stages = c["block_m"], c["block_n"], c["block_k"], c["num_stages"]
+        redundant = bk > max(16, p2(shape.k)) or bn > max(16, p2(sum(shape.slices)))
+        return _waste(redundant, stages * (bm * bk + bk * bn) * elem)
+
+    def problem(self, shape, rank, dtype, device, seed):
+        return GemmProblem(shape, rank, dtype, device, seed)
+
+    def launcher(self, pr, cfg):
+        gc = gemm_lora.GemmConfig(**cfg)
+        return lambda: gemm_lora._launch(pr.output, pr.x, pr.weight, None, pr.h, pr.lora_b, pr.starts, pr.meta.meta,
+                                         pr.shape.active, gc, False)
 
 
 # vLLM's kernels: the search space of vLLM's README_TUNING.md, plus the small tiles its defaults use.
@@ -264,4 +303,4 @@ def _waste(redundant: bool, smem: int) -> str | None:
     return f"~{smem // 1024} KiB of shared memory" if smem > SMEM_BYTES else None
 
 
-TUNERS: dict[str, type[TuneBackend]] = {cls.name: cls for cls in (TritonPair, Fused, VllmOps)}
+TUNERS: dict[str, type[TuneBackend]] = {cls.name: cls for cls in (TritonPair, Fused, Gemm, VllmOps)}

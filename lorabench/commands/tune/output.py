@@ -11,7 +11,7 @@ from lorabench.config.spec import build_spec
 from lorabench.config.tune_spec import TuneSpec
 from lorabench.errors import UserError
 
-LORABENCH_KERNELS = ("triton", "fused")  # their configs go to lorabench_tuned.json; vLLM's to vllm/
+LORABENCH_KERNELS = ("triton", "fused", "gemm")  # their configs go to lorabench_tuned.json; vLLM's to vllm/
 
 
 def summarise(shape, rows: list[dict], viable: int | None) -> dict:
@@ -51,7 +51,7 @@ COLUMNS = ["kernel", "linear", "shape", "default µs", "tuned µs", "speed-up", 
 
 def _cells(r: dict) -> list[str]:
     s, best = r["shape"], r["best"]
-    head = [s.kernel if s.op == "fused" else f"{s.kernel} {s.op}", s.linear, ",".join(map(str, s.key))]
+    head = [s.kernel if s.op in ("fused", "gemm") else f"{s.kernel} {s.op}", s.linear, ",".join(map(str, s.key))]
     failed = ", ".join(f"{r[k]} {k}" for k in ("pruned", "wrong") if r[k])
     tried = f"{r['tried']}/{'?' if r['viable'] is None else r['viable']}" + (f" ({failed})" if failed else "")
     if best is None:
@@ -79,7 +79,7 @@ def markdown(meta: dict, results: list[dict], earlier: int = 0, earlier_commands
                 f"{meta['launches_per_graph']} launches" if meta["device"] == "cuda" else "CPU wall time in Triton's interpreter")
              + ("; lorabench's kernels without PDL (back-to-back PDL launches overlap, which times throughput, not latency)"
                 if meta["device"] == "cuda" else ""),
-             "- shapes: triton (op, tokens, K or rank, slices·rank or widest slice, slices, launch count); fused (tokens, k, widest slice, rank, slices, launch count); vLLM (max_loras + 1, "
+             "- shapes: triton (op, tokens, K or rank, slices·rank or widest slice, slices, launch count); fused (tokens, k, widest slice, rank, slices, launch count); gemm (tokens, K, N); vLLM (max_loras + 1, "
              "slices, m, k, n), as vLLM looks them up",
              "- tried/viable: candidates timed besides the default, of those left after static pruning",
              "- `*`: tuned and default were timed in different processes (a resumed tune)", ""]

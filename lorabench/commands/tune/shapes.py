@@ -23,7 +23,7 @@ class Shape:
     timing problem is built from."""
 
     kernel: str
-    op: str  # "fused", "shrink" or "expand"
+    op: str  # "fused", "gemm", "shrink" or "expand"
     linear: str  # qkv, o, gate_up, down; "o/down" where two linears share a key
     key: tuple  # the backend's config key (lorabench's: shape_key, launch count last; vLLM's: (max_loras + 1, slices, m, k, n))
     k: int
@@ -54,7 +54,7 @@ def build_shapes(spec: TuneSpec, backends: dict) -> list[Shape]:
                 if s.linear not in old.linear.split("/"):
                     found[(s.kernel, s.op, s.key)] = replace(old, linear=f"{old.linear}/{s.linear}")
     order = list(backends)
-    return sorted(found.values(), key=lambda s: (order.index(s.kernel), ("fused", "shrink", "expand").index(s.op)))
+    return sorted(found.values(), key=lambda s: (order.index(s.kernel), ("fused", "gemm", "shrink", "expand").index(s.op)))
 
 
 def too_big(shape: Shape, c: dict) -> str | None:
