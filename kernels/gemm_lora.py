@@ -59,17 +59,21 @@ def _expand_tile(h, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr, n1, n2,
-                n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J: tl.constexpr):
+def _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr, rank_ptr, n1, n2,
+                n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J: tl.constexpr, RANKED: tl.constexpr):
     """The epilogue's operands for slot-rank columns [j0, j0 + BLOCK_J): hm [BLOCK_M, BLOCK_J] (h
     where the token's slot is the column's, else 0) and b [BLOCK_J, BLOCK_N] (the column's slot's
     B over the tile's columns of the column's slice, else 0). Column j is rank j % R of slice
-    (j // R) % S of launched slot j // (S·R); ``live`` of them hold an active slot."""
+    (j // R) % S of launched slot j // (S·R); ``live`` of them hold an active slot. RANKED: a
+    column past its slot's own rank (rounded up to 16, ``own_rank``) is left out, its B unread."""
     offs_j = j0 + tl.arange(0, BLOCK_J)
     in_j = offs_j < live
     slot_j = tl.load(active_ptr + offs_j // (S * R), mask=in_j, other=-1)
     s_j = (offs_j // R) % S
     r_j = offs_j % R
+    if RANKED:
+        own = tl.load(rank_ptr + slot_j, mask=in_j & (slot_j >= 0), other=0)
+        in_j = in_j & (r_j < tl.minimum((own + 15) // 16 * 16, R))
     lo_j = tl.where(s_j == 0, 0, tl.where(s_j == 1, n1, n2))
     hi_j = tl.where(s_j == 0, n1, tl.where(s_j == 1, n2, n3))
     match = (token_slot[:, None] == slot_j[None, :]) & in_j[None, :] & m_mask[:, None]
@@ -90,6 +94,7 @@ def _gemm_lora_kernel(
     b_ptr,  # [L, N_lora, R] stacked B weights (the slices along the output axis)
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     active_ptr,  # [>= launch count] active slot ids first, then -1
+    rank_ptr,  # [max_loras] each slot's own rank (RANKED only)
     T, N, K,
     R,  # rank: h's columns per slice, B's columns
     S,  # slices (1..3)
@@ -107,6 +112,7 @@ def _gemm_lora_kernel(
     GROUP_M: tl.constexpr,  # M tiles walked together (L2 reuse of W across M tiles at prefill sizes)
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch at once
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
+    RANKED: tl.constexpr,  # skip each slot's padding past its own rank (LoRAMeta.slot_rank)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -132,7 +138,7 @@ def _gemm_lora_kernel(
         live = tl.sum((launched >= 0).to(tl.int32), axis=0) * S * R  # active slots come first
         token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
         hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
-                            n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J)
+                            rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BASE:
@@ -158,7 +164,7 @@ def _gemm_lora_kernel(
         acc += _expand_tile(hm, b, UPCAST)
         for j0 in range(BLOCK_J, live, BLOCK_J):  # more slot-rank columns than one step holds
             hm, b = _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
-                                n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J)
+                                rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
             acc += _expand_tile(hm, b, UPCAST)
     tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
@@ -251,16 +257,17 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     block_j = min(MAX_BLOCK_J, max(16, triton.next_power_of_2(launch_count * slices * rank))) if lora else 16
     grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     upcast = INTERPRET and y.dtype == torch.bfloat16
+    ranked = lora and meta.slot_rank is not None
     _gemm_lora_kernel[grid](
         x, weight if weight is not None else y, bias if bias is not None else y, y,
         h if lora else y, lora_b if lora else y, meta.token_slot if lora else y, meta.active_slots if lora else y,
-        tokens, n, k, rank, slices, max(1, launch_count), *ends,
+        meta.slot_rank if ranked else y, tokens, n, k, rank, slices, max(1, launch_count), *ends,
         x.stride(0), weight.stride(0) if weight is not None else 0, y.stride(0),
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
         HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
         LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), GROUP_M=cfg.group_m,
-        USE_PDL=pdl, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        USE_PDL=pdl, UPCAST=upcast, RANKED=ranked, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
 
 

@@ -135,3 +135,27 @@ def test_default_tilings_fit_an_h200s_shared_memory(element_size):
             assert cfg.block_m >= min(tokens, 64)  # decode: all the tokens in one M tile
             if element_size == 2:  # the 16-bit tilings are the measured ones, untouched
                 assert cfg == gemm_lora.default_config(tokens, 4096, n)
+
+
+def test_unpadded_epilogue_never_reads_bs_padding():
+    """With ``meta.slot_rank`` the epilogue leaves out each slot's B columns past its own rank
+    (rounded up to 16): NaN there changes nothing (read, it would turn the row to NaN even times
+    a zero h)."""
+    rank, own = 64, (8, 64, 20)
+    widths = (32, 16)
+    x, w, bias, a, b, slots = case(7, 64, widths, rank, 3, torch.float32, base_frac=0.0, seed=5)
+    for slot, r in enumerate(own):
+        kept = min(rank, -(-r // 16) * 16)
+        for s in range(len(widths)):
+            a[slot, s * rank + r:(s + 1) * rank] = 0  # vLLM's zero padding
+        b[slot, :, r:kept] = 0
+        b[slot, :, kept:] = float("nan")
+    buf = MetaBuffer(7, 3, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    meta = buf.meta._replace(slot_rank=torch.tensor(own, dtype=torch.int32, device=DEVICE))
+    scratch = torch.zeros(7, len(widths) * rank, dtype=torch.float32, device=DEVICE)
+    y = gemm_lora.linear_apply(x, w, bias, a, b, starts_of(widths), meta, 3, 0.5, scratch)
+    served = torch.tensor(slots, device=DEVICE)
+    ref = x.float() @ w.float().t() + bias.float() + lora_delta(x, a, torch.nan_to_num(b, nan=0.0), starts_of(widths),
+                                                               served, 0.5)
+    close(y, ref, torch.float32)

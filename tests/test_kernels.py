@@ -267,7 +267,7 @@ def computed_rank(own: int, rank: int) -> int:
     return min(rank, -(-own // 16) * 16)
 
 
-@pytest.mark.parametrize("backend", ["triton", "fused"])
+@pytest.mark.parametrize("backend", ["triton", "fused", "gemm"])
 @pytest.mark.parametrize("rank,slot_ranks", [(64, (8, 64, 16, 1)), (128, (8, 128, 64, 100)), (16, (16, 16, 8, 8))])
 @pytest.mark.parametrize("tokens", [6, 40])  # one token tile, and slot-sorted tiles
 def test_unpadded_kernels_read_only_each_slots_own_rank(backend, rank, slot_ranks, tokens):
