@@ -18,7 +18,7 @@
 #   STAGE_TIMEOUT - seconds a sweep stage may run before it is stopped (its finished rows stay)
 #   kernels-card, kernels-32, kernels-128 - sweeps/kernels-*.toml: fused vs triton vs vLLM, strategy agnostic
 #            (kernels-card adds the +tuned kernels when the tune stage ran on this machine; SWEEP_KERNELS overrides the kernels of all three)
-#   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,vllm) into results/tuned-h200 (kept on a warm machine for
+#   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,gemm,vllm) into results/tuned-h200 (kept on a warm machine for
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
 #   card-check - the kernels against vLLM's in one run: sweeps/kernels-card.toml at c = 1, 8, triton and
@@ -110,7 +110,7 @@ for stage in "$@"; do
       tuned=(); [ -d results/tuned-h200 ] && tuned=(--tuned results/tuned-h200)
       kern=(); [ -n "${SWEEP_KERNELS:-}" ] && kern=(--kernels "$SWEEP_KERNELS")
       timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec sweeps/kernels-card.toml "${tuned[@]}" "${kern[@]}" --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
-    tune) lorabench tune --kernels "${TUNE_KERNELS:-triton,fused,vllm}" --tokens "${TUNE_TOKENS:-1,8,32}" --max-loras "${TUNE_LORAS:-4,32}" --budget-s "${TUNE_BUDGET_S:-150}" \
+    tune) lorabench tune --kernels "${TUNE_KERNELS:-triton,fused,gemm,vllm}" --tokens "${TUNE_TOKENS:-1,8,32}" --max-loras "${TUNE_LORAS:-4,32}" --budget-s "${TUNE_BUDGET_S:-150}" \
             --out results/tuned-h200 2>&1 | tail -n 60 | tee -a "$OUT/tune.log" ;;
     smoke|card|wide|slots|backends) lorabench sweep --spec "sweeps/$stage.toml" --out results 2>&1 | tee -a "$OUT/stages.log" ;;
     card-vllm) lorabench sweep --spec sweeps/card.toml --kernels triton,vllm --out results 2>&1 | tee -a "$OUT/stages.log" ;;
