@@ -12,7 +12,7 @@ programs add their h_j into the tile's fp32 sum in a workspace (relaxed fp32 ato
 themselves in on its arrival count (an acq_rel atomic); the last to arrive reads the sum, sets
 sum and count back to zero (so the next launch or graph replay needs no memset), and expands.
 Either way y is read and rounded once, and h enters the expand with about 16 bits
-(``_expand_tile``): in bf16 the kernel is at least as accurate as the shrink + expand pair, which
+(``tiles.expand_tile``): in bf16 the kernel is at least as accurate as the shrink + expand pair, which
 rounds h to bf16. (Expanding each part and adding it into y with atomics in y's dtype, as this
 kernel once did, rounded y ``SPLIT_K`` times: about 4x the pair's worst bf16 error at large K on
 an H200.) The fp32 sum's order varies, so replays agree to fp32 rounding, not bit for bit.
@@ -55,24 +55,10 @@ from . import MAX_SLICES
 from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
-from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles
+from .tiles import adapter_tile, expand_tile, own_rank, slice_bounds, sorted_tiles
 
 NEEDS_ZEROED_SCRATCH = False
 LETS_CONSUMER_LAUNCH = True  # see triton_lora
-
-
-@triton.jit
-def _expand_tile(h, b, UPCAST: tl.constexpr):
-    """h @ b in fp32: h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N] in the weights' dtype. In a
-    16-bit dtype h goes in as its rounded value plus the remainder of that rounding (two dots), so
-    it keeps about 16 bits: y's final rounding is then the only one that shows."""
-    if UPCAST:
-        return tl.dot(h, b.to(tl.float32))
-    hi = h.to(b.dtype)
-    acc = tl.dot(hi, b)
-    if b.dtype != tl.float32:
-        acc = tl.dot((h - hi.to(tl.float32)).to(b.dtype), b, acc)
-    return acc
 
 
 @triton.jit
@@ -165,7 +151,7 @@ def _fused_kernel(
         tl.store(count, 0)  # both left zero for the next launch: a graph replay needs no memset
 
     # expand onto this program's output tile: y is rounded once
-    delta = _expand_tile(h, b, UPCAST)
+    delta = expand_tile(h, b, UPCAST)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 

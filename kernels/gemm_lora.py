@@ -33,9 +33,11 @@ import triton.language as tl
 from . import MAX_SLICES
 from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
+from .moe_gemm import gathered_dot
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
 from . import lora_configs
 from .shrink import lora_shrink
+from .tiles import expand_tile
 
 MAX_BLOCK_J = 128  # slot-rank columns the epilogue holds at once (its first step's loads stay in registers over the K loop)
 
@@ -43,19 +45,6 @@ MAX_BLOCK_J = 128  # slot-rank columns the epilogue holds at once (its first ste
 NEEDS_ZEROED_SCRATCH = True
 # The shrink lets the GEMM launch at once; the GEMM lets its consumer (a base op that waits first) launch.
 LETS_CONSUMER_LAUNCH = True
-
-
-@triton.jit
-def _expand_tile(h, b, UPCAST: tl.constexpr):
-    """h @ b in fp32 (h [BLOCK_M, BLOCK_J] fp32, b [BLOCK_J, BLOCK_N]): in a 16-bit dtype h goes in
-    as its rounded value plus the remainder (two dots), so y's final rounding is the only one."""
-    if UPCAST:
-        return tl.dot(h, b.to(tl.float32))
-    hi = h.to(b.dtype)
-    acc = tl.dot(hi, b)
-    if b.dtype != tl.float32:
-        acc = tl.dot((h - hi.to(tl.float32)).to(b.dtype), b, acc)
-    return acc
 
 
 @triton.jit
@@ -140,32 +129,22 @@ def _gemm_lora_kernel(
         hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
                             rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BASE:
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
-                        other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(x, w)
+        acc = gathered_dot(x_ptr, rows, m_mask, stride_xm, w_ptr, cols, n_mask, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_tile = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
     if not HAS_BASE:
-        acc += tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
+        acc = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
 
     if HAS_LORA:
-        acc += _expand_tile(hm, b, UPCAST)
+        acc += expand_tile(hm, b, UPCAST)
         for j0 in range(BLOCK_J, live, BLOCK_J):  # more slot-rank columns than one step holds
             hm, b = _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
                                 rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
-            acc += _expand_tile(hm, b, UPCAST)
+            acc += expand_tile(hm, b, UPCAST)
     tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 

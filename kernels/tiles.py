@@ -1,6 +1,6 @@
 """Device helpers every lorabench LoRA kernel shares: which slot and token tile a program serves
-(``adapter_tile``, ``sorted_tiles``), a slot's own rank (``own_rank``) and a slice's output
-columns (``slice_bounds``)."""
+(``adapter_tile``, ``sorted_tiles``), a slot's own rank (``own_rank``), a slice's output
+columns (``slice_bounds``) and the expand's dot that keeps h's precision (``expand_tile``)."""
 
 import triton
 import triton.language as tl
@@ -54,3 +54,17 @@ def slice_bounds(s, n1, n2, n3):
     n_lo = tl.where(s == 0, 0, tl.where(s == 1, n1, n2))
     n_hi = tl.where(s == 0, n1, tl.where(s == 1, n2, n3))
     return n_lo, n_hi, tl.maximum(n1, tl.maximum(n2 - n1, n3 - n2))
+
+
+@triton.jit
+def expand_tile(h, b, UPCAST: tl.constexpr):
+    """h @ b in fp32: h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N] in the weights' dtype. In a
+    16-bit dtype h goes in as its rounded value plus the remainder of that rounding (two dots), so
+    it keeps about 16 bits: y's final rounding is then the only one that shows."""
+    if UPCAST:
+        return tl.dot(h, b.to(tl.float32))
+    hi = h.to(b.dtype)
+    acc = tl.dot(hi, b)
+    if b.dtype != tl.float32:
+        acc = tl.dot((h - hi.to(tl.float32)).to(b.dtype), b, acc)
+    return acc

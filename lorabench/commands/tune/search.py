@@ -36,7 +36,7 @@ from lorabench.commands.tune.output import (
     summarise,
     vllm_best,
 )
-from lorabench.commands.tune.shapes import Shape, build_shapes, candidates
+from lorabench.commands.tune.shapes import OPS, Shape, build_shapes, candidates
 from lorabench.config.tolerance import TOLERANCE
 from lorabench.config.tune_spec import TuneSpec
 from lorabench.errors import UserError
@@ -272,7 +272,7 @@ class Tuner:
         shapes = self.shapes + [s for s in self.cache.shapes() if Cache.key(s.kernel, s.op, s.key) not in mine]
         order = list(TUNERS)  # stable: within a kernel's op, this tune's order, then the cache's
         return sorted(shapes, key=lambda s: (order.index(s.kernel) if s.kernel in order else len(order), s.kernel,
-                                             ("fused", "gemm", "shrink", "expand", s.op).index(s.op), s.op))
+                                             (*OPS, s.op).index(s.op), s.op))
 
     def write(self) -> list[dict]:
         """Rewrite every output from the whole cache (this tune's shapes and earlier tunes'); returns

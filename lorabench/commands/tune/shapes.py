@@ -15,6 +15,7 @@ from lorabench.config.models import lora_linears, resolve, shard
 from lorabench.config.tune_spec import TuneSpec
 
 SMEM_BYTES = 232448  # shared memory one block may use on sm90 (227 KiB)
+OPS = ("fused", "gemm", "shrink", "expand")  # the tuned ops, in table order
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Shape:
     timing problem is built from."""
 
     kernel: str
-    op: str  # "fused", "gemm", "shrink" or "expand"
+    op: str  # one of OPS
     linear: str  # qkv, o, gate_up, down; "o/down" where two linears share a key
     key: tuple  # the backend's config key (lorabench's: shape_key, launch count last; vLLM's: (max_loras + 1, slices, m, k, n))
     k: int
@@ -54,7 +55,7 @@ def build_shapes(spec: TuneSpec, backends: dict) -> list[Shape]:
                 if s.linear not in old.linear.split("/"):
                     found[(s.kernel, s.op, s.key)] = replace(old, linear=f"{old.linear}/{s.linear}")
     order = list(backends)
-    return sorted(found.values(), key=lambda s: (order.index(s.kernel), ("fused", "gemm", "shrink", "expand").index(s.op)))
+    return sorted(found.values(), key=lambda s: (order.index(s.kernel), OPS.index(s.op)))
 
 
 def too_big(shape: Shape, c: dict) -> str | None:
