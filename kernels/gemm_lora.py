@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import MAX_SLICES
 from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
@@ -39,7 +40,7 @@ from . import lora_configs
 from .shrink import lora_shrink
 from .tiles import expand_tile
 
-MAX_BLOCK_J = 128  # slot-rank columns the epilogue holds at once (its first step's loads stay in registers over the K loop)
+EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_N): more spills registers (sm_90 compiles)
 
 # The shrink splits K with fp32 atomics into the model's scratch: it must start at zero.
 NEEDS_ZEROED_SCRATCH = True
@@ -85,11 +86,11 @@ def _gemm_lora_kernel(
     active_ptr,  # [>= launch count] active slot ids first, then -1
     rank_ptr,  # [max_loras] each slot's own rank (RANKED only)
     T, N, K,
-    R,  # rank: h's columns per slice, B's columns
-    S,  # slices (1..3)
     LAUNCH,  # launch count: the active slots looked at
     n1, n2, n3,  # slice ends in y's columns (slice s: [n_s, n_{s+1}), n0 = 0)
     stride_xm, stride_wn, stride_ym, stride_hm, stride_bl, stride_bn,
+    R: tl.constexpr,  # rank: h's columns per slice, B's columns (constant: a rank of 16s keeps B's and h's loads vectorised)
+    S: tl.constexpr,  # slices (1..3)
     HAS_BASE: tl.constexpr,  # compute x·Wᵀ (else y's own values are the base)
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,  # add the epilogue (a launch count of 0 leaves it out)
@@ -99,6 +100,7 @@ def _gemm_lora_kernel(
     BLOCK_J: tl.constexpr,  # slot-rank columns per epilogue step; the first step's loads go before the K loop
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
     GROUP_M: tl.constexpr,  # M tiles walked together (L2 reuse of W across M tiles at prefill sizes)
+    PRELOAD: tl.constexpr,  # load the first epilogue step's h and B before the K loop (else after it)
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch at once
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank (LoRAMeta.slot_rank)
@@ -121,13 +123,14 @@ def _gemm_lora_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     pdl_wait(USE_PDL)
 
-    if HAS_LORA:  # the epilogue's first operands load now, so their latency hides behind the K loop
+    if HAS_LORA:  # the launched ids and the tokens' slots load now, behind the K loop
         offs_l = tl.arange(0, LAUNCH_PAD)
         launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
         live = tl.sum((launched >= 0).to(tl.int32), axis=0) * S * R  # active slots come first
         token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
-        hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
-                            rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
+        if PRELOAD:  # and the epilogue's first operands (registers held over the loop)
+            hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
+                                rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
 
     if HAS_BASE:
         acc = gathered_dot(x_ptr, rows, m_mask, stride_xm, w_ptr, cols, n_mask, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -140,6 +143,9 @@ def _gemm_lora_kernel(
         acc = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
 
     if HAS_LORA:
+        if not PRELOAD:
+            hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
+                                rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
         acc += expand_tile(hm, b, UPCAST)
         for j0 in range(BLOCK_J, live, BLOCK_J):  # more slot-rank columns than one step holds
             hm, b = _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
@@ -156,6 +162,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    preload: bool = True  # the first epilogue step's h and B loaded before the K loop (held in registers over it)
 
 
 SEARCH_SPACE = {"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512],
@@ -184,20 +191,24 @@ def default_config(tokens: int, k: int, n: int) -> GemmConfig:
     return GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
 
 
-SHARED_BYTES = 200 * 1024  # what a block's pipelined tiles may take (an H200 has 227 KiB; the epilogue needs some)
+def smaller(cfg: GemmConfig) -> GemmConfig | None:
+    """The next tiling down for one that does not fit a block's shared memory: K steps halved
+    (to 32), then stages cut (to 2), then the N tile halved (to 16); None below that. The M tile
+    stays: decode keeps all its tokens in one tile."""
+    if cfg.block_k > 32:
+        return replace(cfg, block_k=cfg.block_k // 2)
+    if cfg.num_stages > 2:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 16:
+        return replace(cfg, block_n=cfg.block_n // 2)
+    return None
 
 
-def fitting(cfg: GemmConfig, element_size: int) -> GemmConfig:
-    """``cfg`` with K steps halved, then stages cut, until its pipelined x and W tiles fit in
-    ``SHARED_BYTES`` at this element size (the tilings are chosen for 16-bit weights; fp32 doubles them)."""
-    def shared(c):
-        return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * element_size
-
-    while shared(cfg) > SHARED_BYTES and cfg.block_k > 32:
-        cfg = replace(cfg, block_k=cfg.block_k // 2)
-    while shared(cfg) > SHARED_BYTES and cfg.num_stages > 2:
-        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
-    return cfg
+# The tiling that fits, per launch that needed a smaller one: (tokens, K, N, dtype, BLOCK_J, base GEMM) ->
+# config. What a tiling takes of shared memory is what Triton's compiler makes of it (its pipeliner's
+# buffers, the epilogue's dot operands, layout conversions); no formula predicts it across dtypes,
+# so the launch finds out (OutOfResources comes before anything runs) and steps down.
+FITTED: dict[tuple, GemmConfig] = {}
 
 
 def config_for(tokens: int, k: int, n: int) -> GemmConfig:
@@ -232,22 +243,39 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     # n1, n2: the slices' ends past the first (a slice past the last ends where the last does)
     ends = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices) if lora else [0, 0, 0]
     rank = lora_b.shape[2] if lora else 1
-    cfg = config or fitting(config_for(tokens, k, n), y.element_size())
-    block_j = min(MAX_BLOCK_J, max(16, triton.next_power_of_2(launch_count * slices * rank))) if lora else 16
-    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    for name, t in (("x", x if weight is not None else None), ("weight", weight), ("bias", bias), ("y", y),
+                    ("h", h if lora else None), ("B", lora_b if lora else None)):
+        if t is not None and t.stride(-1) != 1:  # the kernel steps its last axis by 1
+            raise ValueError(f"the gemm kernel needs {name}'s last axis contiguous (stride {t.stride(-1)})")
+    width = triton.next_power_of_2(launch_count * slices * rank) if lora else 0  # the launched slot-rank columns
+    key = (tokens, k, n, y.dtype, width, weight is not None)
+    cfg = config or FITTED.get(key) or config_for(tokens, k, n)
     upcast = INTERPRET and y.dtype == torch.bfloat16
     ranked = lora and meta.slot_rank is not None
-    _gemm_lora_kernel[grid](
+    args = (
         x, weight if weight is not None else y, bias if bias is not None else y, y,
         h if lora else y, lora_b if lora else y, meta.token_slot if lora else y, meta.active_slots if lora else y,
-        meta.slot_rank if ranked else y, tokens, n, k, rank, slices, max(1, launch_count), *ends,
+        meta.slot_rank if ranked else y, tokens, n, k, max(1, launch_count), *ends,
         x.stride(0), weight.stride(0) if weight is not None else 0, y.stride(0),
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
-        HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
-        LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), GROUP_M=cfg.group_m,
-        USE_PDL=pdl, UPCAST=upcast, RANKED=ranked, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
+    flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
+                 LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), USE_PDL=pdl, UPCAST=upcast, RANKED=ranked,
+                 **pdl_launch(pdl))
+    while True:
+        grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        block_j = max(16, min(width, EPILOGUE_ELEMENTS // cfg.block_n))
+        try:
+            _gemm_lora_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
+                                    GROUP_M=cfg.group_m, PRELOAD=cfg.preload, num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages, **flags)
+        except OutOfResources:
+            down = smaller(cfg)
+            if config is not None or down is None:  # a config asked for (a tune's) is not changed behind its back
+                raise
+            cfg = FITTED[key] = down
+            continue
+        return
 
 
 def _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch):

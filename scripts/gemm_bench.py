@@ -12,14 +12,17 @@ tilings at those token counts (first model only) and reports the best. Each kern
 
 Points (max_loras:tokens:active adapters, launched = active): per linear, the LoRA overhead of
 ``triton`` (cuBLAS, then lorabench's shrink + expand) and ``gemm`` (the shrink, then the GEMM with
-the expand in its epilogue), each graph against the cuBLAS-only graph in the same loop, and the
-step estimate (the four linears × the model's layers). Results are checked against the reference.
+the expand in its epilogue) — as configured, with its first epilogue step loaded after the K loop
+(``gemm_late``), with epilogue steps twice as wide (``gemm_wide``) and without PDL (``gemm_nopdl``) —
+each graph against the cuBLAS-only graph in the same loop, and the step estimate (the four linears
+× the model's layers). Results are checked against the reference.
 """
 
 import argparse
 import json
 import os
 import random
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -133,15 +136,27 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             triton_lora.lora_apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
         out["triton"] = y
 
-    def gemm():
-        scratch.zero_()
-        for i in range(REPEAT):
-            out["gemm"] = gemm_lora.linear_apply(x, ws[i % COPIES], None, a, b, starts, meta.meta, active, 0.5, scratch[i])
+    def gemm(preload=True, name="gemm"):
+        cfg = replace(gemm_lora.config_for(tokens, k, n), preload=preload)
 
-    graphs = {"cublas": capture_graph(cublas), "triton": capture_graph(pair), "gemm": capture_graph(gemm)}
+        def run():
+            scratch.zero_()
+            for i in range(REPEAT):
+                out[name] = gemm_lora.linear_apply(x, ws[i % COPIES], None, a, b, starts, meta.meta, active, 0.5, scratch[i],
+                                                   config=cfg)
+        return run
+
+    graphs = {"cublas": capture_graph(cublas), "triton": capture_graph(pair), "gemm": capture_graph(gemm()),
+              "gemm/late": capture_graph(gemm(False, "gemm/late"))}
+    elements = gemm_lora.EPILOGUE_ELEMENTS
+    gemm_lora.EPILOGUE_ELEMENTS = 2 * elements
+    try:
+        graphs["gemm/wide"] = capture_graph(gemm(True, "gemm/wide"))
+    finally:
+        gemm_lora.EPILOGUE_ELEMENTS = elements
     os.environ["LORABENCH_PDL"] = "0"
     try:
-        graphs["gemm/no-pdl"] = capture_graph(gemm)
+        graphs["gemm/no-pdl"] = capture_graph(gemm(True, "gemm/no-pdl"))
     finally:
         os.environ.pop("LORABENCH_PDL")
     res = timed(graphs)
@@ -154,7 +169,10 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             "triton_over_us": res["triton"][0] - res["cublas"][0], "gemm_over_us": res["gemm"][0] - res["cublas"][0],
             "triton_spread_us": res["triton"][1], "gemm_spread_us": res["gemm"][1],
             "gemm_nopdl_over_us": res["gemm/no-pdl"][0] - res["cublas"][0],
-            "triton_err": rel(out["triton"], ref), "gemm_err": rel(out["gemm"], ref)}
+            "gemm_late_over_us": res["gemm/late"][0] - res["cublas"][0],
+            "gemm_wide_over_us": res["gemm/wide"][0] - res["cublas"][0],
+            "triton_err": rel(out["triton"], ref),
+            "gemm_err": max(rel(out[v], ref) for v in ("gemm", "gemm/late", "gemm/wide", "gemm/no-pdl"))}
 
 
 def main() -> None:
@@ -191,12 +209,13 @@ def main() -> None:
             per = [bench_lora(lname, k, slices, max_loras, t, active) for lname, (k, slices) in lora_linears(cfg).items()]
             rows["lora"].extend({"model": model, **r} for r in per)
             layers = cfg.layers
-            step = {v: sum(r[f"{v}_over_us"] for r in per) * layers / 1000 for v in ("triton", "gemm")}
-            cells = "  ".join(f"{r['linear']} {r['triton_over_us']:.2f}/{r['gemm_over_us']:.2f}/{r['gemm_nopdl_over_us']:.2f}"
-                              for r in per)
+            variants = ("triton", "gemm", "gemm_late", "gemm_wide", "gemm_nopdl")
+            step = {v: sum(r[f"{v}_over_us"] for r in per) * layers / 1000 for v in variants}
+            cells = "  ".join(f"{r['linear']} " + "/".join(f"{r[f'{v}_over_us']:.2f}" for v in variants) for r in per)
             worst = max(max(r["triton_err"], r["gemm_err"]) for r in per)
-            print(f"{model:13s} ({max_loras},{t},{active}) triton/gemm/gemm-no-pdl µs: {cells}  step≈ triton {step['triton']:.3f} ms, "
-                  f"gemm {step['gemm']:.3f} ms  max err {worst:.1e}{'  WRONG' if worst > TOLERANCE else ''}", flush=True)
+            steps = ", ".join(f"{v} {ms:.3f}" for v, ms in step.items())
+            print(f"{model:13s} ({max_loras},{t},{active}) {'/'.join(variants)} µs: {cells}  step≈ ms: {steps}  "
+                  f"max err {worst:.1e}{'  WRONG' if worst > TOLERANCE else ''}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

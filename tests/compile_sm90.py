@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import base_ops, expand, fused_lora, launch, moe_align, moe_gemm, moe_lora, shrink, triton_lora
+from lorabench.kernels import base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_lora, shrink, triton_lora
 
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -110,7 +110,7 @@ def record_launches():
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel"),
                          (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
                          (moe_lora, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
-                         (moe_lora, "_sorted_expand_kernel")]:
+                         (moe_lora, "_sorted_expand_kernel"), (gemm_lora, "_gemm_lora_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         setattr(module, name, recs[name])
@@ -119,7 +119,7 @@ def record_launches():
 
 def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
-    for module in (shrink, expand, fused_lora, base_ops):  # where each launcher looks it up
+    for module in (shrink, expand, fused_lora, base_ops, gemm_lora):  # where each launcher looks it up
         module.pdl_enabled = lambda device: on
 
 
@@ -145,6 +145,51 @@ def launch_everything(dtype, tokens):
     base_ops.rope_and_cache(torch.empty(tokens, (32 + 16) * 128, dtype=dtype), torch.empty(64, 64), torch.empty(64, 64),
                             torch.empty(tokens, dtype=torch.int64), cache, cache, 32, 8, pdl=True)
     base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), pdl=True)
+
+
+def gemm_inputs(dtype, tokens, k, slices, loras, rank):
+    starts = tuple(sum(slices[:i]) for i in range(len(slices) + 1))
+    x, w = torch.empty(tokens, k, dtype=dtype), torch.empty(sum(slices), k, dtype=dtype)
+    b = torch.empty(loras, sum(slices), rank, dtype=dtype)
+    h = torch.empty(tokens, len(slices) * rank, dtype=torch.float32)
+    return torch.empty(tokens, sum(slices), dtype=dtype), x, w, h, b, starts, MetaBuffer(tokens, loras, "cpu").meta
+
+
+def launch_gemm(dtype, tokens):
+    """The gemm backend's kernel (base GEMM + LoRA epilogue) at Llama-2-7B's four linears in its
+    default tilings, at 4 slots and at 32 (several epilogue steps); the bias; the base GEMM alone."""
+    for k, slices in ((4096, (4096, 4096, 4096)), (4096, (4096,)), (4096, (11008, 11008)), (11008, (4096,))):
+        for loras in (4, 32):
+            y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, k, slices, loras, 16)
+            gemm_lora._launch(y, x, w, None, h, b, starts, meta, loras, None, gemm_lora.pdl_enabled(x.device))
+    y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, 4096, (4096,), 4, 16)
+    gemm_lora._launch(y, x, w, torch.empty(4096, dtype=dtype), h, b, starts, meta, 4, None, False)
+    gemm_lora._launch(y, x, w, None, None, None, (0,), None, 0, None, False)
+
+
+def gemm_fits_by_stepping_down() -> str | None:
+    """In fp32 the 16-bit tilings can exceed a block's shared memory (the runtime then steps down,
+    ``gemm_lora.smaller``): from each default tiling at 40 tokens and 32 slots x 3 slices (fp32 at
+    40 tokens once failed to launch on an H200), the steps reach one the compiler fits."""
+    kernel = gemm_lora._gemm_lora_kernel
+    for k, slices in ((4096, (4096, 4096, 4096)), (4096, (11008, 11008))):
+        rec = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
+        gemm_lora._gemm_lora_kernel = rec
+        y, x, w, h, b, starts, meta = gemm_inputs(torch.float32, 40, k, slices, 32, 16)
+        cfg = gemm_lora.default_config(40, k, sum(slices))
+        try:
+            while cfg is not None:
+                rec.calls.clear()
+                gemm_lora._launch(y, x, w, None, h, b, starts, meta, 32, cfg, False)
+                shared = compile_call(rec.fn, *rec.calls[0]).metadata.shared
+                if shared <= SHARED_LIMIT:
+                    break
+                cfg = gemm_lora.smaller(cfg)
+        finally:
+            gemm_lora._gemm_lora_kernel = kernel
+        if cfg is None:
+            return f"gemm fp32, 40 tokens, N {sum(slices)}: no tiling down from the default fits in {SHARED_LIMIT} bytes"
+    return None
 
 
 def launch_moe(dtype, tokens):
@@ -228,10 +273,11 @@ def main(part: str) -> int:
         return 2
     pdl = part == "pdl-on"
     if not pdl:
-        unvectorised = ranked_loads_stay_vectorised()
-        if unvectorised:
-            print(unvectorised)
-            return 1
+        for check in (ranked_loads_stay_vectorised, gemm_fits_by_stepping_down):
+            problem = check()
+            if problem:
+                print(problem)
+                return 1
     recorders = record_launches()
     use_pdl(pdl)
     for dtype in (torch.float16, torch.bfloat16):
@@ -239,6 +285,7 @@ def main(part: str) -> int:
             launch_everything(dtype, tokens)
         for tokens in (1, 64):
             launch_moe(dtype, tokens)
+            launch_gemm(dtype, tokens)
     for tokens in (1, 128):
         launch_ranks(torch.float16, tokens)
     compiled, seen = 0, set()
@@ -257,7 +304,9 @@ def main(part: str) -> int:
                 # LoRA kernels wait on both paths (early exit, write) and let dependents launch once;
                 # base ops wait once, first, and trigger nothing.
                 lora = name in ("_shrink_kernel", "_expand_kernel", "_fused_kernel")
-                want = ((2, 1) if lora else (1, 0)) if kwargs.get("USE_PDL") else (0, 0)
+                # the gemm kernel waits once and lets its consumer launch at once
+                pdl_want = (2, 1) if lora else (1, 1) if name == "_gemm_lora_kernel" else (1, 0)
+                want = pdl_want if kwargs.get("USE_PDL") else (0, 0)
                 if (min(waits, want[0]) if lora else waits, triggers) != want:
                     print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "
                           f"{triggers} launch_dependents in its PTX (want {want})")

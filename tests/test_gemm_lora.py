@@ -122,19 +122,77 @@ def test_fully_sharded_shapes():
     close(y[:, 32:], base[:, 32:], torch.float32)
 
 
-@pytest.mark.parametrize("element_size", [2, 4], ids=["16-bit", "fp32"])
-def test_default_tilings_fit_an_h200s_shared_memory(element_size):
-    """The pipelined tiles of every tiling the kernel launches (stages × (x tile + W tile)) fit in
-    the 227 KiB an H200's block may take, in 16-bit and in fp32: a tiling past it fails to launch
-    (OutOfResources; fp32 at 40 tokens once did on the GPU)."""
-    for tokens in (1, 16, 17, 32, 33, 64, 65, 8192):
-        for n in (1024, 4096, 12288, 22016, 28672):
-            cfg = gemm_lora.fitting(gemm_lora.default_config(tokens, 4096, n), element_size)
-            shared = cfg.num_stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * element_size
-            assert shared <= gemm_lora.SHARED_BYTES < 227 * 1024, (tokens, n, cfg)
-            assert cfg.block_m >= min(tokens, 64)  # decode: all the tokens in one M tile
-            if element_size == 2:  # the 16-bit tilings are the measured ones, untouched
-                assert cfg == gemm_lora.default_config(tokens, 4096, n)
+@pytest.mark.parametrize("group_m", [1, 2, 3, 8])
+def test_several_m_tiles_walked_in_groups(group_m):
+    """Prefill-like launches: 5 M tiles x 6 N tiles, walked GROUP_M M tiles at a time (the last
+    group shorter): every output tile is computed once, by the right program."""
+    widths = (40, 56)
+    x, w, bias, a, b, slots = case(70, 64, widths, 16, 3, torch.float32, seed=7)
+    buf = MetaBuffer(70, 3, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    cfg = gemm_lora.GemmConfig(16, 16, 32, num_stages=2, group_m=group_m)
+    scratch = torch.zeros(70, 2 * 16, dtype=torch.float32, device=DEVICE)
+    y = gemm_lora.linear_apply(x, w, bias, a, b, starts_of(widths), buf.meta, 3, 0.5, scratch, config=cfg)
+    served = torch.tensor(slots, device=DEVICE)
+    ref = x.float() @ w.float().t() + bias.float() + lora_delta(x, a, b, starts_of(widths), served, 0.5)
+    close(y, ref, torch.float32)
+
+
+def test_a_tiling_past_shared_memory_steps_down_until_it_launches(monkeypatch):
+    """A tiling the GPU cannot hold fails to launch (OutOfResources, before it runs): the launcher
+    takes ``smaller`` tilings until one launches, and remembers it for that launch; a config
+    asked for (a tune's) is not changed. Whether the compiler fits them is tests/compile_sm90.py's."""
+    from triton.runtime.errors import OutOfResources
+
+    kernel, tried = gemm_lora._gemm_lora_kernel, []
+
+    class Fake:  # holds any tiling whose K step x stages is at most 256 (a stand-in for the GPU's limit)
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tried.append((kw["BLOCK_K"], kw["num_stages"], kw["BLOCK_N"]))
+                if kw["BLOCK_K"] * kw["num_stages"] > 256:
+                    raise OutOfResources(kw["BLOCK_K"] * kw["num_stages"], 256, "shared memory")
+                kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(gemm_lora, "_gemm_lora_kernel", Fake())
+    monkeypatch.setattr(gemm_lora, "FITTED", {})
+    x, w, bias, a, b, slots = case(9, 64, (40,), 16, 2, torch.float32)
+    start = gemm_lora.default_config(9, 64, 40)
+    y, base, served = run(x, w, bias, a, b, slots, starts_of((40,)), 2, 2)
+    close(y, base + lora_delta(x, a, b, starts_of((40,)), served, 0.5), torch.float32)
+    chain, cfg = [], start
+    while cfg.block_k * cfg.num_stages > 256:
+        chain.append((cfg.block_k, cfg.num_stages, cfg.block_n))
+        cfg = gemm_lora.smaller(cfg)
+    assert tried == chain + [(cfg.block_k, cfg.num_stages, cfg.block_n)] and len(chain) >= 2
+    assert list(gemm_lora.FITTED.values()) == [cfg]
+    tried.clear()
+    run(x, w, bias, a, b, slots, starts_of((40,)), 2, 2)
+    assert tried == [(cfg.block_k, cfg.num_stages, cfg.block_n)]  # remembered: no failed launch the second time
+    with pytest.raises(OutOfResources):
+        gemm_lora.linear_apply(x, w, bias, a, b, starts_of((40,)), MetaBuffer(9, 2, DEVICE).meta, 2, 0.5, config=start)
+
+
+def test_smaller_tilings_end():
+    """The steps down shrink K, then stages, then N, keep the M tile, and end."""
+    for tokens in (1, 40, 8192):
+        cfg, seen = gemm_lora.default_config(tokens, 4096, 4096), []
+        while cfg is not None:
+            seen.append(cfg)
+            cfg = gemm_lora.smaller(cfg)
+        assert len(seen) < 20 and seen[-1].block_k == 32 and seen[-1].num_stages == 2 and seen[-1].block_n == 16
+        assert len({c.block_m for c in seen}) == 1
+        assert all(c.block_k * c.num_stages * c.block_n > d.block_k * d.num_stages * d.block_n for c, d in zip(seen, seen[1:]))
+
+
+def test_operands_need_a_contiguous_last_axis():
+    x, w, bias, a, b, slots = case(4, 64, (32,), 16, 2, torch.float32)
+    meta = MetaBuffer(4, 2, DEVICE).meta
+    with pytest.raises(ValueError, match="weight's last axis"):
+        gemm_lora.linear_apply(x, w.t().contiguous().t(), bias, a, b, starts_of((32,)), meta, 2, 0.5)
+    with pytest.raises(ValueError, match="B's last axis"):
+        gemm_lora.linear_apply(x, w, bias, a, b.transpose(1, 2).contiguous().transpose(1, 2), starts_of((32,)), meta, 2, 0.5)
 
 
 def test_unpadded_epilogue_never_reads_bs_padding():
