@@ -15,13 +15,18 @@ slice ``(j // R) % S`` of launched slot ``active_slots[j // (S·R)]``):
     b[j, n]   = B[slot][n, r]   if output column n lies in the column's slice, else 0
     acc[m, n] += Σ_j hm[m, j] · b[j, n]
 
-so each program reads its columns of every active slot's B once (over all programs: each B once,
-the expand's bytes floor) and its rows of h. Only the active slots' columns are walked (the
-launched ids past them are -1); a base-model token (slot -1) matches none. The first
-``BLOCK_J`` columns' operands load before the K loop, so their latency (the launched ids, then h
-and B) hides behind the weight's stream instead of following it. The launch count bounds that walk, not the
+so each program reads its columns of every active slot's B once, and its rows of h (over all
+programs of one M tile: each active B once, the expand's bytes floor; every further M tile reads
+them again). Only the active slots' columns are walked (the launched ids past them are -1); a
+base-model token (slot -1) matches none. The launched ids and the tokens' slots load before the K
+loop; with ``GemmConfig.preload`` the first epilogue step's h and B do too, so their latency hides
+behind the weight's stream instead of following it. The launch count bounds that walk, not the
 grid: the grid covers y whatever the count. A token whose slot lies past the launch count gets no
 LoRA, like the other backends' grids.
+
+Adapters must be finite: a zero of hm times an Inf of another slot's B is NaN in the dot, so one
+slot's Inf reaches every token of the M tile (the pair's expand keeps slots apart). Padding past a
+slot's own rank is never read under ``+unpadded``.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -46,6 +51,9 @@ EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_
 NEEDS_ZEROED_SCRATCH = True
 # The shrink lets the GEMM launch at once; the GEMM lets its consumer (a base op that waits first) launch.
 LETS_CONSUMER_LAUNCH = True
+# At decode sizes the model fuses the shrink into the op that produces the linear's input (the
+# norms, SiLU·mul: ``producer_shrink``) and calls ``linear_apply(..., shrunk=True)``.
+SHRINK_IN_PRODUCER = True
 
 
 @triton.jit
@@ -166,7 +174,7 @@ class GemmConfig:
 
 
 SEARCH_SPACE = {"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512],
-                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5]}
+                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5], "preload": [True, False]}
 
 # Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
 TUNED_CONFIGS: dict[tuple, GemmConfig] = {}
@@ -292,13 +300,18 @@ def _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
 
 
 def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,
-                 config=None):
+                 config=None, shrunk=False):
     """``x·weightᵀ + bias`` with the LoRA of the first ``launch_count`` active slots added, as a new
     [T, N] tensor: the shrink, then one GEMM whose epilogue expands. x [T, K] and weight [N, K]
-    contiguous rows; the rest as in ``triton_lora.lora_apply`` (scratch zero on entry)."""
+    contiguous rows; the rest as in ``triton_lora.lora_apply`` (scratch zero on entry).
+    ``shrunk``: scratch holds h already (the op that produced x computed it: ``producer_shrink``)."""
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch) if launch_count > 0 else None
+    h = None
+    if launch_count > 0 and shrunk:
+        h = scratch[:x.shape[0], :(len(slice_starts) - 1) * lora_b.shape[2]]
+    elif launch_count > 0:
+        h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
     _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, max(0, launch_count), config, pdl_enabled(x.device))
     return y
 

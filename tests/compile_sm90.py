@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_lora, shrink, triton_lora
+from lorabench.kernels import base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_lora, producer_shrink, shrink, triton_lora
 
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -110,7 +110,8 @@ def record_launches():
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel"),
                          (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
                          (moe_lora, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
-                         (moe_lora, "_sorted_expand_kernel"), (gemm_lora, "_gemm_lora_kernel")]:
+                         (moe_lora, "_sorted_expand_kernel"), (gemm_lora, "_gemm_lora_kernel"),
+                         (producer_shrink, "_producer_shrink_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         setattr(module, name, recs[name])
@@ -119,7 +120,7 @@ def record_launches():
 
 def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
-    for module in (shrink, expand, fused_lora, base_ops, gemm_lora):  # where each launcher looks it up
+    for module in (shrink, expand, fused_lora, base_ops, gemm_lora, producer_shrink):  # where each launcher looks it up
         module.pdl_enabled = lambda device: on
 
 
@@ -156,8 +157,9 @@ def gemm_inputs(dtype, tokens, k, slices, loras, rank):
 
 
 def launch_gemm(dtype, tokens):
-    """The gemm backend's kernel (base GEMM + LoRA epilogue) at Llama-2-7B's four linears in its
-    default tilings, at 4 slots and at 32 (several epilogue steps); the bias; the base GEMM alone."""
+    """The gemm backend's kernels at Llama-2-7B's shapes: the GEMM with its LoRA epilogue at the four
+    linears in their default tilings, at 4 slots and at 32 (several epilogue steps), with a bias,
+    the base GEMM alone; the shrinks in the norms and SiLU·mul."""
     for k, slices in ((4096, (4096, 4096, 4096)), (4096, (4096,)), (4096, (11008, 11008)), (11008, (4096,))):
         for loras in (4, 32):
             y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, k, slices, loras, 16)
@@ -165,6 +167,17 @@ def launch_gemm(dtype, tokens):
     y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, 4096, (4096,), 4, 16)
     gemm_lora._launch(y, x, w, torch.empty(4096, dtype=dtype), h, b, starts, meta, 4, None, False)
     gemm_lora._launch(y, x, w, None, None, None, (0,), None, 0, None, False)
+    # the shrinks in the norms and SiLU·mul (qkv, gate_up, down), with each slot's own rank too
+    buf = MetaBuffer(tokens, 4, "cpu")
+    for meta in (buf.meta, buf.meta._replace(slot_rank=torch.empty(4, dtype=torch.int32))):
+        x, norm = torch.empty(tokens, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
+        h = torch.empty(tokens, 48, dtype=torch.float32)
+        for slices in (3, 2):
+            a = torch.empty(4, slices * 16, 4096, dtype=dtype)
+            producer_shrink.add_rmsnorm_shrink(x, x, norm, 1e-5, a, h, meta, 4, 1.0, 16, slices, pdl=True)
+        producer_shrink.add_rmsnorm_shrink(x, None, norm, 1e-5, a, h, meta, 4, 1.0, 16, 2, pdl=True)
+        producer_shrink.silu_mul_shrink(torch.empty(tokens, 2 * 11008, dtype=dtype), torch.empty(4, 16, 11008, dtype=dtype),
+                                        h, meta, 4, 1.0, 16, pdl=True)
 
 
 def gemm_fits_by_stepping_down() -> str | None:
@@ -305,7 +318,7 @@ def main(part: str) -> int:
                 # base ops wait once, first, and trigger nothing.
                 lora = name in ("_shrink_kernel", "_expand_kernel", "_fused_kernel")
                 # the gemm kernel waits once and lets its consumer launch at once
-                pdl_want = (2, 1) if lora else (1, 1) if name == "_gemm_lora_kernel" else (1, 0)
+                pdl_want = (2, 1) if lora else (1, 1) if name in ("_gemm_lora_kernel", "_producer_shrink_kernel") else (1, 0)
                 want = pdl_want if kwargs.get("USE_PDL") else (0, 0)
                 if (min(waits, want[0]) if lora else waits, triggers) != want:
                     print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "

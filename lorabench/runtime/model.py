@@ -24,8 +24,9 @@ from lorabench.config.models import (
     lora_shares,
     moe_layer,
 )
-from lorabench.kernels import MAX_SLICES
+from lorabench.kernels import MAX_SLICES, producer_shrink
 from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, silu_mul
+from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
 from lorabench.runtime.moe import MoEMLP
 
@@ -73,11 +74,21 @@ class LoRALinear(nn.Module):
                     self.lora_a.data[slot, s * rows + min(r, rows):(s + 1) * rows] = 0
                 self.lora_b.data[slot, :, r:] = 0
 
-    def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor):
+    def shrinks_in_producer(self, lora: LoRAStep | None, tokens: int) -> bool:
+        """Whether the op producing this linear's input also computes its shrink (``gemm`` at decode sizes)."""
+        return (lora is not None and lora.launch_count > 0 and getattr(lora.backend, "SHRINK_IN_PRODUCER", False)
+                and tokens <= producer_shrink.MAX_TOKENS)
+
+    def shrink_args(self, lora: LoRAStep, scratch: torch.Tensor) -> tuple:
+        """What ``producer_shrink`` takes after its input: A, h (zero), the batch, the launch count, scale, rank."""
+        return self.lora_a, scratch, lora.meta, lora.launch_count, lora.scale, self.lora_b.shape[2]
+
+    def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor, shrunk: bool = False):
+        """``shrunk``: scratch holds h already (``shrinks_in_producer``)."""
         linear_apply = getattr(lora.backend, "linear_apply", None) if lora is not None else None
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
-                                lora.launch_count, lora.scale, scratch)
+                                lora.launch_count, lora.scale, scratch, shrunk=shrunk)
         y = F.linear(x, self.weight, self.bias)
         if lora is not None:  # slice_starts may end before y does: a fully sharded rank's share of the outputs (offset 0)
             lora.backend.lora_apply(
@@ -123,8 +134,7 @@ class Block(nn.Module):
         pdl: PDL-launch the base ops that follow a LoRA kernel (it lets them launch early); the
         first layer's first norm follows the embedding gather instead."""
         cfg, t = self.cfg, x.shape[0]
-        h, x = add_rmsnorm(x, delta, self.attn_norm, cfg.norm_eps, fused, pdl and delta is not None)
-        qkv = self.qkv(h, lora, scratch[0])
+        qkv, x = self._norm_then(self.qkv, x, delta, self.attn_norm, lora, scratch[0], fused, pdl and delta is not None)
         if cfg.qk_norm:
             qkv = qk_rmsnorm(qkv, self.q_norm, self.k_norm, cfg.heads, cfg.kv_heads, cfg.norm_eps)
         elif cfg.qk_norm_full:
@@ -134,10 +144,24 @@ class Block(nn.Module):
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
         )
         attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
-        h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
         if self.moe is not None:  # moe_state: (each slot's expert LoRA enabled in this layer [L + 1], reuse the last routing)
+            h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
             return x, self.moe(h, lora, scratch, *moe_state, fused, pdl)
-        return x, self.down(silu_mul(self.gate_up(h, lora, scratch[2]), fused, pdl), lora, scratch[3])
+        gate_up, x = self._norm_then(self.gate_up, x, attn_out, self.mlp_norm, lora, scratch[2], fused, pdl)
+        if fused and self.down.shrinks_in_producer(lora, t):
+            act = silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
+            return x, self.down(act, lora, scratch[3], shrunk=True)
+        return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
+
+    def _norm_then(self, linear, x, delta, norm, lora, scratch, fused, pdl):
+        """(linear(rmsnorm(x + delta)), x + delta): the norm computes the linear's shrink too where it can."""
+        if fused and linear.shrinks_in_producer(lora, x.shape[0]):
+            slices = len(linear.slice_starts) - 1
+            a, h, meta, launch, scale, rank = linear.shrink_args(lora, scratch)
+            normed, x = add_rmsnorm_shrink(x, delta, norm, self.cfg.norm_eps, a, h, meta, launch, scale, rank, slices, pdl)
+            return linear(normed, lora, scratch, shrunk=True), x
+        normed, x = add_rmsnorm(x, delta, norm, self.cfg.norm_eps, fused, pdl)
+        return linear(normed, lora, scratch), x
 
 
 class LlamaLoRA(nn.Module):
