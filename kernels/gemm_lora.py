@@ -1,8 +1,9 @@
 """LoRA inside the base GEMM: ``y = x·Wᵀ (+ bias) + B[slot]·h`` in one launch per LoRA linear.
 
-The ``gemm`` backend. Its shrink is lorabench's (``shrink.lora_shrink``: h = scale · x·A[slot]ᵀ
-into the step's fp32 scratch); the base GEMM and the expand are one Triton kernel, the expand in
-the GEMM's epilogue. Against cuBLAS + the shrink/expand pair this saves the expand's launch and
+The ``gemm`` backend. Its shrink (h = scale · x·A[slot]ᵀ into the step's fp32 scratch) runs
+inside the op that produces x where the model has one at decode sizes (the norms for qkv and
+gate_up, SiLU·mul for down: ``producer_shrink``), else as lorabench's ``shrink.lora_shrink``; the
+base GEMM and the expand are one Triton kernel, the expand in the GEMM's epilogue. Against cuBLAS + the shrink/expand pair this saves the expand's launch and
 its read-modify-write of y (y is written once, rounded once), at the price of running the base
 GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
 measures both side by side).
