@@ -12,8 +12,9 @@ tilings at those token counts (first model only) and reports the best. Each kern
 
 Points (max_loras:tokens:active adapters, launched = active): per linear, the LoRA overhead of
 ``triton`` (cuBLAS, then lorabench's shrink + expand) and ``gemm`` (the shrink, then the GEMM with
-the expand in its epilogue) — as configured, with its first epilogue step loaded after the K loop
-(``gemm_late``), with epilogue steps twice as wide (``gemm_wide``) and without PDL (``gemm_nopdl``) —
+the expand in its epilogue) — as configured, with its first epilogue step's h and B loaded before
+the K loop (``gemm_early``) and after it (``gemm_late``; ``GemmConfig.preload``), with epilogue
+steps twice as wide (``gemm_wide``) and without PDL (``gemm_nopdl``) —
 each graph against the cuBLAS-only graph in the same loop, and the step estimate (the four linears
 × the model's layers). Results are checked against the reference.
 """
@@ -136,8 +137,9 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             triton_lora.lora_apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
         out["triton"] = y
 
-    def gemm(preload=True, name="gemm"):
-        cfg = replace(gemm_lora.config_for(tokens, k, n), preload=preload)
+    def gemm(preload=None, name="gemm"):
+        cfg = gemm_lora.config_for(tokens, k, n)
+        cfg = cfg if preload is None else replace(cfg, preload=preload)
 
         def run():
             scratch.zero_()
@@ -147,16 +149,16 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
         return run
 
     graphs = {"cublas": capture_graph(cublas), "triton": capture_graph(pair), "gemm": capture_graph(gemm()),
-              "gemm/late": capture_graph(gemm(False, "gemm/late"))}
+              "gemm/early": capture_graph(gemm(True, "gemm/early")), "gemm/late": capture_graph(gemm(False, "gemm/late"))}
     elements = gemm_lora.EPILOGUE_ELEMENTS
     gemm_lora.EPILOGUE_ELEMENTS = 2 * elements
     try:
-        graphs["gemm/wide"] = capture_graph(gemm(True, "gemm/wide"))
+        graphs["gemm/wide"] = capture_graph(gemm(None, "gemm/wide"))
     finally:
         gemm_lora.EPILOGUE_ELEMENTS = elements
     os.environ["LORABENCH_PDL"] = "0"
     try:
-        graphs["gemm/no-pdl"] = capture_graph(gemm(True, "gemm/no-pdl"))
+        graphs["gemm/no-pdl"] = capture_graph(gemm(None, "gemm/no-pdl"))
     finally:
         os.environ.pop("LORABENCH_PDL")
     res = timed(graphs)
@@ -169,10 +171,11 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             "triton_over_us": res["triton"][0] - res["cublas"][0], "gemm_over_us": res["gemm"][0] - res["cublas"][0],
             "triton_spread_us": res["triton"][1], "gemm_spread_us": res["gemm"][1],
             "gemm_nopdl_over_us": res["gemm/no-pdl"][0] - res["cublas"][0],
+            "gemm_early_over_us": res["gemm/early"][0] - res["cublas"][0],
             "gemm_late_over_us": res["gemm/late"][0] - res["cublas"][0],
             "gemm_wide_over_us": res["gemm/wide"][0] - res["cublas"][0],
             "triton_err": rel(out["triton"], ref),
-            "gemm_err": max(rel(out[v], ref) for v in ("gemm", "gemm/late", "gemm/wide", "gemm/no-pdl"))}
+            "gemm_err": max(rel(out[v], ref) for v in ("gemm", "gemm/early", "gemm/late", "gemm/wide", "gemm/no-pdl"))}
 
 
 def main() -> None:
@@ -209,7 +212,7 @@ def main() -> None:
             per = [bench_lora(lname, k, slices, max_loras, t, active) for lname, (k, slices) in lora_linears(cfg).items()]
             rows["lora"].extend({"model": model, **r} for r in per)
             layers = cfg.layers
-            variants = ("triton", "gemm", "gemm_late", "gemm_wide", "gemm_nopdl")
+            variants = ("triton", "gemm", "gemm_early", "gemm_late", "gemm_wide", "gemm_nopdl")
             step = {v: sum(r[f"{v}_over_us"] for r in per) * layers / 1000 for v in variants}
             cells = "  ".join(f"{r['linear']} " + "/".join(f"{r[f'{v}_over_us']:.2f}" for v in variants) for r in per)
             worst = max(max(r["triton_err"], r["gemm_err"]) for r in per)
