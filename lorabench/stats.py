@@ -6,7 +6,7 @@ Step times are skewed and carry outliers (a preemption, a clock change), so ever
 summarised by its median and every interval is a percentile bootstrap of medians: it assumes no
 distribution, and a statistic composed from several points' medians (a ratio, a workload's
 weighted sum, a geometric mean) gets its interval the same way, by resampling every point
-independently. Numpy only, and scipy for the rank test alone (imported there: scipy.stats takes
+independently. Numpy only, and scipy for the rank test and quantile intervals alone (imported there: scipy.stats takes
 about a second to import, which every process that imports this module would otherwise pay): the
 sweep's workers (its stop rule), the sweep and the analysis all use it.
 """
@@ -350,3 +350,27 @@ def samples_needed(n: int, half_width: float, target_half_width: float) -> int:
         return n
     needed = n * (half_width / target_half_width) ** 2
     return max(n, math.ceil(needed * (1 - 1e-12)))  # 400.00000000001 is 400, not 401
+
+
+def quantile_interval(x: np.ndarray, q: float, level: float = LEVEL) -> Interval | None:
+    """The ``q`` quantile of samples (numpy's linear interpolation) with its distribution-free
+    interval: the number of samples below the true quantile is Binomial(n, q), so the order
+    statistics [x_(l), x_(u)] at that law's (1 - level)/2 and (1 + level)/2 points cover it with
+    probability >= level. None when n is too small for it (the interval would reach past the
+    smallest or largest sample: p99 needs about 300 samples at 95 %)."""
+    from scipy import stats as _sps  # here alone: see the module's docstring
+
+    _check_level(level)
+    if not 0 < q < 1:
+        raise ValueError(f"quantile {q}: it must lie strictly between 0 and 1")
+    a = np.sort(_samples(x))
+    n = len(a)
+    if n < MIN_SAMPLES:
+        return None
+    tail = (1 - level) / 2
+    lo = int(_sps.binom.ppf(tail, n, q))  # P(B <= lo) >= tail: x_(lo) in 0-based order lies below it
+    hi = int(_sps.binom.ppf(1 - tail, n, q))  # 0-based x_(hi): at least 1 - tail of the law below it
+    lo -= 1
+    if lo < 0 or hi > n - 1:
+        return None
+    return Interval(float(np.quantile(a, q)), float(a[lo]), float(a[hi]), level)
