@@ -115,9 +115,9 @@ def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         cos, sin = cos_table[positions], sin_table[positions]
         rows = torch.arange(t, device=qkv.device)
-        cache_k[rows, :, positions] = _rotate(k.reshape(t, kv_heads, d), cos, sin)
+        cache_k[rows, :, positions] = rotate(k.reshape(t, kv_heads, d), cos, sin)
         cache_v[rows, :, positions] = v.reshape(t, kv_heads, d)
-        return _rotate(q.reshape(t, heads, d), cos, sin)
+        return rotate(q.reshape(t, heads, d), cos, sin)
     q = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device)
     pdl = pdl and pdl_enabled(qkv.device)
     _rope_cache_kernel[(t, heads + kv_heads)](
@@ -138,7 +138,8 @@ def qk_rmsnorm(qkv, q_weight, k_weight, heads, kv_heads, eps):
     return torch.cat([q, k, v], dim=-1)
 
 
-def _rotate(x, cos, sin):
+def rotate(x, cos, sin):
+    """Rotary embedding (rotate-half form) of x [T, heads, D] at each token's cos, sin [T, D/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)

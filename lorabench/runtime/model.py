@@ -25,9 +25,10 @@ from lorabench.config.models import (
     moe_layer,
 )
 from lorabench.kernels import MAX_SLICES, producer_shrink
-from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, silu_mul
+from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, rotate, silu_mul
 from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
+from lorabench.runtime.mixed_attention import MixedLayout, attend
 from lorabench.runtime.moe import MoEMLP
 
 
@@ -128,21 +129,26 @@ class Block(nn.Module):
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
         self.register_buffer("cache_v", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
 
-    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl, moe_state=None):
+    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl, moe_state=None, layout: MixedLayout | None = None):
         """x: residual stream [T, hidden]; delta: the previous block's output still to be added
         (fused into this block's first norm). Returns (residual stream, this block's delta).
         pdl: PDL-launch the base ops that follow a LoRA kernel (it lets them launch early); the
-        first layer's first norm follows the embedding gather instead."""
+        first layer's first norm follows the embedding gather instead. layout: a mixed step's
+        pieces (``mixed_attention``); None: a decode step, token t in cache row t attending to
+        the whole cache (the benchmark's fixed context)."""
         cfg, t = self.cfg, x.shape[0]
         qkv, x = self._norm_then(self.qkv, x, delta, self.attn_norm, lora, scratch[0], fused, pdl and delta is not None)
         if cfg.qk_norm:
             qkv = qk_rmsnorm(qkv, self.q_norm, self.k_norm, cfg.heads, cfg.kv_heads, cfg.norm_eps)
         elif cfg.qk_norm_full:
             qkv = qk_rmsnorm_full(qkv, self.q_norm, self.k_norm, cfg.norm_eps)
-        q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
-        attn = F.scaled_dot_product_attention(
-            q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
-        )
+        if layout is not None:
+            attn = self._mixed_attention(qkv, rope, pos, layout)
+        else:
+            q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
+            attn = F.scaled_dot_product_attention(
+                q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
+            )
         attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
         if self.moe is not None:  # moe_state: (each slot's expert LoRA enabled in this layer [L + 1], reuse the last routing)
             h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
@@ -152,6 +158,14 @@ class Block(nn.Module):
             act = silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
             return x, self.down(act, lora, scratch[3], shrunk=True)
         return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
+
+    def _mixed_attention(self, qkv, rope, pos, layout):
+        """Rotary q and k at each token's position, then attention over each piece's cached context (torch ops)."""
+        cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
+        q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
+        cos, sin = rope[0][pos], rope[1][pos]
+        q, k = rotate(q.reshape(t, cfg.heads, d), cos, sin), rotate(k.reshape(t, cfg.kv_heads, d), cos, sin)
+        return attend(q, k, v.reshape(t, cfg.kv_heads, d), self.cache_k, self.cache_v, layout)
 
     def _norm_then(self, linear, x, delta, norm, lora, scratch, fused, pdl):
         """(linear(rmsnorm(x + delta)), x + delta): the norm computes the linear's shrink too where it can."""
@@ -209,8 +223,14 @@ class LlamaLoRA(nn.Module):
         self.register_buffer("expert_lora_enabled", enabled, persistent=False)
         self.reuse_routing = False  # MoE layers replay the last step's routing (the check's reference)
 
-    def forward(self, input_ids, positions, lora: LoRAStep | None = None):
+    def forward(self, input_ids, positions, lora: LoRAStep | None = None, layout: MixedLayout | None = None):
+        """layout: a mixed step (decode tokens and prefill chunks, ``mixed_attention``); positions
+        then come from it (None)."""
         t = input_ids.shape[0]
+        if layout is not None:
+            if layout.tokens != t:
+                raise ValueError(f"{t} tokens for a layout of {layout.tokens}")
+            positions = layout.positions(input_ids.device)
         if lora is not None and lora.backend.NEEDS_ZEROED_SCRATCH:
             self.scratch[:, :, :t].zero_()
         x, delta = self.embed[input_ids], None
@@ -219,7 +239,7 @@ class LlamaLoRA(nn.Module):
         enabled = self.expert_lora_enabled
         for i, layer in enumerate(self.layers):
             moe_state = (None if enabled is None else enabled[i], self.reuse_routing)
-            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl, moe_state)
+            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl, moe_state, layout)
         h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
         return F.linear(h, self.lm_head)
 
