@@ -85,7 +85,7 @@ def _producer_shrink_kernel(
     slot = tl.load(token_slot_ptr + t)
     offs_l = tl.arange(0, LAUNCH_PAD)
     launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
+    served = tl.max(((launched == slot) & (slot >= 0) & (LAUNCH > 0)).to(tl.int32), axis=0)
     if served > 0:
         xf = xo.to(tl.float32)
         a_base = a_ptr + slot.to(tl.int64) * stride_al
@@ -115,7 +115,7 @@ def _launch(producer, x, delta, weight, eps, out, res, lora_a, h, meta: LoRAMeta
     _producer_shrink_kernel[(tokens, triton.cdiv(k, CHUNK))](
         x, delta if delta is not None else x, weight if weight is not None else x, res if res is not None else out, out,
         lora_a, h, meta.token_slot, meta.active_slots, meta.slot_rank if ranked else meta.active_slots,
-        k, n, n // slices, rank, max(1, launch_count), eps, scale,
+        k, n, n // slices, rank, max(0, launch_count), eps, scale,
         lora_a.stride(0), lora_a.stride(1), h.stride(0),
         PRODUCER=producer, HAS_DELTA=delta is not None, ROW=triton.next_power_of_2(k), CHUNK=CHUNK, BLOCK_N=block_n,
         LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), USE_PDL=pdl, RANKED=ranked, num_warps=4,

@@ -357,7 +357,7 @@ def quantile_interval(x: np.ndarray, q: float, level: float = LEVEL) -> Interval
     interval: the number of samples below the true quantile is Binomial(n, q), so the order
     statistics [x_(l), x_(u)] at that law's (1 - level)/2 and (1 + level)/2 points cover it with
     probability >= level. None when n is too small for it (the interval would reach past the
-    smallest or largest sample: p99 needs about 300 samples at 95 %)."""
+    smallest or largest sample: p90 needs 36 samples at 95 %, p99 368)."""
     from scipy import stats as _sps  # here alone: see the module's docstring
 
     _check_level(level)

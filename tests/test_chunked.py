@@ -115,6 +115,7 @@ def test_a_closed_loops_ttft_counts_the_wait_for_a_place():
     lat = latencies(served, [10, 10, 10, 10])
     # R0, R1 at once; R2 waited for a place two steps; R3 (R0's successor) at once; R4 is still waiting
     assert lat.ttft_ms.tolist() == [10.0, 10.0, 30.0, 10.0]
+    assert lat.ttft_pending == 1  # R4 arrived at step 2 and is still waiting (R5 arrives after the last step)
 
 
 def test_quantile_intervals_cover_at_their_level():

@@ -34,5 +34,5 @@ def test_a_mixed_step_takes_the_smallest_size_and_count_that_hold_it():
     assert mixed_route(step((0, 1, False), (1, 1, False), (2, 6, True)), sizes, capture_counts("max", 8)).launch == 8
     base = mixed_route(step((-1, 40, True), (-1, 1, False)), sizes, pow2)
     assert (base.bucket, base.launch) == (48, 0)  # base-model requests only: the no-LoRA graph
-    eager = mixed_route(step((1, 1, False), (2, 2047, True)), sizes, pow2)
-    assert eager.eager and eager.launch == 2  # past 512 tokens: no graph
+    eager = mixed_route(step((0, 1, False), (1, 1, False), (2, 2046, True)), sizes, pow2)
+    assert eager.eager and eager.launch == 3  # past 512 tokens: no graph, the adapters' own count

@@ -7,7 +7,9 @@ at the end of the step that processed its last prompt token, each later one at t
 step that decoded it. TTFT = first token's end - arrival; ITL = the gaps between a request's
 consecutive tokens. Only what the first ``from_step`` steps did not start counts: requests that
 arrived from that step on, gaps whose first token came from it on, tokens out from it on (the
-loop's start, every client arriving at once, is not the steady state).
+loop's start, every client arriving at once, is not the steady state). Requests still waiting
+for their first token when the steps end are counted (``ttft_pending``), not timed: under load
+they are the slowest, so percentiles over ``ttft_ms`` alone read low when many are pending.
 """
 
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ PERCENTILES = (50, 90, 99)
 @dataclass(frozen=True)
 class Latencies:
     ttft_ms: np.ndarray  # one per request that arrived from ``from_step`` on and got its first token
+    ttft_pending: int  # requests that arrived from ``from_step`` on and had no token when the steps ended
     itl_ms: np.ndarray  # one per gap between consecutive tokens of a request
     output_tokens: int  # tokens out in the counted steps
     wall_ms: float  # the counted steps' time
@@ -48,11 +51,14 @@ def latencies(served: Served, step_ms, from_step: int = 0) -> Latencies:
         raise ValueError(f"from_step {from_step} is outside the {len(ms)} steps")
     end = np.cumsum(ms)
     start = end - ms
-    ttft, itl, tokens = [], [], 0
+    ttft, itl, tokens, pending = [], [], 0, 0
     for r in served.requests:
         steps = r.emitted_at
-        if steps and r.arrival >= from_step:
-            ttft.append(end[steps[0]] - start[r.arrival])
+        if r.arrival >= from_step and r.arrival < len(ms):
+            if steps:
+                ttft.append(end[steps[0]] - start[r.arrival])
+            else:
+                pending += 1
         itl.extend(end[b] - end[a] for a, b in zip(steps, steps[1:]) if a >= from_step)
         tokens += sum(1 for s in steps if s >= from_step)
-    return Latencies(np.array(ttft), np.array(itl), tokens, float(ms[from_step:].sum()))
+    return Latencies(np.array(ttft), pending, np.array(itl), tokens, float(ms[from_step:].sum()))

@@ -48,5 +48,7 @@ class MixedRoute:
 def mixed_route(step: Step, sizes: list[int], counts: list[int]) -> MixedRoute:
     """The PIECEWISE graph (or the eager path) of ``step`` under capture ``sizes`` and captured
     launch ``counts``: the smallest size holding its tokens, the smallest count holding its
-    distinct adapters (base-model requests do not count)."""
-    return MixedRoute(choose_bucket(step.tokens, sizes), choose_launch(len(step.adapters), counts))
+    distinct adapters (base-model requests do not count). Eager, nothing is baked in: the launch
+    count is the adapters' own, as lorabench's dispatcher launches eager steps."""
+    bucket, n = choose_bucket(step.tokens, sizes), len(step.adapters)
+    return MixedRoute(bucket, n if bucket is None else choose_launch(n, counts))
