@@ -213,7 +213,7 @@ def smaller(cfg: GemmConfig) -> GemmConfig | None:
     return None
 
 
-# The tiling that fits, per launch that needed a smaller one: (tokens, K, N, dtype, BLOCK_J, base GEMM) ->
+# The tiling that fits, per launch that needed a smaller one: (tokens, K, N, dtype, launched slot-rank width, base GEMM) ->
 # config. What a tiling takes of shared memory is what Triton's compiler makes of it (its pipeliner's
 # buffers, the epilogue's dot operands, layout conversions); no formula predicts it across dtypes,
 # so the launch finds out (OutOfResources comes before anything runs) and steps down.

@@ -85,7 +85,7 @@ def _producer_shrink_kernel(
     slot = tl.load(token_slot_ptr + t)
     offs_l = tl.arange(0, LAUNCH_PAD)
     launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    served = tl.max(((launched == slot) & (slot >= 0) & (LAUNCH > 0)).to(tl.int32), axis=0)
+    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
     if served > 0:
         xf = xo.to(tl.float32)
         a_base = a_ptr + slot.to(tl.int64) * stride_al

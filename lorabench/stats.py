@@ -368,9 +368,10 @@ def quantile_interval(x: np.ndarray, q: float, level: float = LEVEL) -> Interval
     if n < MIN_SAMPLES:
         return None
     tail = (1 - level) / 2
-    lo = int(_sps.binom.ppf(tail, n, q))  # P(B <= lo) >= tail: x_(lo) in 0-based order lies below it
-    hi = int(_sps.binom.ppf(1 - tail, n, q))  # 0-based x_(hi): at least 1 - tail of the law below it
-    lo -= 1
+    # B, the samples below the quantile, is Binomial(n, q); x_(i) is 0-based. x_(lo) lies above the
+    # quantile only if B <= lo, x_(hi) below it only if B >= hi + 1: each has probability <= tail.
+    lo = int(_sps.binom.ppf(tail, n, q)) - 1
+    hi = int(_sps.binom.ppf(1 - tail, n, q))
     if lo < 0 or hi > n - 1:
         return None
     return Interval(float(np.quantile(a, q)), float(a[lo]), float(a[hi]), level)

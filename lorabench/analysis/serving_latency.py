@@ -19,7 +19,6 @@ import numpy as np
 from lorabench.config.chunked import Served
 from lorabench.stats import Interval, quantile_interval
 
-PERCENTILES = (50, 90, 99)
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def latencies(served: Served, step_ms, from_step: int = 0) -> Latencies:
     ttft, itl, tokens, pending = [], [], 0, 0
     for r in served.requests:
         steps = r.emitted_at
-        if r.arrival >= from_step and r.arrival < len(ms):
+        if from_step <= r.arrival < len(ms):
             if steps:
                 ttft.append(end[steps[0]] - start[r.arrival])
             else:

@@ -1,10 +1,12 @@
-"""Batches of decode requests as slot lists: fixed active counts, mixes with base requests, and
-how many distinct adapters a batch holds."""
+"""Batches of decode requests as slot lists (fixed active counts, mixes with base requests), mixed
+steps of prefill chunks and decode tokens, and how many distinct adapters a batch holds."""
 
 import random
 from typing import NamedTuple
 
 import numpy as np
+
+from lorabench.config.chunked import Piece, Step
 
 
 class BenchPoint(NamedTuple):
@@ -51,6 +53,26 @@ def mixed_batch(tokens: int, n_active: int, max_loras: int, rng: random.Random) 
     """Like ``fixed_batch`` with a random number of base-model requests among the adapters."""
     base = tokens if n_active == 0 else rng.randint(0, tokens - n_active)
     return fixed_batch(tokens, n_active, max_loras, rng, base_tokens=base)
+
+
+def mixed_step(tokens: int, n_active: int, max_loras: int, context_len: int, rng: random.Random,
+               base_requests: int = 0) -> Step:
+    """A mixed step of ``tokens`` tokens whose requests use exactly ``n_active`` distinct adapter
+    slots, ``base_requests`` of them none: each request a decode token but the first, whose prompt
+    chunk takes the rest (split into chunks of at most ``context_len // 2`` tokens from further
+    requests of the same adapters where longer). Contexts random within ``context_len``, pieces
+    shuffled; request i is piece i (its cache row)."""
+    requests = n_active + base_requests
+    if not 1 <= requests <= tokens or n_active > max_loras:
+        raise ValueError(f"cannot place {n_active} adapters and {base_requests} base requests in {tokens} tokens")
+    adapters = rng.sample(range(max_loras), n_active) + [-1] * base_requests
+    prompt, limit = tokens - (requests - 1), max(1, context_len // 2)
+    chunks = [min(limit, prompt - i) for i in range(0, prompt, limit)]
+    owners = adapters[:1] + [rng.choice(adapters) for _ in chunks[1:]]
+    pieces = [(a, n, rng.randint(0, context_len - n), True) for a, n in zip(owners, chunks)]
+    pieces += [(a, 1, rng.randint(0, context_len - 1), False) for a in adapters[1:]]
+    rng.shuffle(pieces)
+    return Step(tuple(Piece(i, a, n, c, prefill, True) for i, (a, n, c, prefill) in enumerate(pieces)))
 
 
 def distinct_adapters(steps: np.ndarray) -> np.ndarray:

@@ -53,6 +53,11 @@ class Step:
         return sum(p.tokens for p in self.pieces if p.prefill)
 
     @property
+    def token_adapters(self) -> list[int]:
+        """Each token's adapter (-1: base), in the pieces' order on the step's token axis."""
+        return [p.adapter for p in self.pieces for _ in range(p.tokens)]
+
+    @property
     def adapters(self) -> set[int]:
         """The distinct adapters the step runs (its active count is their number)."""
         return {p.adapter for p in self.pieces if p.adapter >= 0}

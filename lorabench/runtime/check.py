@@ -1,6 +1,8 @@
 """The correctness verdict of one configuration: every graph it can serve a batch with is
 replayed on batches that route to it (all adapters, all base, and mixes of both, at every
-active count n) and compared with the plain-torch reference.
+active count n) and compared with the plain-torch reference. With mixed-step graphs (PIECEWISE),
+mixed steps too: a prompt chunk among decode tokens, adapters alone and with a base request, at
+every n, through every PIECEWISE graph and the eager path past them.
 
 Batches are tried smallest first (tokens, then n, then base requests), so the first mismatch
 is the smallest batch that shows the configuration is wrong. Tolerances are per dtype, on the
@@ -15,16 +17,23 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from lorabench.config.batches import fixed_batch
+from lorabench.config.batches import fixed_batch, mixed_step
+from lorabench.config.chunked import Step
 from lorabench.config.tolerance import TOLERANCE
 from lorabench.runtime.dispatch import Dispatcher, Route
+from lorabench.runtime.mixed_attention import MixedLayout
 
 MIN_SENSITIVITY = 10.0  # a dropped update must move the logits >= this many tolerances
 
 
 @dataclass
 class Case:
-    slots: list[int]
+    slots: list[int]  # each token's slot
+    step: Step | None = None  # a mixed step's pieces (request i in cache row i); None: a decode batch
+
+    @property
+    def layout(self) -> MixedLayout | None:
+        return None if self.step is None else MixedLayout.of(self.step, {p.request: p.request for p in self.step.pieces})
 
     @property
     def tokens(self) -> int:
@@ -48,14 +57,19 @@ class Failure:
     graphed: bool
     max_err: float
     bad_tokens: list[int]  # positions in the batch whose logits are off
+    pieces: list[list] | None = None  # a mixed step's [slot, tokens, context, prefill] per piece
 
     def describe(self, tolerance: float) -> str:
         case = Case(self.slots)
-        where = (f"graph (bucket {self.graph_tokens}, key {self.key}, grid {self.grid})" if self.graphed
+        kind = "PIECEWISE graphs" if self.pieces else "graph"
+        where = (f"{kind} (bucket {self.graph_tokens}, key {self.key}, grid {self.grid})" if self.graphed
                  else f"the eager path (key {self.key}, grid {self.grid})")
         bad = sorted({self.slots[i] for i in self.bad_tokens})
         who = ", ".join("base" if s < 0 else f"slot {s}" for s in bad)
-        return (f"batch {self.slots} ({case.tokens} tokens, n={case.n_active}, {case.base} base) -> {where}: "
+        what = f"batch {self.slots}" if not self.pieces else "mixed step [" + ", ".join(
+            f"{'prefill' if pre else 'decode'} {n}{f'+{c} cached' if c else ''} of {'base' if s < 0 else f'slot {s}'}"
+            for s, n, c, pre in self.pieces) + "]"
+        return (f"{what} ({case.tokens} tokens, n={case.n_active}, {case.base} base tokens) -> {where}: "
                 f"{len(self.bad_tokens)} token(s) of {who} off by {self.max_err:.3g} relative (tolerance {tolerance:g})")
 
 
@@ -72,17 +86,30 @@ class Verdict:
     first: Failure | None = None
     failing_graphs: list[list[int]] = field(default_factory=list)  # [bucket, key, grid]
     eager_wrong: bool = False  # a batch past every capture size (run eagerly) was wrong
+    mixed_batches: int = 0  # of ``batches``, mixed steps
+    mixed_graphs_checked: int = 0  # mixed keys (PIECEWISE graph sets) some step was served by
+    mixed_graphs_total: int = 0
+    failing_mixed_graphs: list[list[int]] = field(default_factory=list)  # [bucket, key, grid]
+    mixed_eager_wrong: bool = False  # a mixed step past every mixed size was wrong
 
     @property
     def detail(self) -> str:
         if self.correct is None:
             return (f"inconclusive: the LoRA update moves the logits by only {self.sensitivity:.3g}, "
                     f"under {MIN_SENSITIVITY:g}x the tolerance {self.tolerance:g}")
+        mixed = (f", {self.mixed_graphs_checked} of {self.mixed_graphs_total} mixed (PIECEWISE) keys over "
+                 f"{self.mixed_batches} mixed steps" if self.mixed_batches else "")
         if self.correct:
-            return (f"ok: {self.batches} batches, {self.graphs_checked} of {self.graphs_total} graphs served, "
+            return (f"ok: {self.batches} batches, {self.graphs_checked} of {self.graphs_total} graphs served{mixed}, "
                     f"max error {self.max_err:.2g} (tolerance {self.tolerance:g}, LoRA moves logits by {self.sensitivity:.2g})")
-        where = f"{len(self.failing_graphs)} of {self.graphs_checked} graphs served" + (" and the eager path" if self.eager_wrong else "")
-        return f"WRONG in {where}; smallest: " + self.first.describe(self.tolerance)
+        wrong = []
+        if self.failing_graphs or self.eager_wrong:
+            wrong.append(f"{len(self.failing_graphs)} of {self.graphs_checked} graphs served"
+                         + (" and the eager path" if self.eager_wrong else ""))
+        if self.failing_mixed_graphs or self.mixed_eager_wrong:
+            wrong.append(f"{len(self.failing_mixed_graphs)} of {self.mixed_graphs_checked} mixed keys served"
+                         + (" and the mixed eager path" if self.mixed_eager_wrong else ""))
+        return f"WRONG in {' and '.join(wrong)}; smallest: " + self.first.describe(self.tolerance)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "detail": self.detail}
@@ -103,6 +130,26 @@ def cases(d: Dispatcher, rng: random.Random) -> list[Case]:
             bases = {t} if n == 0 else {0, min(1, t - n), t - n}
             for base in sorted(bases):
                 out.append(Case(fixed_batch(t, n, d.max_loras, rng, base_tokens=base)))
+    return out
+
+
+def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
+    """With mixed sizes only. Per mixed size b (previous size p): steps of p+1 and b tokens; past
+    the largest, a step of the most tokens the model holds (eager). For each, every n in
+    0..min(tokens, max_loras): adapters alone and with one base request (n = 0: base alone), each
+    a prompt chunk among decode tokens with random contexts (``batches.mixed_step``). Smallest first."""
+    sizes, top = d.mixed_sizes, d.model.max_tokens
+    if not sizes:
+        return []
+    lengths = set(sizes) | {p + 1 for p in sizes[:-1]} | {1}
+    if top > sizes[-1]:
+        lengths |= {sizes[-1] + 1, top}
+    out = []
+    for t in sorted(lengths):
+        for n in range(min(t, d.max_loras) + 1):
+            for base in sorted({1} if n == 0 else {0, min(1, t - n)}):
+                step = mixed_step(t, n, d.max_loras, d.model.context_len, rng, base)
+                out.append(Case(step.token_adapters, step))
     return out
 
 
@@ -151,49 +198,64 @@ class References:
 
 def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = None) -> Verdict:
     """Replay every servable graph of a captured dispatcher on every case; see the module doc.
-    ``refs``: answers shared with the checks of the worker's other strategies (``References``)."""
+    ``refs``: answers shared with the checks of the worker's other strategies (``References``;
+    decode batches only: a mixed step's answer depends on the KV cache earlier steps wrote)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     tol = TOLERANCE[dtype].logits
     gen = torch.Generator(device=d.input_ids.device).manual_seed(seed)
     saved_ids = d.input_ids.clone()
-    served: set[tuple[int, int]] = set()
-    failing: dict[tuple[int, int], int] = {}
-    first, max_err, batches, eager_wrong = None, 0.0, 0, False
+    served: set[tuple[bool, int, int]] = set()
+    failing: dict[tuple[bool, int, int], int] = {}
+    first, max_err, batches, mixed_batches = None, 0.0, 0, 0
+    eager_wrong = {False: False, True: False}
     try:
         sens = sensitivity(d, rng, refs)
-        for i, case in enumerate(cases(d, rng)):
+        decode = cases(d, rng)
+        for i, case in enumerate(decode + mixed_cases(d, rng)):
             ids = torch.randint(0, d.model.cfg.vocab, (case.tokens,), device=d.input_ids.device, generator=gen)
             d.input_ids[: case.tokens].copy_(ids)
-            prep = d.prepare(case.slots)
+            layout = case.layout
+            prep = d.prepare(case.slots, layout)
             out = d.launch(prep).clone()
             route: Route = prep.route
             grid = d.grid_of(route)
             key = (i, tuple(case.slots))
-            ref = refs.get(key, out.device) if refs is not None else None
+            shared = refs is not None and layout is None
+            ref = refs.get(key, out.device) if shared else None
             if ref is None:
-                ref = d.reference(case.slots, ids, reuse_routing=True)
-                if refs is not None:
+                ref = d.reference(case.slots, ids, reuse_routing=True, layout=layout)
+                if shared:
                     refs.put(key, ref)
             err = row_errors(out, ref)
             worst = float(err.max())
             batches += 1
+            mixed_batches += layout is not None
             max_err = max(max_err, worst)
+            graph = (route.mixed, route.tokens, route.launch)
             if route.graphed:
-                served.add((route.tokens, route.launch))
+                served.add(graph)
             if not worst < tol:  # NaN fails too
                 if route.graphed:
-                    failing[(route.tokens, route.launch)] = grid
+                    failing[graph] = grid
                 else:
-                    eager_wrong = True
+                    eager_wrong[route.mixed] = True
                 if first is None:
                     bad = [i for i, e in enumerate(err.tolist()) if not e < tol]
-                    first = Failure(case.slots, route.tokens, route.launch, grid, route.graphed, worst, bad)
+                    pieces = None if case.step is None else [[p.adapter, p.tokens, p.context, p.prefill]
+                                                             for p in case.step.pieces]
+                    first = Failure(case.slots, route.tokens, route.launch, grid, route.graphed, worst, bad, pieces)
     finally:
         d.input_ids.copy_(saved_ids)
     correct = None if sens < MIN_SENSITIVITY * tol else first is None
+
+    def wrong(mixed: bool) -> list[list[int]]:
+        return sorted([b, k, g] for (m, b, k), g in failing.items() if m == mixed)
+
     return Verdict(
-        correct=correct, batches=batches, graphs_checked=len(served), graphs_total=d.num_graphs, max_err=max_err,
-        tolerance=tol, sensitivity=sens, seconds=time.perf_counter() - t0, first=first,
-        failing_graphs=sorted([b, k, g] for (b, k), g in failing.items()), eager_wrong=eager_wrong,
+        correct=correct, batches=batches, graphs_checked=sum(not m for m, _, _ in served), graphs_total=d.num_graphs,
+        max_err=max_err, tolerance=tol, sensitivity=sens, seconds=time.perf_counter() - t0, first=first,
+        failing_graphs=wrong(False), eager_wrong=eager_wrong[False], mixed_batches=mixed_batches,
+        mixed_graphs_checked=sum(m for m, _, _ in served), mixed_graphs_total=len(d.mixed_keys),
+        failing_mixed_graphs=wrong(True), mixed_eager_wrong=eager_wrong[True],
     )

@@ -12,6 +12,11 @@ How a batch's metadata is built, which keys are captured and which key a batch u
 dispatcher's *rules*: ``LorabenchRules`` here, or ``lorabench.runtime.vllm_rules.VllmRules``, which
 reproduces vLLM's runner (its count includes the base-model id) for its own kernels.
 
+Mixed steps (prefill chunks and decode tokens, a ``MixedLayout``) have their own set, as vLLM's
+PIECEWISE graphs: one per (bucket of ``mixed_sizes``, key) under the same rules, each the model's
+pieces split at attention (``runtime.piecewise_graphs``); a mixed step past the largest size runs
+eagerly. Uniform decode steps keep their FULL graphs.
+
 With ``use_graphs=False`` (the CPU path) every key maps to an eager callable that runs the
 same padded shapes with the same launch count, so dispatch is exercised identically.
 """
@@ -25,17 +30,21 @@ from lorabench.config.strategies import choose_bucket, choose_launch
 from lorabench.kernels import get_backend
 from lorabench.runtime.graphs import no_collection
 from lorabench.runtime.lora_meta import MetaBuffer
+from lorabench.runtime.mixed_attention import MixedLayout
 from lorabench.runtime.model import LlamaLoRA, LoRAStep
+from lorabench.runtime.piecewise_graphs import PiecewiseStep
 
 
 @dataclass(frozen=True)
 class Route:
     """Where a batch goes: ``tokens`` is the bucket (or the batch itself when eager); ``launch``
-    is the dispatch key (lorabench: the launch count; vLLM: its rounded adapter count)."""
+    is the dispatch key (lorabench: the launch count; vLLM: its rounded adapter count); ``mixed``:
+    a mixed step's (PIECEWISE graphs or eager), else a decode step's (FULL graphs or eager)."""
 
     tokens: int
     launch: int
     graphed: bool
+    mixed: bool = False
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Prepared:
     n_active: int
     batch_tokens: int
     route: Route
+    layout: MixedLayout | None = None  # a mixed step's pieces
 
 
 class LorabenchRules:
@@ -118,11 +128,14 @@ class Dispatcher:
         rules=None,
         bucket_grid: bool = False,
         slot_rank: torch.Tensor | None = None,
+        mixed_sizes: list[int] = (),
     ):
         """slot_rank: each slot's own rank, for kernels that skip the padding (``LoRAMeta.slot_rank``;
-        None: they compute every adapter at the weights' rank, as vLLM does)."""
-        if max(capture_sizes) > model.max_tokens:
-            raise ValueError(f"capture size {max(capture_sizes)} exceeds the model's {model.max_tokens} token slots")
+        None: they compute every adapter at the weights' rank, as vLLM does). mixed_sizes: the
+        buckets of the mixed steps' PIECEWISE graphs (empty: none captured, mixed steps run eagerly)."""
+        if max(capture_sizes + list(mixed_sizes)) > model.max_tokens:
+            raise ValueError(f"capture size {max(capture_sizes + list(mixed_sizes))} exceeds the model's "
+                             f"{model.max_tokens} token slots")
         device = model.embed.device
         self.model, self.backend, self.scale, self.slot_rank = model, backend, lora_scale, slot_rank
         self.max_loras, self.use_graphs = max_loras, use_graphs
@@ -139,23 +152,41 @@ class Dispatcher:
         self.grid: dict[tuple[int, int], int] = {}  # key -> the launch count its kernels were launched with
         self.runners: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.pool = None
+        self.mixed_sizes = sorted(set(mixed_sizes))
+        self.mixed_keys = [(b, c) for b in reversed(self.mixed_sizes) for c in self.rules.keys(b)]
+        self.mixed_grid: dict[tuple[int, int], int] = {}
+        self.mixed_runners: dict[tuple[int, int], PiecewiseStep] = {}
+        cfg = model.cfg  # what attention writes for the piece after it (mixed steps only)
+        self.attn = torch.zeros((model.max_tokens, cfg.heads * cfg.head_dim), dtype=model.embed.dtype,
+                                device=device) if self.mixed_sizes else None
 
     # -- building ---------------------------------------------------------------------------
-    def forward(self, tokens: int, launch: int, backend=None, meta=None) -> torch.Tensor:
-        """One eager decode step over the first ``tokens`` static inputs at ``launch``
-        (0: the base model, no LoRA kernels at all)."""
+    def lora_step(self, launch: int, backend=None, meta=None) -> LoRAStep | None:
+        """What a step at ``launch`` applies LoRA with (0: nothing, the base model)."""
         backend = backend or self.backend
         meta = self.rules.meta if meta is None else meta
         if self.slot_rank is not None:
             meta = meta._replace(slot_rank=self.slot_rank)
-        lora = None if launch == 0 else LoRAStep(backend, meta, launch, self.scale)
-        return self.model(self.input_ids[:tokens], self.positions[:tokens], lora)
+        return None if launch == 0 else LoRAStep(backend, meta, launch, self.scale)
+
+    def forward(self, tokens: int, launch: int, backend=None, meta=None, layout: MixedLayout | None = None) -> torch.Tensor:
+        """One eager step over the first ``tokens`` static inputs at ``launch`` (0: the base
+        model, no LoRA kernels at all): a decode step, or with ``layout`` a mixed one."""
+        lora = self.lora_step(launch, backend, meta)
+        return self.model(self.input_ids[:tokens], None if layout else self.positions[:tokens], lora, layout)
+
+    def _pieces(self, key: tuple[int, int], meta=None) -> PiecewiseStep:
+        tokens, launch = key
+        return PiecewiseStep(self.model, self.input_ids[:tokens], self.attn, lambda: self.lora_step(launch, meta=meta))
 
     def warm_up(self) -> None:
-        """Run every key once eagerly: compiles the Triton kernels each key needs."""
+        """Run every key once eagerly, mixed ones too: compiles the Triton kernels each key needs."""
         for tokens, launch in self.keys:
             self.rules.arm(tokens, launch)
             self.forward(tokens, launch)
+        for key in self.mixed_keys:
+            self.rules.arm(*key)
+            self._pieces(key).run_eager()
         if self.use_graphs:
             torch.cuda.synchronize()
 
@@ -168,7 +199,7 @@ class Dispatcher:
                 meta = self.rules.captured_meta(self.grid[key])  # the grid stays what capture saw
                 self.runners[key] = lambda key=key, meta=meta: self.forward(*key, meta=meta)
             return
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
         with no_collection():
             for key in self.keys:
                 self.grid[key] = self.rules.arm(*key)
@@ -178,37 +209,75 @@ class Dispatcher:
                 self.runners[key] = _GraphRunner(graph, output)
         torch.cuda.synchronize()
 
+    def capture_mixed(self) -> None:
+        """Capture every mixed key's pieces (PIECEWISE graphs) in the shared pool, or bind their
+        eager stand-ins; each key's metadata set up by the rules first, as for ``capture``."""
+        if self.use_graphs and self.mixed_keys:
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+        with no_collection():
+            for key in self.mixed_keys:
+                self.mixed_grid[key] = self.rules.arm(*key)
+                if not self.use_graphs:
+                    self.mixed_runners[key] = self._pieces(key, meta=self.rules.captured_meta(self.mixed_grid[key]))
+                    continue
+                pieces = self.mixed_runners[key] = self._pieces(key)
+                pieces.capture(self.pool)
+        if self.use_graphs:
+            torch.cuda.synchronize()
+
     # -- per step ---------------------------------------------------------------------------
     def route(self, tokens: int, n_active: int) -> Route:
+        """A decode step's: its FULL graph, or eager past the largest capture size."""
         bucket = choose_bucket(tokens, self.capture_sizes)
         if bucket is None:
             return Route(tokens, self.rules.eager_key(n_active), graphed=False)
         return Route(bucket, self.rules.key(n_active, bucket), graphed=True)
 
+    def route_mixed(self, tokens: int, n_active: int) -> Route:
+        """A mixed step's: its PIECEWISE graphs, or eager past the largest mixed size."""
+        bucket = choose_bucket(tokens, self.mixed_sizes)
+        if bucket is None:
+            return Route(tokens, self.rules.eager_key(n_active), graphed=False, mixed=True)
+        return Route(bucket, self.rules.key(n_active, bucket), graphed=True, mixed=True)
+
     def grid_of(self, route: Route) -> int:
         """The launch count the route's LoRA kernels run with (after its metadata is loaded)."""
-        return self.grid[(route.tokens, route.launch)] if route.graphed else self.rules.eager_grid(route)
+        if not route.graphed:
+            return self.rules.eager_grid(route)
+        return (self.mixed_grid if route.mixed else self.grid)[(route.tokens, route.launch)]
 
-    def prepare(self, slots: list[int]) -> Prepared:
-        """Host work of a step: build the metadata and choose the graph."""
+    def prepare(self, slots: list[int], layout: MixedLayout | None = None) -> Prepared:
+        """Host work of a step: build the metadata and choose the graph. layout: a mixed step's
+        pieces (``slots`` then holds each of its tokens' slot, in the layout's order)."""
+        if layout is not None and layout.tokens != len(slots):
+            raise ValueError(f"{len(slots)} token slots for a layout of {layout.tokens} tokens")
         packed, n = self.rules.pack(slots)
-        return Prepared(packed, n, len(slots), self.route(len(slots), n))
+        route = self.route(len(slots), n) if layout is None else self.route_mixed(len(slots), n)
+        return Prepared(packed, n, len(slots), route, layout)
 
     def load(self, prep: Prepared) -> None:
         """Send the batch's metadata to the device (vLLM's rules also build it there)."""
         self.rules.load(prep.packed)
 
-    def run(self, route: Route) -> torch.Tensor:
-        """Replay the route's graph (or run it eagerly) over the metadata already loaded."""
+    def run(self, route: Route, layout: MixedLayout | None = None) -> torch.Tensor:
+        """Replay the route's graph (or run it eagerly) over the metadata already loaded; a mixed
+        route needs its step's ``layout``."""
+        if route.mixed:
+            if route.graphed:
+                return self.mixed_runners[(route.tokens, route.launch)](layout)
+            return self.forward(route.tokens, route.launch, layout=layout)
         return self.runners[(route.tokens, route.launch)]() if route.graphed else self.forward(route.tokens, route.launch)
 
     def launch(self, prep: Prepared) -> torch.Tensor:
         """Copy the metadata in and run the chosen graph; returns logits [batch tokens, vocab]."""
         self.load(prep)
-        return self.run(prep.route)[: prep.batch_tokens]
+        return self.run(prep.route, prep.layout)[: prep.batch_tokens]
 
-    def reference(self, slots: list[int], input_ids: torch.Tensor | None = None, reuse_routing: bool = False) -> torch.Tensor:
-        """The eager plain-torch answer for exactly this batch (no padding, no launch count).
+    def reference(self, slots: list[int], input_ids: torch.Tensor | None = None, reuse_routing: bool = False,
+                  layout: MixedLayout | None = None) -> torch.Tensor:
+        """The eager plain-torch answer for exactly this batch (no padding, no launch count); with
+        ``layout``, of this mixed step (its attention writes the same cache positions the
+        launched step wrote, so the two read the same context).
         It overwrites the metadata: launch the next batch with ``launch``, which reloads it.
         reuse_routing: MoE layers send each token to the experts the last launched step chose
         (``runtime.moe``), so the answer differs from that step's only by its LoRA."""
@@ -217,7 +286,8 @@ class Dispatcher:
         self.ref_buf.load(self.ref_buf.pack(slots)[0])
         self.model.reuse_routing = reuse_routing
         try:
-            return self.forward(len(slots), self.max_loras, backend=get_backend("reference"), meta=self.ref_buf.meta)
+            return self.forward(len(slots), self.max_loras, backend=get_backend("reference"), meta=self.ref_buf.meta,
+                                layout=layout)
         finally:
             self.model.reuse_routing = False
 
@@ -230,4 +300,10 @@ class Dispatcher:
 
     @property
     def num_graphs(self) -> int:
+        """FULL graphs (decode steps)."""
         return len(self.keys)
+
+    @property
+    def num_mixed_graphs(self) -> int:
+        """PIECEWISE graphs (mixed steps): each mixed key's pieces."""
+        return len(self.mixed_keys) * (len(self.model.layers) + 1)

@@ -37,3 +37,23 @@ def capture_graph(warm: Callable[[], object], body: Callable[[], object] | None 
     with no_collection(collect_first=False), torch.cuda.graph(graph):
         (body or warm)()
     return graph
+
+
+class _DeviceMemory:
+    """A CUDA array interface over a tensor's memory that owns nothing (torch.as_tensor reads it)."""
+
+    def __init__(self, t: torch.Tensor):
+        size = t.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape), "typestr": f"<i{size}", "data": (t.data_ptr(), False), "version": 3,
+            "strides": tuple(s * size for s in t.stride()),
+        }
+
+
+def weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s memory that does not keep it allocated (vLLM's ``weak_ref_tensors``): a
+    captured graph's output its caller reads after each replay, while the pool may hand the
+    block to later captures. On the CPU (no graphs, no pool) ``t`` itself."""
+    if t.device.type != "cuda":
+        return t
+    return torch.as_tensor(_DeviceMemory(t), device=t.device).view(t.dtype)

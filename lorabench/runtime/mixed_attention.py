@@ -60,6 +60,8 @@ def attend(q, k, v, cache_k, cache_v, layout: MixedLayout) -> torch.Tensor:
     t, heads, d = q.shape
     if t != layout.tokens or k.shape[0] != t or v.shape[0] != t:
         raise ValueError(f"{t} queries, {k.shape[0]} keys for a layout of {layout.tokens} tokens")
+    if max(layout.rows) >= cache_k.shape[0]:
+        raise ValueError(f"a piece in cache row {max(layout.rows)}, past the cache's {cache_k.shape[0]} rows")
     need = max(c + n for c, n in zip(layout.contexts, layout.lengths))
     if need > cache_k.shape[2]:
         raise ValueError(f"a piece reaches position {need}, past the cache's {cache_k.shape[2]}")

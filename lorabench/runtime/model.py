@@ -100,7 +100,7 @@ class LoRALinear(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index, max_loras, rank, max_tokens, context_len, dtype, device, gen,
-                 fully_sharded):
+                 fully_sharded, cache_rows):
         super().__init__()
         d, kvh = cfg.head_dim, cfg.kv_heads
         args = (max_loras, rank, dtype, device, gen)
@@ -125,23 +125,28 @@ class Block(nn.Module):
             self.gate_up = self.down = None
             self.moe = MoEMLP(cfg, max_loras, rank, max_tokens, dtype, device, gen, shared)
         # Static KV cache; random, not zero, so attention reads real-looking data.
-        cache_shape = (max_tokens, kvh, context_len, d)
+        cache_shape = (cache_rows, kvh, context_len, d)
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
         self.register_buffer("cache_v", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
 
-    def forward(self, x, delta, pos, rope, lora, scratch, fused, pdl, moe_state=None, layout: MixedLayout | None = None):
-        """x: residual stream [T, hidden]; delta: the previous block's output still to be added
-        (fused into this block's first norm). Returns (residual stream, this block's delta).
-        pdl: PDL-launch the base ops that follow a LoRA kernel (it lets them launch early); the
-        first layer's first norm follows the embedding gather instead. layout: a mixed step's
-        pieces (``mixed_attention``); None: a decode step, token t in cache row t attending to
-        the whole cache (the benchmark's fixed context)."""
-        cfg, t = self.cfg, x.shape[0]
+    def attention_input(self, x, delta, lora, scratch, fused, pdl):
+        """The block up to attention: (q, k, v side by side [T, (H + 2 KVH) D], the residual stream x + delta).
+        x: residual stream [T, hidden]; delta: the previous block's output still to be added
+        (fused into this block's first norm). pdl: PDL-launch the base ops that follow a LoRA
+        kernel (it lets them launch early); the first layer's first norm follows the embedding
+        gather instead."""
+        cfg = self.cfg
         qkv, x = self._norm_then(self.qkv, x, delta, self.attn_norm, lora, scratch[0], fused, pdl and delta is not None)
         if cfg.qk_norm:
             qkv = qk_rmsnorm(qkv, self.q_norm, self.k_norm, cfg.heads, cfg.kv_heads, cfg.norm_eps)
         elif cfg.qk_norm_full:
             qkv = qk_rmsnorm_full(qkv, self.q_norm, self.k_norm, cfg.norm_eps)
+        return qkv, x
+
+    def attention(self, qkv, pos, rope, fused, pdl, layout: MixedLayout | None = None):
+        """Attention [T, H D]. layout: a mixed step's pieces (``mixed_attention``); None: a decode
+        step, token t in cache row t attending to the whole cache (the benchmark's fixed context)."""
+        cfg, t = self.cfg, qkv.shape[0]
         if layout is not None:
             attn = self._mixed_attention(qkv, rope, pos, layout)
         else:
@@ -149,12 +154,17 @@ class Block(nn.Module):
             attn = F.scaled_dot_product_attention(
                 q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
             )
-        attn_out = self.o(attn.reshape(t, cfg.heads * cfg.head_dim), lora, scratch[1])
-        if self.moe is not None:  # moe_state: (each slot's expert LoRA enabled in this layer [L + 1], reuse the last routing)
-            h, x = add_rmsnorm(x, attn_out, self.mlp_norm, cfg.norm_eps, fused, pdl)
+        return attn.reshape(t, cfg.heads * cfg.head_dim)
+
+    def after_attention(self, attn, x, lora, scratch, fused, pdl, moe_state=None):
+        """The block from attention on: o, then the MLP (or MoE). Returns (residual stream, this
+        block's delta). moe_state: (each slot's expert LoRA enabled in this layer [L + 1], reuse the last routing)."""
+        attn_out = self.o(attn, lora, scratch[1])
+        if self.moe is not None:
+            h, x = add_rmsnorm(x, attn_out, self.mlp_norm, self.cfg.norm_eps, fused, pdl)
             return x, self.moe(h, lora, scratch, *moe_state, fused, pdl)
         gate_up, x = self._norm_then(self.gate_up, x, attn_out, self.mlp_norm, lora, scratch[2], fused, pdl)
-        if fused and self.down.shrinks_in_producer(lora, t):
+        if fused and self.down.shrinks_in_producer(lora, x.shape[0]):
             act = silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
             return x, self.down(act, lora, scratch[3], shrunk=True)
         return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
@@ -183,17 +193,20 @@ class LlamaLoRA(nn.Module):
     ``lora=None`` runs the base model with no LoRA kernels at all (the n = 0 graph)."""
 
     def __init__(self, cfg: ModelConfig, *, max_loras, rank, max_tokens, context_len, dtype, device, seed=0,
-                 slot_ranks: tuple[int, ...] = (), fully_sharded: bool = False):
+                 slot_ranks: tuple[int, ...] = (), fully_sharded: bool = False, cache_rows: int | None = None):
         """slot_ranks: each slot's adapter's own rank, its weights zero-padded to ``rank`` as vLLM
         pads them (empty: every adapter of rank ``rank``); ``slot_rank`` holds them on the device
         for kernels that skip the padding. fully_sharded: a TP rank's LoRA cut as vLLM's
-        ``--fully-sharded-loras`` cuts it (``models.lora_shares``); its collectives are left out."""
+        ``--fully-sharded-loras`` cuts it (``models.lora_shares``); its collectives are left out.
+        cache_rows: the KV cache's requests (default ``max_tokens``: a decode step's token t reads
+        row t); fewer where steps hold prefill chunks of many tokens from few requests."""
         super().__init__()
         gen = torch.Generator(device=device).manual_seed(seed)
         self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
+        self.cache_rows = max_tokens if cache_rows is None else cache_rows
         self.embed = nn.Parameter(_randn((cfg.vocab, cfg.hidden), 1.0, dtype, device, gen), False)
         self.layers = nn.ModuleList(
-            Block(cfg, i, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded)
+            Block(cfg, i, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded, self.cache_rows)
             for i in range(cfg.layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)
@@ -231,17 +244,44 @@ class LlamaLoRA(nn.Module):
             if layout.tokens != t:
                 raise ValueError(f"{t} tokens for a layout of {layout.tokens}")
             positions = layout.positions(input_ids.device)
+        x, out = self.first_piece(input_ids, lora)
+        for i in range(len(self.layers)):
+            attn = self.attention(i, out, positions, lora, layout)
+            x, out = self.piece(i + 1, attn, x, lora)
+        return out  # the last piece's: the logits
+
+    # The step in pieces split at attention, as vLLM's PIECEWISE graphs split it: piece 0 runs up to
+    # the first layer's attention, piece i (1..L-1) from layer i-1's attention to layer i's, piece L
+    # from the last attention to the logits. ``forward`` runs them with attention between.
+    def first_piece(self, input_ids, lora: LoRAStep | None):
+        """Piece 0: the embedding and the first layer up to attention: (x, qkv)."""
+        t = input_ids.shape[0]
         if lora is not None and lora.backend.NEEDS_ZEROED_SCRATCH:
             self.scratch[:, :, :t].zero_()
-        x, delta = self.embed[input_ids], None
-        rope = (self.rope_cos, self.rope_sin)
-        pdl = lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
+        qkv, x = self.layers[0].attention_input(self.embed[input_ids], None, lora, self.scratch[0], self.fused,
+                                                self._pdl(lora))
+        return x, qkv
+
+    def attention(self, i: int, qkv, positions, lora: LoRAStep | None, layout: MixedLayout | None):
+        """Layer i's attention, between pieces i and i + 1."""
+        return self.layers[i].attention(qkv, positions, (self.rope_cos, self.rope_sin), self.fused, self._pdl(lora), layout)
+
+    def piece(self, i: int, attn, x, lora: LoRAStep | None):
+        """Piece i >= 1: layer i-1 from its attention's output on, then layer i up to attention:
+        (x, qkv); the last piece (i = L) ends with the logits instead: (x, logits)."""
+        pdl, prev = self._pdl(lora), self.layers[i - 1]
         enabled = self.expert_lora_enabled
-        for i, layer in enumerate(self.layers):
-            moe_state = (None if enabled is None else enabled[i], self.reuse_routing)
-            x, delta = layer(x, delta, positions, rope, lora, self.scratch[i], self.fused, pdl, moe_state, layout)
+        moe_state = (None if enabled is None else enabled[i - 1], self.reuse_routing)
+        x, delta = prev.after_attention(attn, x, lora, self.scratch[i - 1], self.fused, pdl, moe_state)
+        if i < len(self.layers):
+            qkv, x = self.layers[i].attention_input(x, delta, lora, self.scratch[i], self.fused, pdl)
+            return x, qkv
         h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
-        return F.linear(h, self.lm_head)
+        return x, F.linear(h, self.lm_head)
+
+    @staticmethod
+    def _pdl(lora: LoRAStep | None) -> bool:
+        return lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
 
     def lora_bytes_per_slot(self) -> int:
         """One adapter's A and B over every LoRA linear and, in MoE layers, every expert."""

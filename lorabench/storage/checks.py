@@ -28,6 +28,11 @@ class Checked:
     first: dict | None = None  # the smallest failing batch, its graph and error
     failing_graphs: list | None = None  # [bucket, key, grid] of every wrong graph
     eager_wrong: bool | None = None  # a batch past every capture size (run eagerly) was wrong
+    mixed_batches: int | None = None  # of ``batches``, mixed steps (prefill chunks and decode tokens)
+    mixed_graphs_checked: int | None = None  # mixed keys (PIECEWISE graph sets) some step was served by
+    mixed_graphs_total: int | None = None
+    failing_mixed_graphs: list | None = None  # [bucket, key, grid] of every wrong mixed key
+    mixed_eager_wrong: bool | None = None  # a mixed step past every mixed size was wrong
     detail: str = ""  # the verdict in words
     num_graphs: int | None = None
     captured_counts: list[int] | None = None

@@ -1,0 +1,108 @@
+"""Mixed steps under PIECEWISE graphs: the model's pieces split at attention give its forward's
+answer, every mixed key (token bucket, launch count) is served and checked against the reference
+on steps mixing a prompt chunk, decode tokens and base requests, and a launch count one short on
+a mixed step is caught with the smallest step that shows it."""
+
+import random
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA
+from lorabench.kernels import BACKENDS, get_backend
+
+from lorabench.config.batches import mixed_step
+from lorabench.config.models import resolve, shortened
+from lorabench.config.strategies import capture_counts
+from lorabench.runtime.check import Case, check, mixed_cases
+from lorabench.runtime.dispatch import Dispatcher, Route
+from lorabench.runtime.mixed_attention import MixedLayout
+from lorabench.runtime.model import LlamaLoRA
+from lorabench.runtime.piecewise_graphs import PiecewiseStep
+
+DTYPE = "float16" if HAS_CUDA else "float32"
+
+
+def build(kernels="torch", strategy="pow2", max_loras=4, sizes=(1, 2, 4, 8), mixed=(2, 4, 8), max_tokens=12, layers=None):
+    model = LlamaLoRA(shortened(resolve("tiny"), layers), max_loras=max_loras, rank=16, max_tokens=max_tokens,
+                      context_len=16, dtype=getattr(torch, DTYPE), device=DEVICE)
+    d = Dispatcher(model, get_backend(kernels), max_loras=max_loras, capture_sizes=list(sizes),
+                   counts=capture_counts(strategy, max_loras), use_graphs=HAS_CUDA, mixed_sizes=list(mixed))
+    d.warm_up()
+    d.capture()
+    d.capture_mixed()
+    return d
+
+
+def test_mixed_steps_hold_what_they_are_asked_for():
+    rng = random.Random(0)
+    for tokens, n, base in [(1, 0, 1), (1, 1, 0), (5, 2, 1), (12, 4, 0), (40, 3, 1)]:
+        step = mixed_step(tokens, n, 4, 16, rng, base)
+        assert step.tokens == tokens and len(step.adapters) == n
+        assert sum(p.adapter < 0 for p in step.pieces) >= base
+        assert all(p.context + p.tokens <= 16 for p in step.pieces)
+        assert sum(p.prefill for p in step.pieces) >= 1 and all(p.tokens <= 8 for p in step.pieces)
+    with pytest.raises(ValueError):
+        mixed_step(2, 2, 4, 16, rng, 1)  # three requests in two tokens
+
+
+def test_the_pieces_give_the_forward_s_answer():
+    """A step run piece by piece with attention between (the PIECEWISE runner's eager path, over
+    a padded bucket) gives the whole forward's logits, decode and mixed alike."""
+    d = build(sizes=(8,), mixed=())
+    step = mixed_step(6, 2, 4, 16, random.Random(1), 1)
+    layout = MixedLayout.of(step, {p.request: p.request for p in step.pieces})
+    d.rules.load(d.rules.pack(step.token_adapters)[0])
+    whole = d.forward(6, 2, layout=layout)
+    d.attn = torch.zeros((12, d.model.cfg.heads * d.model.cfg.head_dim), dtype=whole.dtype, device=DEVICE)
+    pieces = PiecewiseStep(d.model, d.input_ids[:8], d.attn, lambda: d.lora_step(2))
+    torch.testing.assert_close(pieces.run_eager(layout)[:6], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_cases_reach_every_mixed_key_and_the_eager_path():
+    d = build(strategy="dense")
+    cs = mixed_cases(d, random.Random(0))
+    routes = [d.prepare(c.slots, c.layout).route for c in cs]
+    assert {(r.tokens, r.launch) for r in routes if r.graphed} == set(d.mixed_keys)
+    assert any(not r.graphed and r.tokens == 12 for r in routes)  # past the largest mixed size
+    assert all(r.mixed for r in routes)
+    assert any(c.base and c.n_active == 4 for c in cs)  # base requests among every adapter
+
+
+@pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("triton", "pow2"),
+                                             ("gemm", "pow2")])
+def test_lorabench_mixed_steps_are_correct(kernels, strategy):
+    interpreted = not HAS_CUDA and BACKENDS[kernels].triton
+    d = build(kernels, strategy, sizes=(1, 2), mixed=(2, 4), max_tokens=5, layers=1) if interpreted else build(kernels, strategy)
+    v = check(d, DTYPE)
+    assert v.correct is True, v.detail
+    assert v.mixed_batches > 0 and v.mixed_graphs_checked == v.mixed_graphs_total == len(d.mixed_keys)
+    assert v.graphs_checked == v.graphs_total and "PIECEWISE" in v.detail
+
+
+def test_one_short_on_a_mixed_step_is_caught_with_the_smallest_step(monkeypatch):
+    d = build()
+    good = Dispatcher.route_mixed
+
+    def one_short(self, tokens, n):
+        r = good(self, tokens, n)
+        return Route(r.tokens, r.launch - 1, r.graphed, mixed=True) if r.launch > 1 and r.graphed else r
+
+    monkeypatch.setattr(Dispatcher, "route_mixed", one_short)
+    for key in [(b, c) for b in (2, 4, 8) for c in (1, 3) if c <= b]:  # the keys the short routes land on
+        d.mixed_runners[key] = d._pieces(key)
+        d.mixed_grid[key] = key[1]
+    v = check(d, DTYPE)
+    assert v.correct is False and not v.failing_graphs and not v.eager_wrong  # decode steps are right
+    f = v.first
+    case = Case(f.slots)
+    assert case.tokens == 2 and case.n_active == 2 and (f.graph_tokens, f.key, f.grid) == (2, 1, 1), f
+    assert f.pieces and v.failing_mixed_graphs and "mixed step [" in v.detail and "PIECEWISE graphs" in v.detail
+
+
+def test_a_layout_past_the_cache_rows_gets_one_line():
+    model = LlamaLoRA(resolve("tiny", 1), max_loras=2, rank=8, max_tokens=8, context_len=8, dtype=torch.float32,
+                      device=DEVICE, cache_rows=2)
+    step = mixed_step(4, 2, 2, 8, random.Random(0), 1)
+    with pytest.raises(ValueError, match="cache row"):
+        model(torch.zeros(4, dtype=torch.long, device=DEVICE), None, None,
+              MixedLayout.of(step, {p.request: p.request for p in step.pieces}))
