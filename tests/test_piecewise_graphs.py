@@ -53,9 +53,12 @@ def test_the_pieces_give_the_forward_s_answer():
     layout = MixedLayout.of(step, {p.request: p.request for p in step.pieces})
     d.rules.load(d.rules.pack(step.token_adapters)[0])
     whole = d.forward(6, 2, layout=layout)
-    d.attn = torch.zeros((12, d.model.cfg.heads * d.model.cfg.head_dim), dtype=whole.dtype, device=DEVICE)
     pieces = PiecewiseStep(d.model, d.input_ids[:8], d.attn, lambda: d.lora_step(2))
-    torch.testing.assert_close(pieces.run_eager(layout)[:6], whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(d.model.logits(pieces.run_eager(layout)[:6]), whole, rtol=1e-4, atol=1e-4)
+    # a mixed step samples each piece's last token, as vLLM does
+    sampled = d.launch(d.prepare(step.token_adapters, layout))
+    last = [s + n - 1 for s, n in zip(layout.starts, layout.lengths)]
+    torch.testing.assert_close(sampled, whole[last], rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_cases_reach_every_mixed_key_and_the_eager_path():

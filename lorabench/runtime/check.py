@@ -217,7 +217,7 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = No
             d.input_ids[: case.tokens].copy_(ids)
             layout = case.layout
             prep = d.prepare(case.slots, layout)
-            out = d.launch(prep).clone()
+            out = d.launch(prep, every_token=True).clone()
             route: Route = prep.route
             grid = d.grid_of(route)
             key = (i, tuple(case.slots))

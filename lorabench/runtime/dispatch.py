@@ -156,9 +156,8 @@ class Dispatcher:
         self.mixed_keys = [(b, c) for b in reversed(self.mixed_sizes) for c in self.rules.keys(b)]
         self.mixed_grid: dict[tuple[int, int], int] = {}
         self.mixed_runners: dict[tuple[int, int], PiecewiseStep] = {}
-        cfg = model.cfg  # what attention writes for the piece after it (mixed steps only)
-        self.attn = torch.zeros((model.max_tokens, cfg.heads * cfg.head_dim), dtype=model.embed.dtype,
-                                device=device) if self.mixed_sizes else None
+        cfg = model.cfg  # what a mixed step's attention writes for the piece after it
+        self.attn = torch.zeros((model.max_tokens, cfg.heads * cfg.head_dim), dtype=model.embed.dtype, device=device)
 
     # -- building ---------------------------------------------------------------------------
     def lora_step(self, launch: int, backend=None, meta=None) -> LoRAStep | None:
@@ -259,19 +258,25 @@ class Dispatcher:
         """Send the batch's metadata to the device (vLLM's rules also build it there)."""
         self.rules.load(prep.packed)
 
-    def run(self, route: Route, layout: MixedLayout | None = None) -> torch.Tensor:
-        """Replay the route's graph (or run it eagerly) over the metadata already loaded; a mixed
-        route needs its step's ``layout``."""
-        if route.mixed:
-            if route.graphed:
-                return self.mixed_runners[(route.tokens, route.launch)](layout)
-            return self.forward(route.tokens, route.launch, layout=layout)
-        return self.runners[(route.tokens, route.launch)]() if route.graphed else self.forward(route.tokens, route.launch)
+    def run(self, route: Route, layout: MixedLayout | None = None, every_token: bool = False) -> torch.Tensor:
+        """Replay the route's graph (or run it eagerly) over the metadata already loaded. A decode
+        step: the bucket's logits. A mixed route needs its step's ``layout`` and returns the logits
+        of each piece's last token, as vLLM samples them (``every_token``: of all its tokens)."""
+        if not route.mixed:
+            return self.runners[(route.tokens, route.launch)]() if route.graphed else self.forward(route.tokens, route.launch)
+        pieces = self.mixed_runners[(route.tokens, route.launch)] if route.graphed else self._pieces((route.tokens, route.launch))
+        h = pieces(layout)
+        if every_token:
+            return self.model.logits(h[: layout.tokens])
+        last = torch.tensor([s + n - 1 for s, n in zip(layout.starts, layout.lengths)], device=h.device)
+        return self.model.logits(h[last])
 
-    def launch(self, prep: Prepared) -> torch.Tensor:
-        """Copy the metadata in and run the chosen graph; returns logits [batch tokens, vocab]."""
+    def launch(self, prep: Prepared, every_token: bool = False) -> torch.Tensor:
+        """Copy the metadata in and run the chosen graph; returns logits [batch tokens, vocab]
+        (a mixed step's: [pieces, vocab], or with ``every_token`` [tokens, vocab])."""
         self.load(prep)
-        return self.run(prep.route, prep.layout)[: prep.batch_tokens]
+        out = self.run(prep.route, prep.layout, every_token)
+        return out if prep.layout is not None else out[: prep.batch_tokens]
 
     def reference(self, slots: list[int], input_ids: torch.Tensor | None = None, reuse_routing: bool = False,
                   layout: MixedLayout | None = None) -> torch.Tensor:

@@ -248,11 +248,13 @@ class LlamaLoRA(nn.Module):
         for i in range(len(self.layers)):
             attn = self.attention(i, out, positions, lora, layout)
             x, out = self.piece(i + 1, attn, x, lora)
-        return out  # the last piece's: the logits
+        return self.logits(out)  # the last piece's output: the final hidden states
 
     # The step in pieces split at attention, as vLLM's PIECEWISE graphs split it: piece 0 runs up to
     # the first layer's attention, piece i (1..L-1) from layer i-1's attention to layer i's, piece L
-    # from the last attention to the logits. ``forward`` runs them with attention between.
+    # from the last attention to the final norm. ``forward`` runs them with attention between, then
+    # the logits of every token; a mixed step takes only its pieces' last tokens' (``logits``), as
+    # vLLM samples them outside its graphs.
     def first_piece(self, input_ids, lora: LoRAStep | None):
         """Piece 0: the embedding and the first layer up to attention: (x, qkv)."""
         t = input_ids.shape[0]
@@ -268,7 +270,7 @@ class LlamaLoRA(nn.Module):
 
     def piece(self, i: int, attn, x, lora: LoRAStep | None):
         """Piece i >= 1: layer i-1 from its attention's output on, then layer i up to attention:
-        (x, qkv); the last piece (i = L) ends with the logits instead: (x, logits)."""
+        (x, qkv); the last piece (i = L) ends with the final norm instead: (x, hidden states)."""
         pdl, prev = self._pdl(lora), self.layers[i - 1]
         enabled = self.expert_lora_enabled
         moe_state = (None if enabled is None else enabled[i - 1], self.reuse_routing)
@@ -277,7 +279,11 @@ class LlamaLoRA(nn.Module):
             qkv, x = self.layers[i].attention_input(x, delta, lora, self.scratch[i], self.fused, pdl)
             return x, qkv
         h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
-        return x, F.linear(h, self.lm_head)
+        return x, h
+
+    def logits(self, h):
+        """The logits of final hidden states [T, hidden]: [T, vocab]."""
+        return F.linear(h, self.lm_head)
 
     @staticmethod
     def _pdl(lora: LoRAStep | None) -> bool:

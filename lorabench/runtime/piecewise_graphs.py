@@ -4,13 +4,14 @@ For one key (token bucket, launch count) the step's L + 1 pieces (``LlamaLoRA.fi
 ``piece``) are captured as CUDA graphs in the dispatcher's pool; attention, which depends on the
 step's layout (chunk lengths, contexts), runs eagerly between them and writes its output into one
 static buffer the next piece reads. Each piece reads the previous piece's outputs where capture
-left them.
+left them. The logits are not in the pieces: the dispatcher computes those of the tokens a step
+samples (each piece's last), as vLLM does outside its graphs.
 
 Memory as vLLM keeps it: while one key is captured, every piece's outputs are held, so no piece
 of that key reuses another's; once captured, the key keeps only non-owning views of them
 (``graphs.weak_view``, vLLM's ``weak_ref_tensors``), so the next key's pieces reuse the pool's
 blocks. That is safe because a step replays one key's pieces in order and nothing else writes the
-pool in between; it also means a step's logits last until the next step runs, as with vLLM.
+pool in between; it also means a step's outputs last until the next step runs, as with vLLM.
 
 Without graphs (the CPU path) the pieces run eagerly over the same padded bucket, attention
 over the layout's tokens alone, so dispatch and the pieces' data flow are exercised identically.
@@ -38,7 +39,7 @@ class PiecewiseStep:
         self.attn = attn[: self.tokens]
         self.pieces = len(model.layers) + 1
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # each piece's (x, qkv or logits), captured
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # each piece's (x, qkv or final hidden states), captured
 
     def _piece(self, i: int, lora, x) -> tuple[torch.Tensor, torch.Tensor]:
         if i == 0:
@@ -47,7 +48,7 @@ class PiecewiseStep:
 
     def run_eager(self, layout: MixedLayout | None = None) -> torch.Tensor:
         """Every piece eagerly; attention between them over ``layout`` (None: skipped, the
-        warm-up's compile pass). Returns the bucket's logits."""
+        warm-up's compile pass). Returns the bucket's final hidden states."""
         lora, x = self.lora(), None
         positions = None if layout is None else layout.positions(self.input_ids.device)
         for i in range(self.pieces):
@@ -69,7 +70,8 @@ class PiecewiseStep:
         self.outputs = [(weak_view(a), weak_view(b)) for a, b in outputs]
 
     def __call__(self, layout: MixedLayout) -> torch.Tensor:
-        """One mixed step over the metadata already loaded: the bucket's logits [tokens, vocab]."""
+        """One mixed step over the metadata already loaded: the bucket's final hidden states
+        [tokens, hidden] (``LlamaLoRA.logits`` makes the logits of those it samples)."""
         if self.graphs is None:
             return self.run_eager(layout)
         lora = self.lora()
