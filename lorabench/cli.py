@@ -127,12 +127,14 @@ def run_check(**given):
     return run(spec_flags(given), given["spec"], console, where)
 
 
-CHECKED = ["max_loras", "strategy", "kernels", "capture_sizes", "model", "layers", "tp", "fully_sharded_loras", "rank",
-           "ranks", "adapters", "dtype", "device", "seed", "out"]  # what a check builds; it times nothing
+CHECKED = ["max_loras", "strategy", "kernels", "capture_sizes", "max_cudagraph_capture_size", "mixed_capture_sizes",
+           "model", "layers", "tp",
+           "fully_sharded_loras", "rank", "ranks", "adapters", "dtype", "device", "seed", "out"]  # what a check builds
 command("check", [
     *(flag(OPTIONS[name], **{
         "capture_sizes": {"shown": ",".join(map(str, OPTIONS["concurrency"].default))},
         "out": {"help": "Output root; checks.json goes to OUT/<run_id>"},
+        "max_cudagraph_capture_size": {"shown": "0"},
         "adapters": {"help": "A folder of PEFT adapters (or a glob of them): the slots hold their own weights, and "
                              "the check verifies those", "shown": "random adapters"},
     }.get(name, {})) for name in CHECKED),

@@ -175,6 +175,38 @@ def test_check_verdicts_on_vllm_rules():
 
 
 @needs_vllm
+def test_check_verdicts_on_vllm_rules_for_mixed_steps():
+    """vLLM keys its PIECEWISE graphs (mixed prefill/decode steps) by active count too: its default
+    passes every mixed key; with --specialize-active-lora a mixed step of one adapter's requests
+    beside a base request replays the key-1 pieces, whose one program takes the base id -1, and the
+    check names that smallest mixed step apart from the decode batch that fails first."""
+    from lorabench.config.models import resolve
+    from lorabench.runtime.check import check
+    from lorabench.runtime.dispatch import Dispatcher
+    from lorabench.runtime.model import LlamaLoRA
+    from lorabench.runtime.vllm_rules import VllmRules
+
+    verdicts = {}
+    for name in ("max", "pow2"):
+        model = LlamaLoRA(resolve("tiny", 1), max_loras=2, rank=16, max_tokens=4, context_len=8,
+                          dtype=torch.float16, device=DEVICE, cache_rows=8)
+        d = Dispatcher(model, vllm_lora, max_loras=2, capture_sizes=[1, 2], counts=None, use_graphs=HAS_CUDA,
+                       rules=VllmRules(strategy(name), 2, 4, DEVICE), mixed_sizes=[2, 4])
+        d.warm_up()
+        d.capture()
+        d.capture_mixed()
+        verdicts[name] = check(d, "float16", seed=1)
+    ok = verdicts["max"]
+    assert ok.correct is True and ok.mixed_graphs_checked == ok.mixed_graphs_total > 0, ok.detail
+    v = verdicts["pow2"]
+    assert v.correct is False and v.failing_mixed_graphs, v.detail
+    step = v.first_mixed
+    assert step is not None and step.pieces and step.graphed and (step.key, step.grid) == (1, 1), v.detail
+    assert {s for s, *_ in step.pieces} in ({-1, 0}, {-1, 1})  # one adapter beside the base model
+    assert "smallest mixed step: mixed step [" in v.detail
+
+
+@needs_vllm
 def test_importing_vllm_leaves_torch_switches_alone():
     """vLLM's import turns cuDNN attention off process-wide (its CUDA platform module); the
     backend puts it back, so only the LoRA ops differ between backends. A fresh process: vLLM

@@ -28,6 +28,8 @@ def check_table(checks: list[Checked]) -> Table:
     for c in checks:
         verdict = {True: "[green]ok[/]", False: "[red]WRONG[/]", None: "[yellow]none[/]"}[c.correct]
         graphs = f"{c.graphs_checked}/{c.graphs_total}" if c.graphs_checked is not None else "-"
+        if c.mixed_graphs_total:  # PIECEWISE keys too
+            graphs += f" + {c.mixed_graphs_checked}/{c.mixed_graphs_total} mixed"
         detail = c.detail
         if c.correct is True:
             detail = f"max error {c.max_err:.2g} (tolerance {c.tolerance:g})"

@@ -59,20 +59,42 @@ def mixed_step(tokens: int, n_active: int, max_loras: int, context_len: int, rng
                base_requests: int = 0) -> Step:
     """A mixed step of ``tokens`` tokens whose requests use exactly ``n_active`` distinct adapter
     slots, ``base_requests`` of them none: each request a decode token but the first, whose prompt
-    chunk takes the rest (split into chunks of at most ``context_len // 2`` tokens from further
+    chunk takes the rest (split into chunks of at most ``context_len`` tokens from further
     requests of the same adapters where longer). Contexts random within ``context_len``, pieces
     shuffled; request i is piece i (its cache row)."""
     requests = n_active + base_requests
     if not 1 <= requests <= tokens or n_active > max_loras:
         raise ValueError(f"cannot place {n_active} adapters and {base_requests} base requests in {tokens} tokens")
     adapters = rng.sample(range(max_loras), n_active) + [-1] * base_requests
-    prompt, limit = tokens - (requests - 1), max(1, context_len // 2)
+    prompt, limit = tokens - (requests - 1), context_len
     chunks = [min(limit, prompt - i) for i in range(0, prompt, limit)]
     owners = adapters[:1] + [rng.choice(adapters) for _ in chunks[1:]]
     pieces = [(a, n, rng.randint(0, context_len - n), True) for a, n in zip(owners, chunks)]
     pieces += [(a, 1, rng.randint(0, context_len - 1), False) for a in adapters[1:]]
     rng.shuffle(pieces)
     return Step(tuple(Piece(i, a, n, c, prefill, True) for i, (a, n, c, prefill) in enumerate(pieces)))
+
+
+def prefill_requests(tokens: int, n_active: int, context_len: int) -> int:
+    """The requests of a prefill point's step: one per adapter (one for the base model), or as
+    many as chunks of at most ``context_len`` tokens need."""
+    return max(n_active, 1, -(-tokens // context_len))
+
+
+def prefill_step(tokens: int, n_active: int, max_loras: int, context_len: int, rng: random.Random) -> Step:
+    """A prefill point's step: ``tokens`` prompt tokens as ``prefill_requests`` first chunks
+    (context 0) of near-equal length, ``n_active`` distinct adapter slots among their requests
+    (each at least once, the rest drawn from them; n = 0: all base); request i is piece i."""
+    if n_active > min(tokens, max_loras):
+        raise ValueError(f"cannot place {n_active} adapters in a prefill of {tokens} tokens with {max_loras} slots")
+    requests = prefill_requests(tokens, n_active, context_len)
+    if requests > tokens:
+        raise ValueError(f"{requests} requests cannot share {tokens} tokens")
+    chosen = rng.sample(range(max_loras), n_active)
+    adapters = chosen + [rng.choice(chosen) for _ in range(requests - n_active)] if chosen else [-1] * requests
+    rng.shuffle(adapters)
+    size, extra = divmod(tokens, requests)
+    return Step(tuple(Piece(i, a, size + (i < extra), 0, True, True) for i, a in enumerate(adapters)))
 
 
 def distinct_adapters(steps: np.ndarray) -> np.ndarray:

@@ -40,6 +40,12 @@ class Shape:
     context_len: int
     vllm: bool = False  # vLLM's ops keep their own contiguous copy of every adapter slice
     fully_sharded: bool = False  # --fully-sharded-loras: A or B further cut over the TP ranks
+    cache_rows: int | None = None  # the KV cache's requests (None: max_tokens, a decode step's row per token)
+    logit_tokens: int | None = None  # the most tokens a step makes logits for (None: max_tokens; a mixed step: its pieces')
+
+    @property
+    def rows(self) -> int:
+        return self.max_tokens if self.cache_rows is None else self.cache_rows
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ def model_bytes(s: Shape) -> tuple[int, int, int, int]:
                                        + (moe.shared_gate and moe.shared_intermediate > 0) * cfg.hidden)
     weights = b * (2 * cfg.vocab * cfg.hidden + cfg.hidden + layer_weights)  # embed, lm_head, final norm
     adapters = b * s.max_loras * sum(_adapter_elements(s, i) for i in range(cfg.layers))
-    kv_cache = b * cfg.layers * 2 * s.max_tokens * cfg.kv_heads * s.context_len * cfg.head_dim
+    kv_cache = b * cfg.layers * 2 * s.rows * cfg.kv_heads * s.context_len * cfg.head_dim
     kv_cache += 4 * 2 * s.context_len * (cfg.head_dim // 2)  # rope_cos, rope_sin: float32, per position too
     scratch = 4 * cfg.layers * LORA_LINEARS_PER_LAYER * s.max_tokens * MAX_SLICES * s.rank
     scratch += 4 * s.max_loras  # each slot's own rank (int32)
@@ -139,7 +145,8 @@ def step_bytes(s: Shape, cuda: bool) -> int:
     every query head (the flash kernels, and the CPU's, read them in place)."""
     cfg, t = s.cfg, s.max_tokens
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    step = 2 * 4 * t * (4 * cfg.hidden + qkv + 3 * cfg.intermediate + cfg.vocab)
+    logits = t if s.logit_tokens is None else s.logit_tokens
+    step = 2 * 4 * (t * (4 * cfg.hidden + qkv + 3 * cfg.intermediate) + logits * cfg.vocab)
     if cfg.moe is not None:  # router logits; per routed entry: w13's output, SiLU·mul, w2's output
         moe = cfg.moe
         step += 4 * t * (moe.experts + moe.top_k * (2 * moe.intermediate + moe.intermediate + cfg.hidden))
@@ -158,7 +165,7 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     # The check's reference gathers each token's A and B, then makes them float32.
     gathers = (b + 4) * t * max(slices * s.rank * k + n * s.rank for k, n, slices in linears)
     # Each random weight is drawn in float32 and scaled (two float32 copies) before its cast.
-    largest = max([cfg.vocab * cfg.hidden, t * cfg.kv_heads * s.context_len * cfg.head_dim]
+    largest = max([cfg.vocab * cfg.hidden, s.rows * cfg.kv_heads * s.context_len * cfg.head_dim]
                   + [n * k for k, n, _ in linears]
                   + [s.max_loras * max(slices * s.rank * k, n * s.rank) for k, n, slices in linears]
                   + _moe_draws(s))
@@ -166,7 +173,8 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     buffers = 16 * t + 8 * (2 * t + 2 * s.max_loras + 1)  # input ids, positions, metadata buffers
     step = step_bytes(s, cuda)
     activations = scratch + step + gathers + draw + buffers
-    graph_bytes = GRAPHS_FIXED + graphs * (cfg.layers * GRAPH_PER_LAYER + 4 * t * cfg.vocab) + step if cuda else 0
+    logits = t if s.logit_tokens is None else s.logit_tokens
+    graph_bytes = GRAPHS_FIXED + graphs * (cfg.layers * GRAPH_PER_LAYER + 4 * logits * cfg.vocab) + step if cuda else 0
     return MemoryEstimate(weights, adapters, kv_cache, activations, graph_bytes)
 
 

@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from lorabench.config.backends import KernelsLabel
+from lorabench.config.batches import prefill_requests
 from lorabench.config.models import ModelConfig, resolve
 from lorabench.config.peft import read_adapters, slot_ranks
 from lorabench.config.ranks import parse_ranks
@@ -18,8 +19,9 @@ from lorabench.config.sweep_spec import OPTIONS, SweepSpec
 
 # A point's mode: a batch of exactly n adapters; batches drawn from a workload over the slots; or a
 # residency run: a closed loop of c clients over --adapters N adapters held in the slots by LRU,
-# adapters loaded as the steps need them (``lorabench.config.residency``).
-FIXED, WORKLOAD, RESIDENCY = "fixed", "workload", "residency"
+# adapters loaded as the steps need them (``lorabench.config.residency``); or a prefill step of a
+# fixed number of prompt tokens, n adapters among its requests (``batches.prefill_step``).
+FIXED, WORKLOAD, RESIDENCY, PREFILL = "fixed", "workload", "residency", "prefill"
 
 
 def auto_key(kernels: str, max_loras: int) -> str:
@@ -32,10 +34,11 @@ class Point:
     """One measured point of a job: ``index`` is its place in the run's plan (the ``point`` column)."""
 
     index: int
-    mode: str  # FIXED or WORKLOAD
-    concurrency: int
-    n_active: int | None = None  # FIXED points
-    workload: str | None = None  # WORKLOAD points
+    mode: str  # FIXED, WORKLOAD, RESIDENCY or PREFILL
+    concurrency: int  # requests per step
+    n_active: int | None = None  # FIXED and PREFILL points
+    workload: str | None = None  # WORKLOAD and RESIDENCY points
+    prefill_tokens: int | None = None  # PREFILL points: the step's prompt tokens
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Job:
     dtype: str
     context_len: int
     capture_sizes: tuple[int, ...]
-    max_tokens: int  # token slots the model is built with: the largest capture size or concurrency
+    max_tokens: int  # token slots the model is built with: the largest step it runs or captures
     iters: int
     warmup: int
     seed: int
@@ -74,6 +77,11 @@ class Job:
     max_cpu_loras: int | None = None  # --max-cpu-loras (None: every adapter in the CPU cache)
     output_tokens: int = OUTPUT_TOKENS  # --output-tokens: decode steps per request of a residency run
     load_path: str = "per-slice"  # --load-path: how a residency run's loads reach the slots
+    mixed_sizes: tuple[int, ...] = ()  # the mixed steps' PIECEWISE buckets (vLLM's sizes to --max-cudagraph-capture-size)
+    cache_rows: int | None = None  # the KV cache's requests (None: max_tokens)
+    max_cudagraph_capture_size: int = 0
+    prefill_tokens: tuple[int, ...] | None = None  # --prefill-tokens (the points carry theirs)
+    max_num_batched_tokens: int = 8192
 
     @property
     def residency(self) -> Adapters | None:
@@ -100,18 +108,22 @@ class Job:
             raw["model"] = resolve(raw["model"], raw.pop("layers", None))
         else:
             raw["model"] = ModelConfig(**raw["model"])
-        for name in ("counts", "capture_sizes", "slot_ranks"):
+        if raw.get("prefill_tokens") is not None:
+            raw["prefill_tokens"] = tuple(raw["prefill_tokens"])
+        for name in ("counts", "capture_sizes", "slot_ranks", "mixed_sizes"):
             raw[name] = tuple(raw.get(name, ()))
         return cls(**raw)
 
 
-PER_JOB = {"kernels", "max_loras", "strategy", "model", "capture_sizes", "tuned"}  # what each job sets for itself
+PER_JOB = {"kernels", "max_loras", "strategy", "model", "capture_sizes", "tuned", "prefill_tokens"}  # each job sets these itself
 COPIED = [name for name in OPTIONS if name in {f.name for f in fields(Job)} - PER_JOB]  # every other option a job has
 
 
 def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = "") -> list[Job]:
     """The workers' jobs, each with its points: for every concurrency c, every n in
-    0..min(c, max_loras) (or those of --active-counts, and 0) in fixed mode, then one workload run per workload. With --adapters the
+    0..min(c, max_loras) (or those of --active-counts, and 0) in fixed mode, then one workload run
+    per workload; then per --prefill-tokens T, a prefill point at every n in 0..min(T, max_loras)
+    (or those of --active-counts). With --adapters the
     workload runs are residency runs, of the largest concurrency's clients only (the smaller
     concurrencies are the batch sizes its steps take). vLLM's kernels skip strategies vLLM has no
     grid for."""
@@ -139,6 +151,13 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                         for w in spec.workload:
                             points.append(Point(index, RESIDENCY, c, workload=w))
                             index += 1
+                for t in spec.prefill_tokens or ():
+                    for n in range(min(t, max_loras) + 1):
+                        if n and spec.active_counts is not None and n not in spec.active_counts:
+                            continue
+                        points.append(Point(index, PREFILL, prefill_requests(t, n, spec.context_len), n_active=n,
+                                            prefill_tokens=t))
+                        index += 1
                 predicted: tuple = ()
                 if s.name == AUTO:
                     chosen = spec.auto_sets[auto_key(str(kernels), max_loras)]
@@ -150,7 +169,9 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                     run_id=run_id, started_at=started_at, argv=argv, kernels=str(kernels), max_loras=max_loras,
                     strategy=s.name, counts=tuple(counts), bucket_grid=s.bucket_grid,
                     model=model,
-                    capture_sizes=tuple(spec.capture_sizes), max_tokens=max(spec.capture_sizes + spec.concurrency),
+                    capture_sizes=tuple(spec.capture_sizes), max_tokens=spec.max_tokens,
+                    mixed_sizes=tuple(spec.mixed_sizes), cache_rows=spec.cache_rows,
+                    prefill_tokens=tuple(spec.prefill_tokens) if spec.prefill_tokens else None,
                     tuned=spec.tuned if kernels.tuned else None, points=tuple(points), predicted_ms=predicted,
                     fully_sharded=spec.fully_sharded_loras,
                     slot_ranks=(parse_ranks(spec.ranks, spec.rank).slot_ranks(max_loras) if spec.ranks

@@ -11,6 +11,7 @@ from lorabench.config.extra_runs import add_tuned, add_unpadded
 from lorabench.config.flags import Machine, flag, resolve_device
 from lorabench.config.models import resolve, shard, shortened
 from lorabench.config.peft import is_count, read_adapters
+from lorabench.config.piecewise import max_capture_size
 from lorabench.config.spec_checks import (check_adapter_bank, check_adapters, check_fully_sharded, check_memory,
                                           check_out, graphs_of)
 from lorabench.config.strategies import AUTO, Vllm, strategy
@@ -76,6 +77,34 @@ def read_spec_file(path: Path) -> dict[str, tuple[str, object]]:
             raise UserError(f"spec file {path}: key `{key}` repeats key `{values[name][0]}`")
         values[name] = (key, value)
     return values
+
+
+def check_mixed_steps(spec: SweepSpec, names: Names) -> None:
+    """Prefill points fit a step (--max-num-batched-tokens); the PIECEWISE graphs' largest size is
+    vLLM's default where not given: min(2 x the largest concurrency (vLLM's 2 x max_num_seqs), 512,
+    --max-num-batched-tokens) with prefill points, else 0 (no mixed step to serve)."""
+    if spec.prefill_tokens is not None:
+        spec.prefill_tokens = sorted(set(spec.prefill_tokens))
+        if spec.prefill_tokens[-1] > spec.max_num_batched_tokens:
+            raise UserError(f"{names('prefill_tokens')}: {spec.prefill_tokens[-1]} tokens in one step exceed "
+                            f"--max-num-batched-tokens {spec.max_num_batched_tokens}")
+        if spec.model_config.moe is not None:
+            raise UserError(f"{names('prefill_tokens')}: prefill points run dense models only ({spec.model_config.name} "
+                            "is a mixture of experts)")
+    if spec.mixed_capture_sizes:  # the buckets given: the largest is the PIECEWISE set's
+        largest = max(spec.mixed_capture_sizes)
+        if largest > MAX_TOKENS:
+            raise UserError(f"{names('mixed_capture_sizes')}: at most {MAX_TOKENS} tokens per graph are supported")
+        if spec.max_cudagraph_capture_size not in (None, largest):
+            raise UserError(f"{names('mixed_capture_sizes')} ends at {largest} tokens, "
+                            f"{names('max_cudagraph_capture_size')} says {spec.max_cudagraph_capture_size}: give one")
+        spec.max_cudagraph_capture_size = largest
+    if spec.max_cudagraph_capture_size is None:
+        spec.max_cudagraph_capture_size = (max_capture_size(max(spec.concurrency), spec.max_num_batched_tokens)
+                                           if spec.prefill_tokens else 0)
+    if spec.max_cudagraph_capture_size > spec.max_num_batched_tokens:
+        raise UserError(f"{names('max_cudagraph_capture_size')}: {spec.max_cudagraph_capture_size} tokens exceed "
+                        f"--max-num-batched-tokens {spec.max_num_batched_tokens}")
 
 
 def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[SweepSpec, str | None]:
@@ -145,6 +174,7 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
     for name in ("concurrency", "capture_sizes"):
         if max(getattr(spec, name)) > MAX_TOKENS:
             raise UserError(f"{names(name)}: at most {MAX_TOKENS} tokens per step are supported")
+    check_mixed_steps(spec, names)
     check_out(spec.out, names("out"))
     # Before the strategies: a dense set of a huge max_loras is a huge list.
     check_memory(spec, machine, lambda label, max_loras: 2 * len(spec.capture_sizes))

@@ -49,10 +49,12 @@ def check_out(out: str, where: str) -> None:
 
 
 def graphs_of(spec, s, label: KernelsLabel, max_loras: int) -> int:
-    """Graphs a worker of strategy ``s`` captures (auto: at most dense's)."""
+    """Graphs a worker of strategy ``s`` captures (auto: at most dense's), a mixed key's PIECEWISE
+    graphs counted as one."""
     counts = list(range(1, max_loras + 1)) if s.name == AUTO else s.counts(max_loras)
     vllm = label.vllm and s.vllm is not Vllm.NONE
-    return graph_count(counts, max_loras, spec.capture_sizes, s.bucket_grid, vllm)
+    # a mixed key's pieces hold about one FULL graph's nodes
+    return graph_count(counts, max_loras, spec.capture_sizes + spec.mixed_sizes, s.bucket_grid, vllm)
 
 
 def check_memory(spec, machine: Machine, graphs: Callable[[KernelsLabel, int], int]) -> None:
@@ -63,11 +65,11 @@ def check_memory(spec, machine: Machine, graphs: Callable[[KernelsLabel, int], i
     if free is None:
         return
     cfg = spec.rank_model
-    max_tokens = max(spec.capture_sizes + spec.concurrency)
     for m in reversed(spec.max_loras):
         for label in spec.labels:
-            shape = Shape(cfg, m, spec.rank, spec.dtype, max_tokens, spec.context_len, vllm=label.vllm,
-                          fully_sharded=spec.fully_sharded_loras)
+            shape = Shape(cfg, m, spec.rank, spec.dtype, spec.max_tokens, spec.context_len, vllm=label.vllm,
+                          fully_sharded=spec.fully_sharded_loras, cache_rows=spec.cache_rows,
+                          logit_tokens=max(spec.capture_sizes + spec.concurrency + spec.mixed_sizes))
             count, cuda = graphs(label, m), spec.device == "cuda"
             need = estimate(shape, count, cuda)
             if need.total > free:

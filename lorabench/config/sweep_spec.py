@@ -7,10 +7,12 @@ from dataclasses import asdict, dataclass
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.models import PRESETS, ModelConfig, shard
 from lorabench.config.options import Option, aliases, option, options_of
+from lorabench.config.piecewise import capture_sizes as piecewise_capture_sizes
 from lorabench.config.strategies import STRATEGIES
 from lorabench.kernels import BACKENDS, DTYPES, RANKS
 
-MAX_TOKENS = 512  # the kernels are built and tested for 1 to 512 tokens per step
+MAX_TOKENS = 512  # decode steps and graphs: the kernels are built and tested for 1 to 512 tokens per step
+MAX_BATCHED_TOKENS = 16384  # prefill points and --max-num-batched-tokens (the kernels are tested past 4096 tokens)
 MAX_SEED = 2**32 - 1  # numpy's generators take seeds below 2**32 (torch's below 2**64)
 MAX_STEPS = 100_000  # --iters, --warmup: a worker draws every timed step's batch up front
 MAX_ADAPTERS = 1_000_000  # --adapters, --max-cpu-loras: the residency loop keeps one entry per adapter
@@ -58,11 +60,28 @@ class SweepSpec:
     out: str = option("results", "Output root; the run goes to OUT/<run_id>")
     capture_sizes: list[int] | None = option(None, f"Batch buckets that get graphs, {LIST}", shown="the concurrency values",
                                              column=True)
+    max_cudagraph_capture_size: int | None = option(
+        None, "vLLM's --max-cudagraph-capture-size: mixed steps (prefill chunks beside decode tokens) get PIECEWISE "
+        "graphs, the model split at attention, at vLLM's capture sizes up to this many tokens (1, 2, 4, multiples of 8, "
+        "then of 16), per active count under each strategy as vLLM keys them; larger steps run eagerly; 0: none",
+        shown="min(2 x the largest concurrency, 512, --max-num-batched-tokens) with --prefill-tokens, else 0",
+        minimum=0, maximum=MAX_TOKENS, column=True)
+    mixed_capture_sizes: list[int] | None = option(
+        None, f"The PIECEWISE graphs' token buckets themselves, {LIST} (vLLM's --cuda-graph-sizes): a mixed step "
+        "replays the smallest bucket that holds it, eagerly past the largest", shown="vLLM's sizes up to "
+        "--max-cudagraph-capture-size")  # rows: the worker's mixed_capture_sizes
     active_counts: list[int] | None = option(None, f"Active adapter counts to measure at each concurrency, {LIST} (n = 0, "
                                              "the step every overhead is taken against, always; a count above "
                                              "min(c, max_loras) is skipped there): a workload whose mix reaches a "
                                              "count left out gets no expected step",
                                              shown="every n from 0 to min(c, max_loras)", minimum=0)
+    prefill_tokens: list[int] | None = option(
+        None, f"Prefill points: steps of this many prompt tokens, {LIST} (e.g. 128,512,2048,8192), at every active count n "
+        "from 0 to max_loras (or those of --active-counts): each step's prompts are chunks of at most --context-len "
+        "tokens, from max(n, 1) requests or as many as the chunks need, the n adapters spread over them",
+        shown="none")
+    max_num_batched_tokens: int = option(8192, "vLLM's --max-num-batched-tokens: the most tokens one step holds (every "
+                                         "prefill point's at most)", maximum=MAX_BATCHED_TOKENS, column=True)
     check: bool = option(True, "Skip the correctness check of each configuration (the `correct` column)")
     auto_from: str | None = option(None, "Strategy auto: the run whose points price the capture sets (see "
                                    "`lorabench recommend`)")
@@ -89,6 +108,30 @@ class SweepSpec:
     auto_sets: dict | None = None  # --strategy auto, chosen when planned: "kernels/max_loras" -> counts and predictions
     model_config: ModelConfig | None = None  # --model resolved when planned (the whole model, --layers applied)
     adapter_dir: str | None = None  # --adapters DIR: the PEFT adapters' folder (or glob); adapters is then their count
+
+    @property
+    def mixed_sizes(self) -> list[int]:
+        """The buckets of the mixed steps' PIECEWISE graphs: ``mixed_capture_sizes`` where given, else
+        vLLM's capture sizes up to ``max_cudagraph_capture_size`` (after ``build_spec``: set)."""
+        if self.mixed_capture_sizes:
+            return sorted(set(self.mixed_capture_sizes))
+        largest = self.max_cudagraph_capture_size or 0
+        return piecewise_capture_sizes(largest) if largest else []
+
+    @property
+    def max_tokens(self) -> int:
+        """The token slots a worker's model is built with: the largest step it runs or captures."""
+        return max(self.capture_sizes + self.concurrency + self.mixed_sizes + (self.prefill_tokens or []))
+
+    @property
+    def cache_rows(self) -> int:
+        """The KV cache's requests: a decode step's token t reads row t; with mixed steps, the check's
+        mixed cases' rows after those (``runtime.check.mixed_rows``: max_loras, a base request and
+        the chunks of the largest step), which also hold the prefill points' requests."""
+        rows = max(self.capture_sizes + self.concurrency)
+        if self.prefill_tokens or self.mixed_sizes:
+            rows += max(self.max_loras) + 1 + -(-self.max_tokens // self.context_len)
+        return rows
 
     @property
     def rank_model(self) -> ModelConfig:

@@ -29,11 +29,14 @@ MIN_SENSITIVITY = 10.0  # a dropped update must move the logits >= this many tol
 @dataclass
 class Case:
     slots: list[int]  # each token's slot
-    step: Step | None = None  # a mixed step's pieces (request i in cache row i); None: a decode batch
+    step: Step | None = None  # a mixed step's pieces (request i in cache row first_row + i); None: a decode batch
+    first_row: int = 0
 
     @property
     def layout(self) -> MixedLayout | None:
-        return None if self.step is None else MixedLayout.of(self.step, {p.request: p.request for p in self.step.pieces})
+        if self.step is None:
+            return None
+        return MixedLayout.of(self.step, {p.request: self.first_row + p.request for p in self.step.pieces})
 
     @property
     def tokens(self) -> int:
@@ -91,6 +94,7 @@ class Verdict:
     mixed_graphs_total: int = 0
     failing_mixed_graphs: list[list[int]] = field(default_factory=list)  # [bucket, key, grid]
     mixed_eager_wrong: bool = False  # a mixed step past every mixed size was wrong
+    first_mixed: Failure | None = None  # the smallest failing mixed step (``first`` may be a decode batch)
 
     @property
     def detail(self) -> str:
@@ -109,18 +113,31 @@ class Verdict:
         if self.failing_mixed_graphs or self.mixed_eager_wrong:
             wrong.append(f"{len(self.failing_mixed_graphs)} of {self.mixed_graphs_checked} mixed keys served"
                          + (" and the mixed eager path" if self.mixed_eager_wrong else ""))
-        return f"WRONG in {' and '.join(wrong)}; smallest: " + self.first.describe(self.tolerance)
+        text = f"WRONG in {' and '.join(wrong)}; smallest: " + self.first.describe(self.tolerance)
+        if self.first_mixed is not None and self.first_mixed is not self.first:
+            text += "; smallest mixed step: " + self.first_mixed.describe(self.tolerance)
+        return text
 
     def to_dict(self) -> dict:
         return {**asdict(self), "detail": self.detail}
 
 
+def mixed_rows(d: Dispatcher) -> int:
+    """The KV-cache rows mixed cases write, the cache's last: as many as a mixed case has requests
+    (max_loras, a base request, the chunks of the largest step). Decode cases stay below them:
+    a decode token attends over its whole row, and the mixed steps of one strategy's check would
+    otherwise change what the next strategy's decode cases read (their answers are shared)."""
+    if not d.mixed_sizes:
+        return 0
+    return d.max_loras + 1 + -(-d.model.max_tokens // d.model.context_len)
+
+
 def cases(d: Dispatcher, rng: random.Random) -> list[Case]:
     """Per capture size b (previous size p): batches of p+1 and b tokens; beyond the largest size,
-    the largest batch the model holds (eager). For each, every n in 0..min(tokens, max_loras):
+    the largest decode batch the model holds (eager; a token per KV-cache row). For each, every n in 0..min(tokens, max_loras):
     all adapters, and, where there is room, mixes with one base request and with as many base
     requests as possible. Sorted smallest first."""
-    sizes, top = d.capture_sizes, d.model.max_tokens
+    sizes, top = d.capture_sizes, min(d.model.max_tokens, d.model.cache_rows - mixed_rows(d))  # a token per cache row
     lengths = {b for b in sizes} | {p + 1 for p in sizes[:-1]} | {1}
     if top > sizes[-1]:
         lengths |= {sizes[-1] + 1, top}
@@ -137,7 +154,8 @@ def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
     """With mixed sizes only. Per mixed size b (previous size p): steps of p+1 and b tokens; past
     the largest, a step of the most tokens the model holds (eager). For each, every n in
     0..min(tokens, max_loras): adapters alone and with one base request (n = 0: base alone), each
-    a prompt chunk among decode tokens with random contexts (``batches.mixed_step``). Smallest first."""
+    a prompt chunk among decode tokens with random contexts (``batches.mixed_step``), in the
+    cache's last rows (``mixed_rows``). Smallest first."""
     sizes, top = d.mixed_sizes, d.model.max_tokens
     if not sizes:
         return []
@@ -149,7 +167,7 @@ def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
         for n in range(min(t, d.max_loras) + 1):
             for base in sorted({1} if n == 0 else {0, min(1, t - n)}):
                 step = mixed_step(t, n, d.max_loras, d.model.context_len, rng, base)
-                out.append(Case(step.token_adapters, step))
+                out.append(Case(step.token_adapters, step, d.model.cache_rows - mixed_rows(d)))
     return out
 
 
@@ -207,7 +225,7 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = No
     saved_ids = d.input_ids.clone()
     served: set[tuple[bool, int, int]] = set()
     failing: dict[tuple[bool, int, int], int] = {}
-    first, max_err, batches, mixed_batches = None, 0.0, 0, 0
+    first, first_mixed, max_err, batches, mixed_batches = None, None, 0.0, 0, 0
     eager_wrong = {False: False, True: False}
     try:
         sens = sensitivity(d, rng, refs)
@@ -240,11 +258,14 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = No
                     failing[graph] = grid
                 else:
                     eager_wrong[route.mixed] = True
-                if first is None:
+                if first is None or (layout is not None and first_mixed is None):
                     bad = [i for i, e in enumerate(err.tolist()) if not e < tol]
                     pieces = None if case.step is None else [[p.adapter, p.tokens, p.context, p.prefill]
                                                              for p in case.step.pieces]
-                    first = Failure(case.slots, route.tokens, route.launch, grid, route.graphed, worst, bad, pieces)
+                    failure = Failure(case.slots, route.tokens, route.launch, grid, route.graphed, worst, bad, pieces)
+                    first = first or failure
+                    if layout is not None:
+                        first_mixed = first_mixed or failure
     finally:
         d.input_ids.copy_(saved_ids)
     correct = None if sens < MIN_SENSITIVITY * tol else first is None
@@ -257,5 +278,5 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = No
         max_err=max_err, tolerance=tol, sensitivity=sens, seconds=time.perf_counter() - t0, first=first,
         failing_graphs=wrong(False), eager_wrong=eager_wrong[False], mixed_batches=mixed_batches,
         mixed_graphs_checked=sum(m for m, _, _ in served), mixed_graphs_total=len(d.mixed_keys),
-        failing_mixed_graphs=wrong(True), mixed_eager_wrong=eager_wrong[True],
+        failing_mixed_graphs=wrong(True), mixed_eager_wrong=eager_wrong[True], first_mixed=first_mixed,
     )

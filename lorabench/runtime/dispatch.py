@@ -47,6 +47,14 @@ class Route:
     mixed: bool = False
 
 
+@dataclass(frozen=True)
+class MixedBatch:
+    """A mixed step to run: each token's slot, in the layout's order, and the layout."""
+
+    slots: list[int]
+    layout: MixedLayout
+
+
 @dataclass
 class Prepared:
     """A batch ready to launch: its packed metadata and its route."""
@@ -253,6 +261,10 @@ class Dispatcher:
         packed, n = self.rules.pack(slots)
         route = self.route(len(slots), n) if layout is None else self.route_mixed(len(slots), n)
         return Prepared(packed, n, len(slots), route, layout)
+
+    def prepare_step(self, batch: "list[int] | MixedBatch") -> Prepared:
+        """``prepare`` for a decode batch (its slots) or a mixed one."""
+        return self.prepare(batch.slots, batch.layout) if isinstance(batch, MixedBatch) else self.prepare(batch)
 
     def load(self, prep: Prepared) -> None:
         """Send the batch's metadata to the device (vLLM's rules also build it there)."""

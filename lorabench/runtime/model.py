@@ -294,5 +294,12 @@ class LlamaLoRA(nn.Module):
         dense = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in self.modules() if isinstance(m, LoRALinear))
         return dense + self.expert_lora_bytes_per_slot()
 
+    def lora_io_bytes_per_token(self) -> int:
+        """What the dense LoRA linears move per adapter token besides their adapters, when LoRA runs
+        beside the base GEMM: each one's input read once (the shrink) and its LoRA outputs read and
+        written once (the expand adds into them)."""
+        return sum((m.weight.shape[1] + 2 * m.lora_n) * m.weight.element_size()
+                   for m in self.modules() if isinstance(m, LoRALinear))
+
     def expert_lora_bytes_per_slot(self) -> int:
         return sum(m.lora_bytes_per_slot() for m in self.modules() if isinstance(m, MoEMLP))

@@ -3,7 +3,7 @@ and the steps themselves (``Steps``, which the sweep writes into the run's sampl
 
 import numpy as np
 
-from lorabench.config.plan import FIXED, RESIDENCY, WORKLOAD, Point
+from lorabench.config.plan import FIXED, PREFILL, RESIDENCY, WORKLOAD, Point
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.timing import summarize
 from lorabench.runtime.turns import Timed
@@ -30,6 +30,11 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict) -> tup
     if point.mode == FIXED:
         row["base_tokens"] = c if point.n_active == 0 else 0
         row["graph_loras"] = int(s.launch_counts[0])
+    if point.mode == PREFILL:  # one step of prefill_tokens tokens from c requests
+        route = d.route_mixed(point.prefill_tokens, point.n_active)
+        row.update(graph_tokens=route.tokens, graph_loras=int(s.launch_counts[0]), mixed_route="piecewise" if route.graphed
+                   else "eager", base_tokens=point.prefill_tokens if point.n_active == 0 else 0,
+                   tokens_per_s=point.prefill_tokens / (stats["step_ms_median"] / 1e3), tokens_per_step=float(s.tokens.mean()))
     if point.mode == RESIDENCY:  # tokens per second over the whole run: a step of few tokens counts as few
         row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
                    loads_per_step=float(s.loads.mean()), storage_reads_per_step=float(s.reads.mean()),

@@ -12,6 +12,10 @@ building the batch metadata and choosing the graph; ``copy`` = the call that que
 metadata's copy to the device; ``launch`` = the graph replay call. On the CPU the step time is
 the eager step's wall time.
 
+Mixed steps (``MixedBatch``: prefill points) replay their PIECEWISE graphs with attention run
+eagerly between them, or run eagerly past the largest mixed size; ``launch`` then covers the whole
+step's host work, attention's launches included, and the step's events enclose it.
+
 Residency steps (``loads`` given) load adapters into slots before the replay, as vLLM does before a
 step that needs them: their CUDA events enclose the loads and the replay (the metadata's copy is
 queued before, as for every step), so each sample is the whole step a request waits for; ``copy``
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.dispatch import Dispatcher, MixedBatch
 
 NOISY_IQR = 0.10  # IQR / median at or above this flags a point as noisy
 
@@ -85,7 +89,7 @@ class StepSamples:
     read_bytes: np.ndarray
 
 
-def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int, first: int = 0,
+def time_steps(d: Dispatcher, batches: list[list[int]] | list[MixedBatch], iters: int, warmup: int, first: int = 0,
                loads: list[list[tuple[int, int]]] | None = None, loader=None,
                start_slots: list[int] | None = None, reads: list[list[int]] | None = None,
                storage=None) -> StepSamples:
@@ -103,7 +107,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         k = (first + i) % len(batches)
         for slot, adapter in loads[k] if loads else ():
             loader.load(slot, adapter)
-        d.launch(d.prepare(batches[k]))
+        d.launch(d.prepare_step(batches[k]))
     if start_slots is not None:
         loader.place(start_slots)
     if cuda:
@@ -118,7 +122,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         for adapter in missed:
             storage.drop(adapter)
         t0 = clock()
-        prep = d.prepare(batches[k])
+        prep = d.prepare_step(batches[k])
         tc = clock()
         d.load(prep)
         if cuda:
@@ -130,7 +134,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]], iters: int, warmup: int,
         for slot, adapter in loads[k] if loads else ():  # the step's loads: inside its events, as it waits for them
             loader.load(slot, adapter)
         t1 = clock()
-        d.run(prep.route)
+        d.run(prep.route, prep.layout)
         if cuda:
             events.stop(i)
         t2 = clock()

@@ -21,10 +21,10 @@ import traceback
 
 import torch
 
-from lorabench.config.batches import fixed_batch
+from lorabench.config.batches import fixed_batch, prefill_step
 from lorabench.config.models import shard
 from lorabench.config.peft import read_adapters
-from lorabench.config.plan import FIXED, RESIDENCY, Job, Point
+from lorabench.config.plan import FIXED, PREFILL, RESIDENCY, Job, Point
 from lorabench.config.residency import simulate
 from lorabench.config.sweep_spec import OPTIONS
 from lorabench.config.workload import parse_workload
@@ -33,9 +33,10 @@ from lorabench.runtime import env, telemetry
 from lorabench.runtime.adapters import AdapterLoader
 from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
-from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.dispatch import Dispatcher, MixedBatch
 from lorabench.runtime.load_paths import ONE_COPY, OneCopy, StorageReads
 from lorabench.runtime.load_timing import timed_loads
+from lorabench.runtime.mixed_attention import MixedLayout
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slots
 from lorabench.runtime.probe import probe
@@ -76,6 +77,7 @@ class Worker:
         self.common = {
             "run_id": job.run_id, "started_at": job.started_at, "argv": job.argv, **self.env.columns(),
             **{name: getattr(job, name) for name in JOB_COLUMNS}, "capture_sizes": list(job.capture_sizes),
+            "mixed_capture_sizes": list(job.mixed_sizes) or None,
             "model": cfg.name, "model_source": cfg.source, "architecture": cfg.architecture, "layers": cfg.layers,
             "hidden": cfg.hidden, "heads": job.model.heads, "kv_heads": job.model.kv_heads, "head_dim": cfg.head_dim,
             "intermediate": job.model.intermediate, "vocab": job.model.vocab,
@@ -106,7 +108,7 @@ class Worker:
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
                 "point": point.index, "mode": point.mode, "concurrency": point.concurrency,
-                "n_active": point.n_active, "workload": point.workload}
+                "n_active": point.n_active, "workload": point.workload, "prefill_tokens": point.prefill_tokens}
 
     def failed(self, arm: Arm, point: Point, e: BaseException) -> Measured:
         return Measured(Row(**self.point_row(arm, point), status="failed", error=_error(e)))
@@ -125,7 +127,7 @@ class Worker:
         t0 = time.perf_counter()
         model = LlamaLoRA(self.cfg, max_loras=job.max_loras, rank=job.rank, max_tokens=job.max_tokens,
                           context_len=job.context_len, dtype=getattr(torch, job.dtype), device=job.device, seed=job.seed,
-                          slot_ranks=job.slot_ranks, fully_sharded=job.fully_sharded)
+                          slot_ranks=job.slot_ranks, fully_sharded=job.fully_sharded, cache_rows=job.cache_rows)
         self.sync()
         self.shared["build_s"] = time.perf_counter() - t0
         if self.adapters:  # a server starts with none: their reads are not the model's build
@@ -137,7 +139,7 @@ class Worker:
         rules = VllmRules(arm.strategy, job.max_loras, model.max_tokens, job.device) if arm.label.vllm else None
         return Dispatcher(model, self.backend, max_loras=job.max_loras, capture_sizes=capture_sizes, counts=arm.counts,
                           use_graphs=self.cuda, seed=job.seed, rules=rules, bucket_grid=job.bucket_grid,
-                          slot_rank=model.slot_rank if arm.label.unpadded else None)
+                          slot_rank=model.slot_rank if arm.label.unpadded else None, mixed_sizes=list(job.mixed_sizes))
 
     def first_capture(self, model: LlamaLoRA) -> None:
         """Before any strategy: a warm-up and capture of the first strategy's graphs at the
@@ -183,12 +185,20 @@ class Worker:
         arm.startup.update(
             build_s=build_s, compile_s=compile_s, capture_s=capture_s, startup_s=build_s + compile_s + capture_s,
             num_graphs=d.num_graphs, lora_bytes_per_slot=model.lora_bytes_per_slot(),
+            lora_io_bytes_per_token=model.lora_io_bytes_per_token(),
             expert_lora_bytes_per_slot=model.expert_lora_bytes_per_slot() if self.cfg.moe else None,
             triton_cache=("cold" if triton_cache_files() > cache_before else "warm") if compiled else None,
         )
         if self.cuda:
             arm.startup["graph_mem_bytes"] = free0 - torch.cuda.mem_get_info()[0]
             arm.startup["pool_bytes"] = torch.cuda.memory_reserved() - reserved0
+        if d.mixed_keys:  # the PIECEWISE set, its own startup (vLLM captures it too, per active count)
+            free1 = torch.cuda.mem_get_info()[0] if self.cuda else None
+            t3 = time.perf_counter()
+            d.capture_mixed()
+            arm.startup.update(mixed_capture_s=time.perf_counter() - t3, num_mixed_graphs=d.num_mixed_graphs)
+            if self.cuda:
+                arm.startup["mixed_graph_mem_bytes"] = free1 - torch.cuda.mem_get_info()[0]
         arm.dispatcher = d
 
     def probe(self) -> None:
@@ -228,11 +238,16 @@ class Worker:
             SWEEP.emit(Checked(**arm.job.config, correct=None, detail=verdict["check_detail"]))
         arm.startup.update(verdict)
 
-    def batches(self, point: Point) -> tuple[list[list[int]], list[list[tuple[int, int]]] | None]:
+    def batches(self, point: Point) -> tuple[list[list[int]] | list[MixedBatch], list[list[tuple[int, int]]] | None]:
         """The point's batches, the same for every strategy (seeded by the point, not the
         strategy), and for a residency point the loads each step makes (else None)."""
         job, c = self.lead, point.concurrency
-        rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}")
+        rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}-{point.prefill_tokens}")
+        if point.mode == PREFILL:
+            steps = [prefill_step(point.prefill_tokens, point.n_active, job.max_loras, job.context_len, rng)
+                     for _ in range(FIXED_BATCH_VARIANTS)]
+            return [MixedBatch(s.token_adapters, MixedLayout.of(s, {p.request: p.request for p in s.pieces}))
+                    for s in steps], None
         if point.mode == FIXED:
             n = point.n_active
             return [fixed_batch(c, n, job.max_loras, rng, base_tokens=c if n == 0 else 0)
@@ -329,11 +344,11 @@ class Worker:
 
     def schedule(self, arms: list[Arm]) -> list[tuple[tuple, list[tuple[Arm, Point]]]]:
         """The points in plan order, each with every strategy that has it (matched by mode,
-        concurrency, active count and workload)."""
+        concurrency, active count, workload and prefill tokens)."""
         by_key: dict[tuple, list[tuple[Arm, Point]]] = {}
         for arm in arms:
             for p in arm.job.points:
-                by_key.setdefault((p.mode, p.concurrency, p.n_active, p.workload), []).append((arm, p))
+                by_key.setdefault((p.mode, p.concurrency, p.n_active, p.workload, p.prefill_tokens), []).append((arm, p))
         return sorted(by_key.items(), key=lambda kv: min(p.index for _, p in kv[1]))
 
     def run_point(self, entries: list[tuple[Arm, Point]]) -> None:

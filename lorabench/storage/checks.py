@@ -33,6 +33,7 @@ class Checked:
     mixed_graphs_total: int | None = None
     failing_mixed_graphs: list | None = None  # [bucket, key, grid] of every wrong mixed key
     mixed_eager_wrong: bool | None = None  # a mixed step past every mixed size was wrong
+    first_mixed: dict | None = None  # the smallest failing mixed step (``first`` may be a decode batch)
     detail: str = ""  # the verdict in words
     num_graphs: int | None = None
     captured_counts: list[int] | None = None

@@ -87,6 +87,9 @@ class Row:
         "`cold` if the compile step wrote new kernels to Triton's cache, else `warm` (null for non-Triton or "
         "interpreted kernels)")
     lora_bytes_per_slot: int | None = column("bytes of one adapter's A and B over every LoRA linear")
+    lora_io_bytes_per_token: int | None = column("bytes the dense LoRA linears move per adapter token beside the "
+                                                 "base GEMMs: each input read once, each LoRA output read and "
+                                                 "written once (the prefill floor's activation term)")
     vllm: str | None = column("vLLM's version, on rows of `--kernels vllm`")
     correct: bool | None = column("the configuration's check: true, false, or null (not checked or inconclusive)")
     check_detail: str | None = column(
@@ -202,6 +205,17 @@ class Row:
                                                     "w13 and w2 A and B of every expert)")
     moe_lora_path: str | None = column("the expert-LoRA path the bucket's graph runs: `per-entry` (its grid ignores "
                                        "the active count) or `sorted` (it follows it), the backend's rule")
+    prefill_tokens: int | None = column("prefill points: the step's prompt tokens (chunks of at most `context_len` "
+                                        "from `concurrency` requests, `n_active` adapters among them; `mode` `prefill`)")
+    max_num_batched_tokens: int | None = column("vLLM's `--max-num-batched-tokens`: the most tokens a step holds")
+    max_cudagraph_capture_size: int | None = column(
+        "vLLM's `--max-cudagraph-capture-size`: mixed steps up to this many tokens replay PIECEWISE graphs (0: none)")
+    mixed_capture_sizes: list[int] | None = column("the buckets mixed steps have PIECEWISE graphs for (vLLM's sizes)")
+    num_mixed_graphs: int | None = column("PIECEWISE graphs captured: every mixed key's pieces (layers + 1 per key)")
+    mixed_capture_s: float | None = column("capturing them, s (not in `capture_s`)")
+    mixed_graph_mem_bytes: int | None = column("device memory they took (not in `graph_mem_bytes`)")
+    mixed_route: str | None = column("prefill points: `piecewise` (the step replays its bucket's PIECEWISE graphs) "
+                                     "or `eager` (past `max_cudagraph_capture_size`)")
 
     def to_dict(self) -> dict:
         """The row as a record (column -> value), in the columns' order."""

@@ -5,6 +5,7 @@ from pathlib import Path
 from rich.console import Console
 
 from lorabench.analysis.points import lora_overhead
+from lorabench.analysis.prefill import prefill_overhead
 from lorabench.analysis.recommend import measured_decisions
 from lorabench.analysis.recommendation_json import report_json
 from lorabench.analysis.roofline import floors
@@ -55,6 +56,9 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
                                                   cfg, run_dir / "latency_vs_memory.png")
     if view.ok.kernels.nunique() > 1:
         plots["backends"] = drawing.draw(p.backends, same, over, run_dir / "backends.png")
+    pre = prefill_overhead(same)
+    if not pre.empty and (pre.n_active > 0).any() and pre.base_ms.notna().any():
+        plots["overhead_vs_tokens"] = drawing.draw(p.overhead_vs_tokens, df, pre, over, run_dir / "overhead_vs_tokens.png")
     fl = floors(same)
     if not fl.empty:
         plots["roofline"] = drawing.draw(p.roofline, df, fl, run_dir / "roofline.png")
@@ -64,7 +68,7 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     decisions = measured_decisions(view)
     rec = report_json(view, decisions)
     extra = residency.markdown(res, plots.get("residency"), unit(df)) if res is not None else []
-    md = render_markdown(view, run_info, over, fl, decisions, plots, incomplete, extra=extra)
+    md = render_markdown(view, run_info, over, fl, decisions, plots, incomplete, extra=extra, prefill=pre)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")
         md = f"{head}\n\n> **Read [NOTE.md](NOTE.md) first:** a caveat on this run's data.\n{rest}"

@@ -12,6 +12,7 @@ from lorabench.commands.report.backends import backends_md, padding_md
 from lorabench.commands.report.correctness import correctness_md, hypothesis_verdict  # noqa: F401  (tests read it here)
 from lorabench.commands.report.labels import strategies, unit
 from lorabench.commands.report.moe import moe_md
+from lorabench.commands.report.prefill import prefill_md
 from lorabench.commands.report.recommendation import recommendation_md
 from lorabench.commands.report.roofline import roofline_md
 from lorabench.commands.tables import cell, index, markdown_table, mib
@@ -119,7 +120,7 @@ def gpu_md(gpus: dict) -> list[str]:
 
 def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.DataFrame,
                     decisions: list[MeasuredDecision], plots: dict, incomplete: str | None = None,
-                    extra: list[str] | None = None) -> str:
+                    extra: list[str] | None = None, prefill: pd.DataFrame | None = None) -> str:
     """The whole report of a run (``view``): configurations, expected steps, LoRA overhead (``over``),
     roofline floors (``fl``), the recommendation (``decisions``) and the figures already written
     (``plots``: name -> path); ``incomplete``: the line saying how the run is incomplete
@@ -181,6 +182,8 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
     out += agnostic_md(over, cfg, u)
     out += moe_md(over, u)
     out += roofline_md(fl, plots.get("roofline"))
+    if prefill is not None:
+        out += prefill_md(prefill, u, plots.get("overhead_vs_tokens"), samples)
     if not exp.empty:
         out += [f"## Expected step under each workload ({u})", "",
                 "expected = sum over n of P(n | c) x median(c, n); measured = the workload run's mean over its steps.", "",

@@ -209,3 +209,26 @@ def residency(df: pd.DataFrame, decisions: list, measured: pd.DataFrame, path: P
             ax.set_ylabel(what)
         top.legend(fontsize=7)
     return _save(fig, df, "Adapter residency: throughput and step vs slots", path)
+
+
+def overhead_vs_tokens(df: pd.DataFrame, pre: pd.DataFrame, over: pd.DataFrame, path: Path) -> Path:
+    """LoRA overhead over the same step without adapters (%) against the tokens a step holds: prefill
+    points (lines, one per backend, strategy and active count) and decode points (crosses, at c
+    tokens), one panel per max_loras."""
+    loras = sorted(pre.max_loras.unique())
+    fig, axes = _grid(1, len(loras), w=5.5, h=4.2)
+    decode = over[over.n_active > 0] if len(over) else over
+    for ax, m in zip(axes[0], loras):
+        for (k, s, n), g in pre[(pre.max_loras == m) & (pre.n_active > 0)].groupby(["kernels", "strategy", "n_active"]):
+            g = g.sort_values("prefill_tokens")
+            (line,) = ax.plot(g.prefill_tokens, g.overhead_pct, marker="o", ms=3, label=f"{label(df, k, s)}, n={n}")
+            d = decode[(decode.max_loras == m) & (decode.kernels == k) & (decode.strategy == s) & (decode.n_active == n)]
+            if len(d):
+                ax.scatter(d.concurrency, d.overhead_pct, marker="x", s=30, color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.axhline(0, color="grey", ls="--", lw=0.8)
+        ax.set_title(f"max_loras={m} (lines: prefill, crosses: decode)", fontsize=9)
+        ax.set_xlabel("tokens per step")
+        ax.set_ylabel("LoRA overhead over n = 0 (%)")
+        ax.legend(fontsize=7)
+    return _save(fig, df, "LoRA overhead vs tokens per step", path)
