@@ -24,16 +24,19 @@ def spec_of(**flags):
 
 def test_prefill_steps_chunk_at_the_context_and_spread_the_adapters():
     rng = random.Random(0)
-    for tokens, n in [(16, 0), (16, 3), (100, 2), (100, 4), (7, 4)]:
-        step = prefill_step(tokens, n, 4, 32, rng)
-        assert step.tokens == tokens and len(step.adapters) == n
-        assert len(step.pieces) == prefill_requests(tokens, n, 32) == max(n, 1, -(-tokens // 32))
+    for tokens, n, most in [(16, 0, 3), (16, 3, 3), (100, 2, 4), (100, 4, 4), (7, 4, 4)]:
+        requests = prefill_requests(tokens, most, 32)
+        assert requests == max(most, 1, -(-tokens // 32))
+        step = prefill_step(tokens, n, 4, requests, rng)
+        assert step.tokens == tokens and len(step.adapters) == n and len(step.pieces) == requests
         assert all(p.prefill and p.context == 0 and p.tokens <= 32 for p in step.pieces)
         assert max(p.tokens for p in step.pieces) - min(p.tokens for p in step.pieces) <= 1
         if n == 0:
             assert all(p.adapter == -1 for p in step.pieces)
     with pytest.raises(ValueError):
-        prefill_step(3, 4, 4, 32, rng)  # four adapters cannot share three tokens
+        prefill_step(3, 3, 4, 4, rng)  # four requests cannot share three tokens
+    with pytest.raises(ValueError):
+        prefill_step(16, 3, 4, 2, rng)  # three adapters in two requests
 
 
 def test_prefill_points_are_planned_and_size_the_model():
@@ -42,8 +45,8 @@ def test_prefill_points_are_planned_and_size_the_model():
     assert spec.max_cudagraph_capture_size == 4 and spec.mixed_sizes == [1, 2, 4]  # vLLM's: min(2 x 2, 512, 8192)
     (job,) = plan(spec)
     prefill = [p for p in job.points if p.mode == PREFILL]
-    assert [(p.prefill_tokens, p.n_active, p.concurrency) for p in prefill] == [
-        (16, 0, 1), (16, 1, 1), (16, 2, 2), (40, 0, 2), (40, 1, 2), (40, 2, 2)]
+    assert [(p.prefill_tokens, p.n_active, p.concurrency) for p in prefill] == [  # every n at T: the same chunks
+        (16, 0, 2), (16, 1, 2), (16, 2, 2), (40, 0, 2), (40, 1, 2), (40, 2, 2)]
     assert job.max_tokens == 40 and job.mixed_sizes == (1, 2, 4)
     assert job.cache_rows == 2 + 2 + 1 + 2  # decode rows, then the check's mixed rows
     assert spec_of(concurrency="8").max_cudagraph_capture_size == 0  # no prefill points: no PIECEWISE set

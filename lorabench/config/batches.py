@@ -75,21 +75,21 @@ def mixed_step(tokens: int, n_active: int, max_loras: int, context_len: int, rng
     return Step(tuple(Piece(i, a, n, c, prefill, True) for i, (a, n, c, prefill) in enumerate(pieces)))
 
 
-def prefill_requests(tokens: int, n_active: int, context_len: int) -> int:
-    """The requests of a prefill point's step: one per adapter (one for the base model), or as
-    many as chunks of at most ``context_len`` tokens need."""
-    return max(n_active, 1, -(-tokens // context_len))
+def prefill_requests(tokens: int, most_active: int, context_len: int) -> int:
+    """The requests of every prefill step of ``tokens`` tokens in a sweep whose largest active count
+    there is ``most_active``: one per adapter, or as many as chunks of at most ``context_len``
+    tokens need. Every n at that size shares them, so that the steps differ in their adapters
+    alone (attention's cost depends on the chunks' lengths)."""
+    return max(most_active, 1, -(-tokens // context_len))
 
 
-def prefill_step(tokens: int, n_active: int, max_loras: int, context_len: int, rng: random.Random) -> Step:
-    """A prefill point's step: ``tokens`` prompt tokens as ``prefill_requests`` first chunks
-    (context 0) of near-equal length, ``n_active`` distinct adapter slots among their requests
-    (each at least once, the rest drawn from them; n = 0: all base); request i is piece i."""
-    if n_active > min(tokens, max_loras):
-        raise ValueError(f"cannot place {n_active} adapters in a prefill of {tokens} tokens with {max_loras} slots")
-    requests = prefill_requests(tokens, n_active, context_len)
-    if requests > tokens:
-        raise ValueError(f"{requests} requests cannot share {tokens} tokens")
+def prefill_step(tokens: int, n_active: int, max_loras: int, requests: int, rng: random.Random) -> Step:
+    """A prefill point's step: ``tokens`` prompt tokens as ``requests`` first chunks (context 0) of
+    near-equal length, ``n_active`` distinct adapter slots among their requests (each at least
+    once, the rest drawn from them; n = 0: all base); request i is piece i."""
+    if n_active > min(requests, max_loras) or requests > tokens:
+        raise ValueError(f"cannot place {n_active} adapters in {requests} requests of a {tokens}-token prefill "
+                         f"with {max_loras} slots")
     chosen = rng.sample(range(max_loras), n_active)
     adapters = chosen + [rng.choice(chosen) for _ in range(requests - n_active)] if chosen else [-1] * requests
     rng.shuffle(adapters)

@@ -152,11 +152,11 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                             points.append(Point(index, RESIDENCY, c, workload=w))
                             index += 1
                 for t in spec.prefill_tokens or ():
-                    for n in range(min(t, max_loras) + 1):
-                        if n and spec.active_counts is not None and n not in spec.active_counts:
-                            continue
-                        points.append(Point(index, PREFILL, prefill_requests(t, n, spec.context_len), n_active=n,
-                                            prefill_tokens=t))
+                    ns = [n for n in range(min(t, max_loras) + 1)
+                          if n == 0 or spec.active_counts is None or n in spec.active_counts]
+                    requests = prefill_requests(t, ns[-1], spec.context_len)  # the same chunks at every n
+                    for n in ns:
+                        points.append(Point(index, PREFILL, requests, n_active=n, prefill_tokens=t))
                         index += 1
                 predicted: tuple = ()
                 if s.name == AUTO:

@@ -244,7 +244,7 @@ class Worker:
         job, c = self.lead, point.concurrency
         rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}-{point.prefill_tokens}")
         if point.mode == PREFILL:
-            steps = [prefill_step(point.prefill_tokens, point.n_active, job.max_loras, job.context_len, rng)
+            steps = [prefill_step(point.prefill_tokens, point.n_active, job.max_loras, c, rng)
                      for _ in range(FIXED_BATCH_VARIANTS)]
             return [MixedBatch(s.token_adapters, MixedLayout.of(s, {p.request: p.request for p in s.pieces}))
                     for s in steps], None
