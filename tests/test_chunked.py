@@ -1,11 +1,11 @@
 """Chunked-prefill scheduling (``config.chunked``) against steps worked out by hand, its invariants
-on random loops, and the latencies a client sees (``analysis.serving_latency``)."""
+on random loops, and the latencies a client sees (``config.serving_latency``)."""
 
 import random
 
 import numpy as np
 import pytest
-from lorabench.analysis.serving_latency import latencies
+from lorabench.config.serving_latency import latencies
 from lorabench.config.chunked import Piece, serve
 from lorabench.stats import quantile_interval
 

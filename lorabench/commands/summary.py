@@ -49,14 +49,15 @@ def points_table(df: pd.DataFrame, device: str, coverage: Coverage | None = None
     one's error; with ``coverage`` (``lorabench.storage.runs.coverage``) of an incomplete run, its
     status, planned vs finished points and which configurations lack how many."""
     ok = ok_points(df)
-    mode = "workload" if (ok["mode"] == "workload").any() else "residency"  # --adapters: residency runs instead
+    # --adapters: residency runs instead of workload runs; with --input-tokens, serving runs
+    mode = next((m for m in ("workload", "residency", "serving") if (ok["mode"] == m).any()), "workload")
     workload = ok[ok["mode"] == mode]["workload"].dropna().unique()
     wl = workload[0] if len(workload) else None
     unit = "ms GPU" if device == "cuda" else "ms CPU wall"
     cost = configs(df).set_index(CONFIG) if len(ok) else None
     what = f"median step ({unit})"
-    if wl and mode == "residency":
-        what = f"mean step ({unit}), adapter loads included, of residency runs under {wl}"
+    if wl and mode != "workload":
+        what = f"mean step ({unit}), adapter loads included, of {mode} runs under {wl}"
     elif wl:
         what = f"median step ({unit}) under workload {wl}"
     tables = []
@@ -90,7 +91,7 @@ def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost, 
         cells = []
         for s in strats:
             pt = good[(good.strategy == s) & (good.concurrency == c) & (good["mode"] == mode) & (good.workload == wl)]
-            value = pt.step_ms_mean if mode == "residency" else pt.step_ms_median
+            value = pt.step_ms_mean if mode != "workload" else pt.step_ms_median
             cells.append(f"{value.iloc[0]:.3f}" + ("*" if noisy(pt).iloc[0] else "") if len(pt) else "-")
         table.add_row(f"{c}", *cells, end_section=i == len(conc) - 1)
     rows = {"graphs": [], "MiB": [], "start s": [], "failed": [], "check": []}

@@ -17,7 +17,7 @@ closed: when a request's last token is out, its client sends the next one, which
 next step on. Every step is a list of ``Piece`` s (a request's tokens in that step, with the
 context its attention reads), and every request keeps the steps that produced its tokens: with
 each step's time, that gives its time to first token and its inter-token latencies
-(``analysis.serving_latency``).
+(``config.serving_latency``).
 """
 
 from collections.abc import Callable
@@ -81,6 +81,14 @@ class Request:
 class Served:
     steps: list[Step]
     requests: list[Request]
+
+    def after(self, start: int) -> "Served":
+        """The steps from ``start`` on, as if they were the first: each request's arrival and token
+        steps counted from ``start`` (an earlier arrival is negative; tokens before it dropped), so
+        that latencies over them leave out what began before."""
+        return Served(self.steps[start:], [
+            Request(r.adapter, r.input_tokens, r.output_tokens, r.arrival - start, r.prefilled,
+                    [s - start for s in r.emitted_at if s >= start]) for r in self.requests])
 
 
 def serve(next_request: Callable[[], tuple[int, int, int]], clients: int, steps: int, budget: int, max_seqs: int,

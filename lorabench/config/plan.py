@@ -20,8 +20,11 @@ from lorabench.config.sweep_spec import OPTIONS, SweepSpec
 # A point's mode: a batch of exactly n adapters; batches drawn from a workload over the slots; or a
 # residency run: a closed loop of c clients over --adapters N adapters held in the slots by LRU,
 # adapters loaded as the steps need them (``lorabench.config.residency``); or a prefill step of a
-# fixed number of prompt tokens, n adapters among its requests (``batches.prefill_step``).
-FIXED, WORKLOAD, RESIDENCY, PREFILL = "fixed", "workload", "residency", "prefill"
+# fixed number of prompt tokens, n adapters among its requests (``batches.prefill_step``); or a
+# serving run: a residency run whose requests carry prompts (--input-tokens), scheduled with chunked
+# prefill (``lorabench.config.serving``).
+FIXED, WORKLOAD, RESIDENCY, PREFILL, SERVING = "fixed", "workload", "residency", "prefill", "serving"
+LOOPS = (RESIDENCY, SERVING)  # the modes whose steps load adapters into slots
 
 
 def auto_key(kernels: str, max_loras: int) -> str:
@@ -34,10 +37,10 @@ class Point:
     """One measured point of a job: ``index`` is its place in the run's plan (the ``point`` column)."""
 
     index: int
-    mode: str  # FIXED, WORKLOAD, RESIDENCY or PREFILL
+    mode: str  # FIXED, WORKLOAD, RESIDENCY, PREFILL or SERVING
     concurrency: int  # requests per step
     n_active: int | None = None  # FIXED and PREFILL points
-    workload: str | None = None  # WORKLOAD and RESIDENCY points
+    workload: str | None = None  # WORKLOAD, RESIDENCY and SERVING points
     prefill_tokens: int | None = None  # PREFILL points: the step's prompt tokens
 
 
@@ -82,6 +85,7 @@ class Job:
     max_cudagraph_capture_size: int = 0
     prefill_tokens: tuple[int, ...] | None = None  # --prefill-tokens (the points carry theirs)
     max_num_batched_tokens: int = 8192
+    input_tokens: str | None = None  # --input-tokens: serving runs' prompts (N or LO-HI)
 
     @property
     def residency(self) -> Adapters | None:
@@ -149,7 +153,7 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                             index += 1
                     elif c == max(spec.concurrency):
                         for w in spec.workload:
-                            points.append(Point(index, RESIDENCY, c, workload=w))
+                            points.append(Point(index, SERVING if spec.input_tokens else RESIDENCY, c, workload=w))
                             index += 1
                 for t in spec.prefill_tokens or ():
                     ns = [n for n in range(min(t, max_loras) + 1)

@@ -5,7 +5,7 @@ A closed loop, as a benchmark client with ``--max-concurrency C`` drives a serve
 keep one request in flight. A request asks for an adapter (drawn from the workload over the N
 adapters, adapter 0 the most popular under zipf; or read in order from a trace) or for the base
 model, and decodes ``output_tokens`` tokens, one per step; when it ends, its client sends the next
-one at once. The server schedules as vLLM's does:
+one at once. The server schedules as vLLM's does (requests with prompts: ``lorabench.config.serving``):
 
 - **admission** (first come, first served, with skips): a waiting request joins the running batch
   unless its adapter is not yet among the batch's and the batch already holds ``max_loras``
@@ -20,8 +20,8 @@ one at once. The server schedules as vLLM's does:
 - **the CPU cache** (vLLM's ``--max-cpu-loras``, least recently used too): a load whose adapter is
   not in it must first be read from storage (a *CPU miss*), evicting the cache's oldest.
 
-Prefill is not modelled: lorabench times decode steps, and a request's first step is one of them.
-The loop starts with every client's first request part-way through (remaining tokens uniform) and
+Here requests have no prompt (``--input-tokens`` gives them one: ``config.serving``): a request's
+first step is a decode step. The loop starts with every client's first request part-way through (remaining tokens uniform) and
 empty slots, and runs ``burn_in`` steps before the schedule's first, so that the schedule starts
 from the steady state.
 """
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lorabench.config.sweep_spec import OUTPUT_TOKENS  # noqa: F401 - the default, declared with --output-tokens
+from lorabench.config.chunked import Served, Step
+from lorabench.config.lengths import Lengths
 from lorabench.config.trace import TraceWorkload
 
 
@@ -66,6 +68,12 @@ class Schedule:
     waiting: np.ndarray  # requests waiting for a slot (not admitted) at the step
     first_slots: list[int] = field(default_factory=list)  # each slot's adapter at the first timed step (-1: none yet)
     reads: list[list[int]] = field(default_factory=list)  # per step, the adapters read from storage first (its misses)
+    # Prompt runs (``config.serving``): each step's pieces (batches then hold each token's slot in
+    # their order), each piece's request's KV-cache row, and the requests as the timed steps saw
+    # them (``chunked.Served.after``: their latencies). None / empty for decode-only runs.
+    pieces: list[Step] | None = None
+    rows: list[dict[int, int]] = field(default_factory=list)
+    served: Served | None = None
 
     def slots_at(self, starts) -> dict[int, list[int]]:
         """Each slot's adapter before step ``i``'s loads, for every ``i`` of ``starts``: what the
@@ -80,7 +88,7 @@ class Schedule:
         return out
 
 
-class _Requests:
+class Requests:
     """The next request's (adapter, tokens to decode): a workload's draw over ``adapters.count``
     adapters (``single``: every request the same adapter), or the trace's requests in order."""
 
@@ -90,9 +98,10 @@ class _Requests:
         if isinstance(workload, TraceWorkload):
             check_residency(workload, adapters.count, None, [1])
             ids = trace_adapters(workload)
-            out = workload.df.get("output_tokens")
+            out, prompts = workload.df.get("output_tokens"), workload.df.get("input_tokens")
             self.trace = ids.tolist()
             self.lengths = None if out is None else [int(v) for v in out]
+            self.prompts = None if prompts is None else [int(v) for v in prompts]
             self.next_row = 0
         else:
             self.trace = None
@@ -110,6 +119,14 @@ class _Requests:
             return 0, self.adapters.output_tokens
         # the first adapter whose cumulative weight exceeds the draw (the last: float rounding)
         return min(bisect.bisect_right(self.cum, rng.random()), len(self.cum) - 1), self.adapters.output_tokens
+
+    def with_prompt(self, lengths: Lengths) -> tuple[int, int, int]:
+        """The next request's (adapter, input tokens, output tokens): its prompt from the trace's
+        ``input_tokens`` column where it has one, else drawn from ``lengths``."""
+        adapter, output = self()
+        if self.trace is not None and self.prompts is not None:
+            return adapter, self.prompts[(self.next_row - 1) % len(self.trace)], output
+        return adapter, lengths.draw(self.rng), output
 
 
 def trace_adapters(trace: TraceWorkload) -> np.ndarray:
@@ -129,13 +146,14 @@ def check_residency(workload, adapters: int, max_cpu_loras: int | None, max_lora
         ids = trace_adapters(workload)
         if ids.max(initial=-1) >= adapters:
             raise ValueError(f"trace {workload.path} has {ids.max() + 1} adapters, more than --adapters {adapters}")
-        if "output_tokens" in workload.df:
-            import pandas as pd  # a trace's: pandas read it
+        for column in ("output_tokens", "input_tokens"):
+            if column in workload.df:
+                import pandas as pd  # a trace's: pandas read it
 
-            out = pd.to_numeric(workload.df.output_tokens, errors="coerce")
-            bad = out[out.isna() | (out % 1 != 0) | (out < 1)]
-            if len(bad):
-                raise ValueError(f"trace {workload.path}: row {bad.index[0]} needs a whole output_tokens of at least 1")
+                out = pd.to_numeric(workload.df[column], errors="coerce")
+                bad = out[out.isna() | (out % 1 != 0) | (out < 1)]
+                if len(bad):
+                    raise ValueError(f"trace {workload.path}: row {bad.index[0]} needs a whole {column} of at least 1")
 
 
 def _warm_cache(workload, adapters: Adapters) -> list[int]:
@@ -148,16 +166,56 @@ def _warm_cache(workload, adapters: Adapters) -> list[int]:
     return list(range(min(adapters.cpu_slots, adapters.count)))
 
 
+class Slots:
+    """The GPU slots and vLLM's CPU cache over a run's steps, both least recently used."""
+
+    def __init__(self, workload, adapters: Adapters, max_loras: int):
+        self.max_loras, self.cpu_slots = max_loras, adapters.cpu_slots
+        self.slot_of: dict[int, int] = {}  # adapter -> its slot
+        self.holder = [-1] * max_loras  # slot -> its adapter
+        self.used = [-1] * max_loras  # slot -> the last step its adapter ran
+        self.cpu: OrderedDict[int, None] = OrderedDict((a, None) for a in _warm_cache(workload, adapters))
+
+    def activate(self, batch, step: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Give every adapter of ``batch`` (at most max_loras, in order) a slot at ``step``: one that
+        holds none takes an empty slot, else the least recently used one whose adapter ``batch``
+        does not use, read from storage first when the CPU cache lacks it. Returns the step's
+        (slot, adapter) loads and the adapters it read from storage."""
+        loads, missed = [], []
+        for a in batch:
+            if a in self.cpu:
+                self.cpu.move_to_end(a)
+            if a in self.slot_of:
+                self.used[self.slot_of[a]] = step
+                continue
+            if a not in self.cpu:
+                missed.append(a)
+                self.cpu[a] = None
+                if len(self.cpu) > self.cpu_slots:
+                    self.cpu.popitem(last=False)
+            free = [s for s in range(self.max_loras) if self.holder[s] < 0 or self.holder[s] not in batch]
+            s = min(free, key=lambda s: (self.holder[s] >= 0, self.used[s]))  # an empty slot, else the least recently used
+            if self.holder[s] >= 0:
+                del self.slot_of[self.holder[s]]
+            self.holder[s], self.slot_of[a], self.used[s] = a, s, step
+            loads.append((s, a))
+        return loads, missed
+
+
+def check_loop(adapters: Adapters, clients: int, max_loras: int, steps: int) -> None:
+    if clients < 1 or max_loras < 1 or steps < 0:
+        raise ValueError(f"clients {clients}, max_loras {max_loras} and steps {steps} must be positive")
+    if adapters.max_cpu_loras is not None and adapters.max_cpu_loras < max_loras:  # None: every adapter, however few
+        raise ValueError(f"max_cpu_loras {adapters.cpu_slots} is below max_loras {max_loras} (vLLM requires at least max_loras)")
+
+
 def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: int, seed: int = 0,
              burn_in: int | None = None) -> Schedule:
     """``steps`` decode steps of ``clients`` clients served from ``max_loras`` slots, after
     ``burn_in`` untimed ones (default: twice the output length, so that every first request has
     ended and the slots have filled)."""
-    if clients < 1 or max_loras < 1 or steps < 0:
-        raise ValueError(f"clients {clients}, max_loras {max_loras} and steps {steps} must be positive")
-    if adapters.max_cpu_loras is not None and adapters.max_cpu_loras < max_loras:  # None: every adapter, however few
-        raise ValueError(f"max_cpu_loras {adapters.cpu_slots} is below max_loras {max_loras} (vLLM requires at least max_loras)")
-    nxt = _Requests(workload, adapters, seed)
+    check_loop(adapters, clients, max_loras, steps)
+    nxt = Requests(workload, adapters, seed)
     start = random.Random(f"residency-start-{seed}")
     burn_in = 2 * adapters.output_tokens if burn_in is None else burn_in
     waiting: deque[list[int]] = deque()
@@ -165,14 +223,11 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
         a, length = nxt()
         waiting.append([a, start.randint(1, length)])
     running: list[list[int]] = []
-    slot_of: dict[int, int] = {}  # adapter -> its slot
-    holder = [-1] * max_loras  # slot -> its adapter
-    used = [-1] * max_loras  # slot -> the last step its adapter ran
-    cpu: OrderedDict[int, None] = OrderedDict((a, None) for a in _warm_cache(workload, adapters))
+    slots = Slots(workload, adapters, max_loras)
     out = Schedule([], [], [], *(np.zeros(steps, dtype=np.int64) for _ in range(5)))
     for step in range(burn_in + steps):
         if step == burn_in:
-            out.first_slots = list(holder)  # before this step's loads
+            out.first_slots = list(slots.holder)  # before this step's loads
         batch: dict[int, None] = {r[0]: None for r in running if r[0] >= 0}
         kept: deque[list[int]] = deque()
         for r in waiting:
@@ -183,27 +238,10 @@ def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: 
             if r[0] >= 0:
                 batch[r[0]] = None
         waiting = kept
-        loads, missed = [], []
-        for a in batch:
-            if a in cpu:
-                cpu.move_to_end(a)
-            if a in slot_of:
-                used[slot_of[a]] = step
-                continue
-            if a not in cpu:
-                missed.append(a)
-                cpu[a] = None
-                if len(cpu) > adapters.cpu_slots:
-                    cpu.popitem(last=False)
-            free = [s for s in range(max_loras) if holder[s] < 0 or holder[s] not in batch]
-            s = min(free, key=lambda s: (holder[s] >= 0, used[s]))  # an empty slot, else the least recently used
-            if holder[s] >= 0:
-                del slot_of[holder[s]]
-            holder[s], slot_of[a], used[s] = a, s, step
-            loads.append((s, a))
+        loads, missed = slots.activate(batch, step)
         if step >= burn_in:
             i = step - burn_in
-            out.batches.append([slot_of[r[0]] if r[0] >= 0 else -1 for r in running])
+            out.batches.append([slots.slot_of[r[0]] if r[0] >= 0 else -1 for r in running])
             out.requests.append([r[0] for r in running])
             out.loads.append(loads)
             out.reads.append(missed)

@@ -9,6 +9,7 @@ from pathlib import Path
 from lorabench.config.backends import KernelsLabel, require_vllm_dtype
 from lorabench.config.extra_runs import add_tuned, add_unpadded
 from lorabench.config.flags import Machine, flag, resolve_device
+from lorabench.config.lengths import parse_lengths
 from lorabench.config.models import resolve, shard, shortened
 from lorabench.config.peft import is_count, read_adapters
 from lorabench.config.piecewise import max_capture_size
@@ -80,9 +81,21 @@ def read_spec_file(path: Path) -> dict[str, tuple[str, object]]:
 
 
 def check_mixed_steps(spec: SweepSpec, names: Names) -> None:
-    """Prefill points fit a step (--max-num-batched-tokens); the PIECEWISE graphs' largest size is
-    vLLM's default where not given: min(2 x the largest concurrency (vLLM's 2 x max_num_seqs), 512,
-    --max-num-batched-tokens) with prefill points, else 0 (no mixed step to serve)."""
+    """Prefill points fit a step (--max-num-batched-tokens); a serving run's requests fit the KV
+    cache (--context-len); the PIECEWISE graphs' largest size is vLLM's default where not given:
+    min(2 x the largest concurrency (vLLM's 2 x max_num_seqs), 512, --max-num-batched-tokens) with
+    prefill points or serving runs, else 0 (no mixed step to serve)."""
+    if spec.input_tokens is not None:
+        if spec.adapters is None:
+            raise UserError(f"{names('input_tokens')}: goes with --adapters N (the residency runs it gives prompts)")
+        lengths = parse_lengths(spec.input_tokens, names("input_tokens"))
+        spec.input_tokens = str(lengths)
+        if lengths.high + spec.output_tokens > spec.context_len:
+            raise UserError(f"{names('input_tokens')}: a request of {lengths.high} prompt and {spec.output_tokens} output "
+                            f"tokens does not fit --context-len {spec.context_len}")
+        if spec.model_config.moe is not None:
+            raise UserError(f"{names('input_tokens')}: serving runs with prompts run dense models only "
+                            f"({spec.model_config.name} is a mixture of experts)")
     if spec.prefill_tokens is not None:
         spec.prefill_tokens = sorted(set(spec.prefill_tokens))
         if spec.prefill_tokens[-1] > spec.max_num_batched_tokens:
@@ -101,7 +114,7 @@ def check_mixed_steps(spec: SweepSpec, names: Names) -> None:
         spec.max_cudagraph_capture_size = largest
     if spec.max_cudagraph_capture_size is None:
         spec.max_cudagraph_capture_size = (max_capture_size(max(spec.concurrency), spec.max_num_batched_tokens)
-                                           if spec.prefill_tokens else 0)
+                                           if spec.prefill_tokens or spec.input_tokens else 0)
     if spec.max_cudagraph_capture_size > spec.max_num_batched_tokens:
         raise UserError(f"{names('max_cudagraph_capture_size')}: {spec.max_cudagraph_capture_size} tokens exceed "
                         f"--max-num-batched-tokens {spec.max_num_batched_tokens}")

@@ -105,6 +105,12 @@ class SweepSpec:
                             f"{'; '.join(f'{k} ({v})' for k, v in LOAD_PATHS.items())}", column=True)
     output_tokens: int = option(OUTPUT_TOKENS, "With --adapters: tokens each request decodes (a trace's output_tokens "
                                 "column overrides it)", maximum=MAX_STEPS)
+    input_tokens: str | None = option(None, "With --adapters: each request's prompt, N tokens or LO-HI (uniform; a "
+                                      "trace's input_tokens column overrides it): the residency runs become serving "
+                                      "runs, scheduled with chunked prefill as vLLM's (at most --max-num-batched-tokens "
+                                      "per step, decode first, prompts chunked), their mixed steps on PIECEWISE graphs; "
+                                      "each reports time to first token and inter-token latency (p50, p90, p99)",
+                                      shown="none: requests decode only", column=True)
     # Not options: what planning resolves.
     auto_sets: dict | None = None  # --strategy auto, chosen when planned: "kernels/max_loras" -> counts and predictions
     model_config: ModelConfig | None = None  # --model resolved when planned (the whole model, --layers applied)
@@ -122,14 +128,15 @@ class SweepSpec:
     @property
     def max_tokens(self) -> int:
         """The token slots a worker's model is built with: the largest step it runs or captures."""
-        return max(self.capture_sizes + self.concurrency + self.mixed_sizes + (self.prefill_tokens or []))
+        serving = [self.max_num_batched_tokens] if self.input_tokens else []
+        return max(self.capture_sizes + self.concurrency + self.mixed_sizes + (self.prefill_tokens or []) + serving)
 
     @property
     def cache_rows(self) -> int:
         """The KV cache's requests: a decode step's token t reads row t; with mixed steps, the check's
         mixed cases' rows after those (``runtime.check.mixed_rows``: max_loras, a base request and
         the chunks of the largest step), which also hold the prefill points' requests."""
-        rows = max(self.capture_sizes + self.concurrency)
+        rows = max(self.capture_sizes + self.concurrency)  # a serving run's requests too: at most its clients
         if self.prefill_tokens or self.mixed_sizes:
             rows += max(self.max_loras) + 1 + -(-self.max_tokens // self.context_len)
         return rows

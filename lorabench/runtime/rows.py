@@ -3,16 +3,41 @@ and the steps themselves (``Steps``, which the sweep writes into the run's sampl
 
 import numpy as np
 
-from lorabench.config.plan import FIXED, PREFILL, RESIDENCY, WORKLOAD, Point
+from lorabench.config.chunked import Served
+from lorabench.config.plan import FIXED, LOOPS, PREFILL, SERVING, WORKLOAD, Point
+from lorabench.config.serving_latency import latencies
 from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.timing import summarize
 from lorabench.runtime.turns import Timed
 from lorabench.storage.steps import Steps
 
 
-def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict) -> tuple[dict, Steps]:
+PERCENTILES = (50, 90, 99)  # of a serving run's TTFT and inter-token latency
+
+
+def latency_columns(served: Served, step_ms: np.ndarray) -> dict:
+    """A serving run's latencies as its clients see them (``config.serving_latency``; the steps run
+    back to back, each as long as it was timed): TTFT and ITL percentiles with their 95 %
+    intervals (None where too few requests or gaps), how many requests were timed and pending,
+    output tokens per second, and the steps' mix."""
+    lat = latencies(served, step_ms)
+    row = {"ttft_requests": int(lat.ttft_ms.size), "ttft_pending": lat.ttft_pending,
+           "output_tokens_per_s": lat.tokens_per_s,
+           "prefill_token_share": sum(s.prefill_tokens for s in served.steps) / max(1, sum(s.tokens for s in served.steps)),
+           "mixed_step_share": sum(s.prefill_tokens > 0 for s in served.steps) / max(1, len(served.steps))}
+    for name, values, interval in (("ttft", lat.ttft_ms, lat.ttft), ("itl", lat.itl_ms, lat.itl)):
+        for p in PERCENTILES:
+            iv = interval(p)
+            row[f"{name}_ms_p{p}"] = float(np.percentile(values, p)) if values.size else None
+            row[f"{name}_ms_p{p}_low"] = None if iv is None else iv.low
+            row[f"{name}_ms_p{p}_high"] = None if iv is None else iv.high
+    return row
+
+
+def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served: Served | None = None) -> tuple[dict, Steps]:
     """The columns an ok row adds to the point's, and its steps. ``noisy_iqr`` (not a column):
-    why the step times are too spread, or None (``lorabench.runtime.timing.summarize``)."""
+    why the step times are too spread, or None (``lorabench.runtime.timing.summarize``).
+    ``served``: a serving point's requests over its timed steps (``Schedule.served``)."""
     c, s = point.concurrency, t.samples()
     stats = summarize(s.step_ms)
     row = {**stats, "status": "ok", "timed_steps": len(s.step_ms),
@@ -35,10 +60,12 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict) -> tup
         row.update(graph_tokens=route.tokens, graph_loras=int(s.launch_counts[0]), mixed_route="piecewise" if route.graphed
                    else "eager", base_tokens=point.prefill_tokens if point.n_active == 0 else 0,
                    tokens_per_s=point.prefill_tokens / (stats["step_ms_median"] / 1e3), tokens_per_step=float(s.tokens.mean()))
-    if point.mode == RESIDENCY:  # tokens per second over the whole run: a step of few tokens counts as few
+    if point.mode in LOOPS:  # tokens per second over the whole run: a step of few tokens counts as few
         row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
                    loads_per_step=float(s.loads.mean()), storage_reads_per_step=float(s.reads.mean()),
                    storage_read_bytes_per_step=float(s.read_bytes.mean()))
+    if point.mode == SERVING:
+        row.update(latency_columns(served, s.step_ms))
     steps = Steps(turn=t.turns(), step_ms=s.step_ms.tolist(), host_us=s.host_us.tolist(), copy_us=s.copy_us.tolist(),
                   launch_us=s.launch_us.tolist(), n_active=s.n_active.tolist(), launches=s.launch_counts.tolist(),
                   tokens=s.tokens.tolist(), loads=s.loads.tolist(), reads=s.reads.tolist(),

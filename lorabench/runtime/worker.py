@@ -24,8 +24,10 @@ import torch
 from lorabench.config.batches import fixed_batch, prefill_step
 from lorabench.config.models import shard
 from lorabench.config.peft import read_adapters
-from lorabench.config.plan import FIXED, PREFILL, RESIDENCY, Job, Point
+from lorabench.config.lengths import parse_lengths
+from lorabench.config.plan import FIXED, LOOPS, PREFILL, SERVING, Job, Point
 from lorabench.config.residency import simulate
+from lorabench.config.serving import simulate_prompts
 from lorabench.config.sweep_spec import OPTIONS
 from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
@@ -104,6 +106,7 @@ class Worker:
             self.common["adapter_file_bytes"] = [os.path.getsize(a.weights) for a in self.adapters]
         self.start_slots: dict[int, list[int]] = {}  # a residency point's slots at each turn's first step
         self.reads: list[list[int]] | None = None  # a residency point's CPU-cache misses per step, read from storage
+        self.served = None  # a serving point's requests over its timed steps (their latencies)
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -253,13 +256,22 @@ class Worker:
             return [fixed_batch(c, n, job.max_loras, rng, base_tokens=c if n == 0 else 0)
                     for _ in range(FIXED_BATCH_VARIANTS)], None
         wl = parse_workload(point.workload)
-        if point.mode == RESIDENCY:
+        if point.mode in LOOPS:
             if self.loader is None:
                 raise RuntimeError("this worker could not load adapters (its log says why)")
-            steps = simulate(wl, job.residency, c, job.max_loras, job.iters, job.seed)
+            if point.mode == SERVING:
+                prompts = parse_lengths(job.input_tokens, "--input-tokens")
+                steps = simulate_prompts(wl, job.residency, c, job.max_loras, job.iters, prompts,
+                                         job.max_num_batched_tokens, job.seed)
+                self.served = steps.served
+                batches = [MixedBatch(b, MixedLayout.of(step, rows)) if step.prefill_tokens else b  # decode alone: FULL graphs
+                           for b, step, rows in zip(steps.batches, steps.pieces, steps.rows)]
+            else:
+                steps = simulate(wl, job.residency, c, job.max_loras, job.iters, job.seed)
+                batches = steps.batches
             self.start_slots = steps.slots_at(range(0, job.iters, TURN))  # each turn's first step's slots
             self.reads = steps.reads if self.adapters else None  # random adapters have no files to read
-            return steps.batches, steps.loads
+            return batches, steps.loads
         return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)], None
 
     def measure(self, entries: list[tuple[Arm, Point]]) -> list[tuple[dict, object]]:
@@ -293,7 +305,7 @@ class Worker:
             if i in failed:
                 out.append(self.failed(arm, p, failed[i]))
             else:
-                columns, steps = timed_columns(arm.dispatcher, p, timed[i], arm.predicted)
+                columns, steps = timed_columns(arm.dispatcher, p, timed[i], arm.predicted, self.served)
                 out.append(({**self.point_row(arm, p), **columns, "arms": arms}, steps))
         return out
 

@@ -216,6 +216,36 @@ class Row:
     mixed_graph_mem_bytes: int | None = column("device memory they took (not in `graph_mem_bytes`)")
     mixed_route: str | None = column("prefill points: `piecewise` (the step replays its bucket's PIECEWISE graphs) "
                                      "or `eager` (past `max_cudagraph_capture_size`)")
+    input_tokens: str | None = column("serving runs (`mode` `serving`): each request's prompt, N tokens or LO-HI "
+                                      "(uniform); a trace's input_tokens column overrides it")
+    ttft_requests: int | None = column("serving runs: requests that arrived in the timed steps and got their first token")
+    ttft_pending: int | None = column("serving runs: requests that arrived in the timed steps and had no token at their "
+                                      "end (not in the TTFT percentiles, which then read low)")
+    output_tokens_per_s: float | None = column("serving runs: output tokens per second over the timed steps "
+                                               "(`tokens_per_s` counts prompt tokens too)")
+    prefill_token_share: float | None = column("serving runs: the timed steps' prompt tokens over all their tokens")
+    mixed_step_share: float | None = column("serving runs: the timed steps holding a prompt chunk (PIECEWISE graphs or "
+                                            "eager) over all of them (the rest: decode steps on FULL graphs)")
+    ttft_ms_p50: float | None = column("serving runs: time to first token, ms, median: from the start of the step a "
+                                       "request arrived in to the end of the step that made its first token")
+    ttft_ms_p50_low: float | None = column("serving runs: its 95 % interval (distribution-free), low")
+    ttft_ms_p50_high: float | None = column("serving runs: its 95 % interval, high")
+    ttft_ms_p90: float | None = column("serving runs: time to first token, ms, p90")
+    ttft_ms_p90_low: float | None = column("serving runs: its 95 % interval, low (null: fewer than 36 requests)")
+    ttft_ms_p90_high: float | None = column("serving runs: its 95 % interval, high")
+    ttft_ms_p99: float | None = column("serving runs: time to first token, ms, p99")
+    ttft_ms_p99_low: float | None = column("serving runs: its 95 % interval, low (null: fewer than 368 requests)")
+    ttft_ms_p99_high: float | None = column("serving runs: its 95 % interval, high")
+    itl_ms_p50: float | None = column("serving runs: inter-token latency, ms, median: between a request's consecutive "
+                                      "tokens")
+    itl_ms_p50_low: float | None = column("serving runs: its 95 % interval, low")
+    itl_ms_p50_high: float | None = column("serving runs: its 95 % interval, high")
+    itl_ms_p90: float | None = column("serving runs: inter-token latency, ms, p90")
+    itl_ms_p90_low: float | None = column("serving runs: its 95 % interval, low")
+    itl_ms_p90_high: float | None = column("serving runs: its 95 % interval, high")
+    itl_ms_p99: float | None = column("serving runs: inter-token latency, ms, p99")
+    itl_ms_p99_low: float | None = column("serving runs: its 95 % interval, low")
+    itl_ms_p99_high: float | None = column("serving runs: its 95 % interval, high")
 
     def to_dict(self) -> dict:
         """The row as a record (column -> value), in the columns' order."""

@@ -15,6 +15,7 @@ from lorabench.commands.report import plots as p
 from lorabench.commands.report import residency
 from lorabench.commands.report.drawing import Drawing
 from lorabench.commands.report.labels import unit
+from lorabench.commands.report.serving import serving_md
 from lorabench.commands.report.markdown import render_markdown
 from lorabench.storage.runs import Coverage, read_info, run_status
 
@@ -68,6 +69,7 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     decisions = measured_decisions(view)
     rec = report_json(view, decisions)
     extra = residency.markdown(res, plots.get("residency"), unit(df)) if res is not None else []
+    extra += serving_md(view.compared[view.compared["mode"] == "serving"], unit(df))
     md = render_markdown(view, run_info, over, fl, decisions, plots, incomplete, extra=extra, prefill=pre)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")

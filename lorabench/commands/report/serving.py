@@ -1,0 +1,47 @@
+"""The report's serving section: serving runs (requests with prompts, chunked prefill), their
+throughput and the latencies their clients see, per configuration."""
+
+import pandas as pd
+
+from lorabench.commands.report.labels import in_order
+from lorabench.commands.tables import markdown_table
+
+
+def _with_interval(r, name: str) -> str | None:
+    """``p [low, high]`` in ms, the interval left out where too few requests or gaps gave none."""
+    value = getattr(r, name)
+    if value is None or pd.isna(value):
+        return None
+    low, high = getattr(r, f"{name}_low"), getattr(r, f"{name}_high")
+    return f"{value:.2f}" + ("" if pd.isna(low) or pd.isna(high) else f" [{low:.2f}, {high:.2f}]")
+
+
+def serving_md(runs: pd.DataFrame, u: str) -> list[str]:
+    """Per workload, every serving run: tokens/s, TTFT and ITL percentiles with their intervals,
+    the steps' mix and loads."""
+    if runs.empty:
+        return []
+    r0 = runs.iloc[0]
+    out = ["## Serving with prompts: throughput, time to first token, inter-token latency", "",
+           f"Each serving run is a closed loop of {int(r0.concurrency)} clients over {int(r0.adapters)} adapters, each "
+           f"request a prompt of {r0.input_tokens} tokens and {int(r0.output_tokens)} output tokens, scheduled as vLLM "
+           f"schedules chunked prefill (at most {int(r0.max_num_batched_tokens)} tokens per step, decode first, prompts "
+           "chunked; a request waits while the running ones hold max_loras other adapters); adapters are loaded into "
+           "slots least recently used, inside the step that needs them. A step with a prompt chunk replays PIECEWISE "
+           "graphs (eager past the largest size), a decode step its FULL graph. The latencies take the steps as run "
+           "back to back, each as long as it was timed: TTFT from the start of the step a request arrived in to the "
+           "end of the step that made its first token, ITL between its tokens; only requests arriving in the timed "
+           f"steps count. Percentiles in {u}, with distribution-free 95 % intervals where there are enough requests "
+           "(p90: 36, p99: 368).", ""]
+    for w, g in runs.groupby("workload", sort=False):
+        g = in_order(g, by=("kernels", "max_loras", "strategy"))
+        rows = [[r.kernels, int(r.max_loras), r.strategy, r.output_tokens_per_s, r.tokens_per_s,
+                 _with_interval(r, "ttft_ms_p50"), _with_interval(r, "ttft_ms_p90"), _with_interval(r, "ttft_ms_p99"),
+                 _with_interval(r, "itl_ms_p50"), _with_interval(r, "itl_ms_p99"), r.step_ms_mean,
+                 f"{100 * r.prefill_token_share:.0f} %", f"{100 * r.mixed_step_share:.0f} %", 1000 * r.loads_per_step,
+                 f"{int(r.ttft_requests)} / {int(r.ttft_pending)}"] for r in g.itertuples()]
+        out += [f"**{w}**\n",
+                markdown_table(["kernels", "max_loras", "strategy", "output tokens/s", "tokens/s", "TTFT p50", "TTFT p90",
+                                "TTFT p99", "ITL p50", "ITL p99", "mean step", "prompt tokens", "steps with prompts",
+                                "loads/1k steps", "requests timed / pending"], rows), ""]
+    return out

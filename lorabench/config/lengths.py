@@ -1,0 +1,36 @@
+"""Request lengths (``--input-tokens``): a fixed count, or whole numbers drawn uniformly from a range."""
+
+import random
+from dataclasses import dataclass
+
+from lorabench.errors import UserError
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token counts ``low`` to ``high`` (both included), uniform; fixed when they are equal."""
+
+    low: int
+    high: int
+
+    def draw(self, rng: random.Random) -> int:
+        return self.low if self.low == self.high else rng.randint(self.low, self.high)
+
+    @property
+    def mean(self) -> float:
+        return (self.low + self.high) / 2
+
+    def __str__(self) -> str:
+        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+
+def parse_lengths(text: str, where: str) -> Lengths:
+    """``N`` (every request N tokens) or ``LO-HI`` (uniform from LO to HI); one line on bad input."""
+    lo, sep, hi = str(text).strip().partition("-")
+    try:
+        low, high = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise UserError(f"{where}: {text!r} is neither a token count N nor a range LO-HI") from None
+    if not 1 <= low <= high:
+        raise UserError(f"{where}: {text!r} needs 1 <= LO <= HI tokens")
+    return Lengths(low, high)
