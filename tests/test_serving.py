@@ -1,0 +1,108 @@
+"""Serving runs: a closed loop whose requests carry prompts, scheduled with chunked prefill from
+max_loras slots (``config.serving``): a case worked by hand, the loop's rules on random loops, the
+timed window's latencies, and a sweep end to end on the CPU with its report and bad input."""
+
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lorabench.cli import main
+from lorabench.config.chunked import Request, Served, Step
+from lorabench.config.flags import Machine
+from lorabench.config.lengths import Lengths, parse_lengths
+from lorabench.config.residency import Adapters
+from lorabench.config.serving import simulate_prompts
+from lorabench.config.serving_latency import latencies
+from lorabench.config.spec import build_spec
+from lorabench.config.workload import parse_workload
+from lorabench.errors import UserError
+
+
+def test_one_client_worked_by_hand():
+    """Prompts of 3 tokens, 2 output tokens, 2 tokens per step: a prompt takes two steps (the
+    second makes the first token), one decode makes the second; the next request arrives after."""
+    s = simulate_prompts(parse_workload("single"), Adapters(4, None, 2), 1, 1, 7, Lengths(3, 3), 2, burn_in=0)
+    assert [[(p.request, p.tokens, p.context, p.prefill, p.emits) for p in st.pieces] for st in s.pieces] == [
+        [(0, 2, 0, True, False)], [(0, 1, 2, True, True)], [(0, 1, 3, False, True)],
+        [(1, 2, 0, True, False)], [(1, 1, 2, True, True)], [(1, 1, 3, False, True)], [(2, 2, 0, True, False)]]
+    assert s.batches[0] == [0, 0] and s.loads[0] == [(0, 0)] and not any(s.loads[1:])  # loaded once, kept
+    assert all(rows == {st.pieces[0].request: 0} for rows, st in zip(s.rows, s.pieces))  # one row, reused
+    assert list(s.tokens) == [2, 1, 1, 2, 1, 1, 2] and not s.waiting.any()
+    lat = latencies(s.served, np.ones(7))  # steps of 1 ms: TTFT 2 steps, ITL 1
+    assert list(lat.ttft_ms) == [2.0, 2.0] and list(lat.itl_ms) == [1.0, 1.0] and lat.ttft_pending == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_loop_keeps_its_rules(seed):
+    rng = random.Random(seed)
+    clients, max_loras, budget = rng.randint(1, 6), rng.randint(1, 3), rng.choice([4, 16, 64])
+    prompts, out = Lengths(rng.randint(1, 8), rng.randint(8, 40)), rng.randint(1, 12)
+    wl = parse_workload(rng.choice(["uniform", "zipf:1", "zipf:1+base:0.3"]))
+    s = simulate_prompts(wl, Adapters(6, 4 if max_loras <= 4 else None, out), clients, max_loras, 300, prompts, budget,
+                         seed=seed)
+    held, row_of = list(s.first_slots), {}
+    for step, rows, batch, loads in zip(s.pieces, s.rows, s.batches, s.loads):
+        assert 1 <= step.tokens <= budget and len(step.adapters) <= max_loras
+        assert len(set(rows.values())) == len(rows) and all(0 <= r < clients for r in rows.values())
+        for request, row in rows.items():  # a request keeps its row while it runs
+            assert row_of.setdefault(request, row) == row
+        for p in step.pieces:
+            assert p.context + p.tokens <= prompts.high + out
+        for slot, adapter in loads:
+            held[slot] = adapter
+        assert [held[b] if b >= 0 else -1 for b in batch] == step.token_adapters  # every token's slot holds its adapter
+        done = {r for r in rows if s.served.requests[r].done}  # rows of finished requests are handed on
+        row_of = {r: v for r, v in row_of.items() if r not in done}
+    assert (s.waiting >= 0).all()
+
+
+def test_the_timed_window_counts_only_what_began_in_it():
+    served = Served([Step(())] * 4, [Request(0, 1, 3, 0, 1, [0, 1, 2]), Request(0, 1, 2, 2, 1, [3])])
+    window = served.after(2)
+    assert [(r.arrival, r.emitted_at) for r in window.requests] == [(-2, [0]), (0, [1])]
+    lat = latencies(window, [1.0, 1.0])
+    assert list(lat.ttft_ms) == [2.0] and lat.itl_ms.size == 0 and lat.output_tokens == 2
+
+
+def test_lengths_parse():
+    assert parse_lengths("1600", "--x") == Lengths(1600, 1600) and str(parse_lengths(" 8-24", "--x")) == "8-24"
+    for bad in ("0", "a", "9-3", "1-x"):
+        with pytest.raises(UserError, match="--x"):
+            parse_lengths(bad, "--x")
+
+
+CPU = Machine(cuda=False)
+
+
+@pytest.mark.parametrize("flags,says", [
+    ({"input_tokens": "16"}, "goes with --adapters"),
+    ({"input_tokens": "16-x", "adapters": "8"}, "neither a token count"),
+    ({"input_tokens": "1000", "adapters": "8", "output_tokens": "64", "context_len": "1024"}, "does not fit --context-len"),
+    ({"input_tokens": "16", "adapters": "8", "model": "tiny-moe"}, "dense models only"),
+])
+def test_bad_serving_settings_get_one_line(flags, says):
+    with pytest.raises(UserError, match=says):
+        build_spec({"device": "cpu", **flags}, None, CPU)
+
+
+@pytest.mark.e2e
+def test_a_serving_sweep_reports_its_latencies(tmp_path):
+    code = main(["sweep", "--out", str(tmp_path), "--device", "cpu", "--max-loras", "2", "--concurrency", "4",
+                 "--adapters", "8", "--input-tokens", "8-24", "--output-tokens", "8", "--context-len", "64",
+                 "--iters", "60", "--warmup", "2", "--workload", "zipf:1,base:1", "--max-num-batched-tokens", "32",
+                 "--strategy", "max,pow2"])
+    assert code == 0
+    (run,) = tmp_path.glob("*/points.parquet")
+    df = pd.read_parquet(run)
+    srv = df[df["mode"] == "serving"]
+    assert len(srv) == 4 and (srv.status == "ok").all() and set(srv.input_tokens) == {"8-24"}
+    assert (srv.ttft_requests > 0).all() and (srv.ttft_ms_p50 > 0).all() and (srv.itl_ms_p50 > 0).all()
+    assert (srv.ttft_ms_p50_low <= srv.ttft_ms_p50).all() and (srv.ttft_ms_p50 <= srv.ttft_ms_p50_high).all()
+    assert ((srv.prefill_token_share > 0) & (srv.mixed_step_share > 0) & (srv.mixed_step_share < 1)).all()
+    assert (srv.output_tokens_per_s < srv.tokens_per_s).all()
+    assert (srv[srv.workload == "base:1"].loads_per_step == 0).all()
+    assert main(["report", str(run.parent)]) == 0
+    md = (run.parent / "report.md").read_text()
+    assert "## Serving with prompts" in md and "**zipf:1**" in md and "**base:1**" in md
