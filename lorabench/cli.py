@@ -158,14 +158,25 @@ def recommend(
     max_cpu_loras: MaxCpuLoras = None,
     gpu_memory_budget: str = typer.Option(None, "--gpu-memory-budget", help="With --adapters: most GPU memory the LoRA configuration may take (its graphs and adapter slots, which come out of the KV cache), GiB [default: no limit]."),
     host_memory_budget: str = typer.Option(None, "--host-memory-budget", help="With --adapters and without --max-cpu-loras: most host memory vLLM's CPU cache of adapters may take per worker, GiB; the cache is the smallest within 2 % of the fastest that fits, misses priced at the run's cold read of an adapter's file [default: no limit]."),
+    ttft_p99_ms: str = typer.Option(None, "--ttft-p99-ms", help="Choose among the run's serving runs (--input-tokens): per workload and kernels, the configuration with the most output tokens/s whose TTFT p99 is shown within this many ms (its 95 % interval below it)."),
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
     workload within the budgets, from what a run measured; compare it with max, pow2 and dense.
     With --adapters N: choose max_loras, the capture set and the CPU cache for N adapters, by
     tokens per second with adapter loads, and what they cost in memory and KV cache.
+    With --ttft-p99-ms X: among the run's serving runs, the most output tokens/s within that TTFT.
     Exit status 2 when no (kernels, max_loras) gets a set; those that get none are named."""
     from lorabench.commands.recommend import recommend as run
     from lorabench.commands.recommend import recommend_residency
+
+    if ttft_p99_ms is not None:
+        given = [f for f, v in (("--adapters", adapters), ("--graph-memory-budget", graph_memory_budget),
+                                ("--startup-budget", startup_budget), ("--max-loras", max_loras)) if v is not None]
+        if given:
+            raise UserError(f"{given[0]}: not with --ttft-p99-ms (it chooses among the run's serving runs as measured)")
+        from lorabench.commands.recommend_serving import recommend_serving
+
+        return recommend_serving(run_dir, ttft_p99_ms, kernels, console)
 
     if adapters is not None:
         given = [f for f, v in (("--graph-memory-budget", graph_memory_budget), ("--startup-budget", startup_budget)) if v is not None]

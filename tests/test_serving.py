@@ -106,3 +106,49 @@ def test_a_serving_sweep_reports_its_latencies(tmp_path):
     assert main(["report", str(run.parent)]) == 0
     md = (run.parent / "report.md").read_text()
     assert "## Serving with prompts" in md and "**zipf:1**" in md and "**base:1**" in md
+
+
+def serving_row(max_loras, tokens_s, p99, low, high, point):
+    return {"status": "ok", "mode": "serving", "workload": "zipf:1", "kernels": "triton", "max_loras": max_loras,
+            "strategy": "max", "max_cudagraph_capture_size": 32, "point": point, "output_tokens_per_s": tokens_s,
+            "ttft_ms_p99": p99, "ttft_ms_p99_low": low, "ttft_ms_p99_high": high, "itl_ms_p99": 12.0, "ttft_pending": 0,
+            "graph_mem_bytes": 2**30, "mixed_graph_mem_bytes": 2**29, "startup_s": 10.0, "mixed_capture_s": 2.0}
+
+
+def test_the_serving_choice_is_the_fastest_shown_within_the_target():
+    from lorabench.analysis.serving import MET, MISSED, UNCLEAR, choices
+
+    rows = pd.DataFrame([serving_row(32, 900.0, 520.0, 505.0, 540.0, 0),  # fastest, shown above 500 ms
+                         serving_row(16, 800.0, 480.0, 400.0, 510.0, 1),  # spans it
+                         serving_row(4, 500.0, 300.0, 280.0, 330.0, 2),  # shown within
+                         serving_row(8, 700.0, 250.0, None, None, 3)])  # too few requests for an interval
+    (c,) = choices(rows, 500.0)
+    assert [s.against(500.0) for s in c.runs] == [MISSED, UNCLEAR, UNCLEAR, MET]  # most tokens/s first
+    assert c.chosen.max_loras == 4 and "3 faster" in c.why
+    assert c.chosen.graph_mem_bytes == 1.5 * 2**30 and c.chosen.startup_s == 12.0  # FULL and PIECEWISE together
+    assert choices(rows)[0].chosen.max_loras == 32  # no target: the most tokens/s
+    (none,) = choices(rows, 100.0)
+    assert none.chosen is None and "none is shown to meet" in none.why
+
+
+@pytest.mark.e2e
+def test_recommend_under_a_ttft_target(tmp_path, capsys):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = pd.DataFrame([serving_row(32, 900.0, 520.0, 505.0, 540.0, 0), serving_row(4, 500.0, 300.0, 280.0, 330.0, 1)])
+    rows = rows.assign(run_id="run", device="cpu", gpu_uuid=None, rank=16, tp=1, fully_sharded_loras=False,
+                       concurrency=16, n_active=None)
+    from conftest import with_schema
+
+    from lorabench.storage.results import SCHEMA
+
+    with_schema(rows).to_parquet(run / "points.parquet", schema=SCHEMA)
+    assert main(["recommend", str(run), "--ttft-p99-ms", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "max_loras 4, max" in out and "--max-loras 4" in out and "--max-cudagraph-capture-size 32" in out
+    entry = json.loads((run / "recommendation.json").read_text())["serving"]["ttft_p99_ms=500"][0]
+    assert entry["chosen"]["max_loras"] == 4 and [r["against_target"] for r in entry["runs"]] == ["missed", "met"]
+    assert main(["recommend", str(run), "--ttft-p99-ms", "100"]) == 2
+    assert main(["recommend", str(run), "--ttft-p99-ms", "500", "--adapters", "8"]) == 2

@@ -1,5 +1,5 @@
 """A run's recommendation.json: ``lorabench report`` writes its top level and recommendations and
-keeps the sections ``lorabench recommend`` added (``auto``, ``residency``); recommend replaces its
+keeps the sections ``lorabench recommend`` added (``auto``, ``residency``, ``serving``); recommend replaces its
 own section's entry and keeps the rest. The entries are ``lorabench.analysis.recommendation_json``'s."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 from lorabench.analysis.recommendation_json import SCHEMA
 
 NAME = "recommendation.json"
-ADDED = ("auto", "residency")  # the sections lorabench recommend adds
+ADDED = ("auto", "residency", "serving")  # the sections lorabench recommend adds
 
 
 def read(run_dir: Path) -> dict:

@@ -1,0 +1,99 @@
+"""The serving choice: which measured configuration serves a loop with prompts best under a TTFT
+target (``lorabench recommend RUN --ttft-p99-ms X``, and the report's serving section).
+
+Every serving run (``mode`` ``serving``) is one configuration (kernels, max_loras, capture set,
+PIECEWISE sizes) measured on the same loop. The choice is among the measured ones, per kernels and
+workload: the most output tokens per second among those that meet the target. A run *meets* it
+when the 95 % interval of its TTFT p99 lies at or below it, *misses* it when the interval lies
+above, and is *unclear* when the interval spans it or the run had too few requests for an interval
+(its estimate is shown beside the verdict, never taken for one). Runs with requests still waiting for
+their first token at the end are marked: their percentiles read low.
+"""
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+MET, MISSED, UNCLEAR = "met", "missed", "unclear"
+
+
+@dataclass(frozen=True)
+class Served:
+    """One serving run's figures as the choice reads them."""
+
+    kernels: str
+    max_loras: int
+    strategy: str
+    max_cudagraph_capture_size: int
+    point: int
+    output_tokens_per_s: float
+    ttft_p99_ms: float | None
+    ttft_p99_low: float | None
+    ttft_p99_high: float | None
+    itl_p99_ms: float | None
+    ttft_pending: int
+    graph_mem_bytes: float | None  # FULL and PIECEWISE graphs together
+    startup_s: float | None  # build, compile and both captures
+
+    def against(self, target_ms: float | None) -> str | None:
+        """MET, MISSED or UNCLEAR against ``target_ms`` (None: no target)."""
+        if target_ms is None:
+            return None
+        if self.ttft_p99_ms is None:
+            return UNCLEAR
+        if self.ttft_p99_high is not None and self.ttft_p99_low is not None:
+            return MET if self.ttft_p99_high <= target_ms else MISSED if self.ttft_p99_low > target_ms else UNCLEAR
+        return UNCLEAR
+
+
+@dataclass(frozen=True)
+class ServingChoice:
+    workload: str
+    kernels: str
+    target_ms: float | None
+    runs: tuple[Served, ...]  # every configuration measured, most output tokens/s first
+    chosen: Served | None
+    why: str
+
+
+def _value(v) -> float | None:
+    return None if v is None or pd.isna(v) else float(v)
+
+
+def served_runs(rows: pd.DataFrame) -> pd.DataFrame:
+    """The ok serving rows."""
+    return rows[(rows.status == "ok") & (rows["mode"] == "serving")]
+
+
+def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingChoice]:
+    """Per (workload, kernels) of the run's serving rows: the choice (see the module's docstring)."""
+    out = []
+    for (w, k), g in served_runs(rows).groupby(["workload", "kernels"], sort=False):
+        runs = tuple(sorted((Served(
+            k, int(r.max_loras), r.strategy, int(r.max_cudagraph_capture_size), int(r.point), float(r.output_tokens_per_s),
+            _value(r.ttft_ms_p99), _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high), _value(r.itl_ms_p99),
+            int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),
+            _sum(r.startup_s, r.mixed_capture_s)) for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
+        if target_ms is None:
+            out.append(ServingChoice(w, k, None, runs, runs[0], "the most output tokens/s (no TTFT target)"))
+            continue
+        met = [s for s in runs if s.against(target_ms) == MET]
+        if met:
+            chosen = met[0]
+            faster = [s for s in runs if s.output_tokens_per_s > chosen.output_tokens_per_s]
+            why = (f"the most output tokens/s whose TTFT p99 is within {target_ms:g} ms (its 95 % interval below it)"
+                   + (f"; {len(faster)} faster configuration(s) miss it or are not shown to meet it" if faster else ""))
+            out.append(ServingChoice(w, k, target_ms, runs, chosen, why))
+            continue
+        unclear = [s for s in runs if s.against(target_ms) == UNCLEAR]
+        why = (f"none is shown to meet TTFT p99 <= {target_ms:g} ms"
+               + (f"; {len(unclear)} not shown either way (interval spans it, or too few requests for one)"
+                  if unclear else ""))
+        out.append(ServingChoice(w, k, target_ms, runs, None, why))
+    return out
+
+
+def _sum(a, b) -> float | None:
+    if a is None or pd.isna(a):
+        return None
+    return float(a) + (0.0 if b is None or pd.isna(b) else float(b))
