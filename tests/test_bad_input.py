@@ -349,7 +349,7 @@ CASES = {
     # -- tune ---------------------------------------------------------------------------------
     "tune unknown kernels": Case(["tune", "--out", "{tmp}/tuned", "--kernels", "cutlass"], "--kernels"),
     "tune budget 0": Case(["tune", "--out", "{tmp}/tuned", "--budget-s", "0"], "--budget-s"),
-    "tune tokens over 512": Case(["tune", "--out", "{tmp}/tuned", "--tokens", "1024"], "--tokens"),
+    "tune tokens over 16384": Case(["tune", "--out", "{tmp}/tuned", "--tokens", "20000"], "--tokens"),
     "tune rank 12": Case(["tune", "--out", "{tmp}/tuned", "--rank", "12"], "--rank"),
     "tune dtype float8": Case(["tune", "--out", "{tmp}/tuned", "--dtype", "float8"], "--dtype"),
     "tune max-loras 0": Case(["tune", "--out", "{tmp}/tuned", "--max-loras", "0"], "--max-loras"),

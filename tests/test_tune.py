@@ -503,3 +503,28 @@ def test_the_gemm_backend_tunes_its_gemm_per_tokens_k_and_n(tmp_path):
     finally:
         gemm_lora.load_tuned([])
     assert "## gemm" in (tmp_path / "tune.md").read_text()
+
+
+def test_prefill_sizes_are_tuned_and_taken_by_larger_steps():
+    """--tokens reaches prefill sizes (up to --max-num-batched-tokens' bound); a step of more tokens
+    than any tuned size takes the nearest one's config."""
+    from lorabench.commands.tune.backends import TUNERS
+    from lorabench.commands.tune.shapes import build_shapes
+    from lorabench.kernels import lora_configs
+
+    spec, _ = build_tune_spec({"kernels": "triton", "model": "tiny", "tokens": "512,8192", "max_loras": "2"},
+                              Machine(cuda=False), vllm_available=lambda: False)
+    assert spec.tokens == [512, 8192]
+    shapes = build_shapes(spec, {"triton": TUNERS["triton"]()})
+    assert {s.tokens for s in shapes} == {512, 8192}
+    big = next(s for s in shapes if s.tokens == 8192 and s.op == "shrink")
+    tuned = lora_configs.ShrinkConfig(64, 16, 64, 2)
+    old = dict(lora_configs.TUNED_CONFIGS)
+    try:
+        lora_configs.TUNED_CONFIGS.clear()
+        lora_configs.TUNED_CONFIGS[big.key] = tuned
+        op, _, k, n, slices, launch = big.key
+        assert lora_configs.config_for(op, 16384, k, n, slices, launch) == tuned
+    finally:
+        lora_configs.TUNED_CONFIGS.clear()
+        lora_configs.TUNED_CONFIGS.update(old)

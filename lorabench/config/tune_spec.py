@@ -8,7 +8,7 @@ from lorabench.config.backends import require_vllm_dtype
 from lorabench.config.flags import Machine, one_of, resolve_device, split_list
 from lorabench.config.models import resolve, shard
 from lorabench.config.options import Kind, Option
-from lorabench.config.sweep_spec import LIST, MAX_SEED, MAX_TOKENS, OPTIONS
+from lorabench.config.sweep_spec import LIST, MAX_BATCHED_TOKENS, MAX_SEED, OPTIONS
 from lorabench.errors import UserError
 from lorabench.kernels import BACKENDS, DTYPES, RANKS
 
@@ -20,8 +20,8 @@ TUNE_OPTIONS: dict[str, Option] = {o.name: o for o in (
            "(lorabench's), gemm (its base GEMM with the expand inside; its shrink is triton's), vllm (vLLM's shrink and expand)", shown="triton,fused, plus vllm on a GPU when vLLM is installed"),
     Option("dtype", Kind.TEXT, "float16, bfloat16, float32 (lorabench's kernels only)",
            shown="the sweep's: float16 on a GPU, float32 on the CPU; float16 when tuning vllm"),
-    Option("tokens", Kind.INTS, f"Token buckets (tokens per decode step) to tune, {LIST}", default=[1, 8, 32],
-           maximum=MAX_TOKENS),
+    Option("tokens", Kind.INTS, f"Tokens per step to tune, {LIST}: decode buckets, and prefill sizes (e.g. 512,2048,8192: "
+           "a step of more tokens takes the nearest tuned size's config)", default=[1, 8, 32], maximum=MAX_BATCHED_TOKENS),
     Option("budget_s", Kind.NUMBER, "Seconds of search, shared equally by the shapes (each still gets its default and "
            "one candidate)", default=300),
     Option("out", Kind.TEXT, "Output folder: cache.jsonl, lorabench_tuned.json, vllm/, tune.md", default="tuned"),
@@ -94,7 +94,7 @@ def build_tune_spec(flags: dict, machine: Machine, vllm_available: Callable[[], 
     spec = TuneSpec(kernels=list(dict.fromkeys(kernels)), model=flags.get("model") or ("llama-2-7b" if device == "cuda" else "tiny"),
                     rank=_ints("--rank", _given(flags, "rank"), 1, 1 << 16)[0], dtype=flags.get("dtype") or default_dtype(device, kernels),
                     max_loras=_ints("--max-loras", _given(flags, "max_loras"), 1, 4096),
-                    tokens=_ints("--tokens", _given(flags, "tokens"), 1, MAX_TOKENS),
+                    tokens=_ints("--tokens", _given(flags, "tokens"), 1, MAX_BATCHED_TOKENS),
                     budget_s=_budget(_given(flags, "budget_s")), out=_given(flags, "out"), device=device,
                     seed=_ints("--seed", _given(flags, "seed"), 0, MAX_SEED)[0],
                     tp=_ints("--tp", _given(flags, "tp"), 1, 1024)[0])
