@@ -91,7 +91,8 @@ def configs(df: pd.DataFrame) -> pd.DataFrame:
     """One row per measured (kernels, max_loras, strategy): capture set, startup/memory costs and
     the check's verdict (``verdicts``)."""
     cols = CONFIG + ["captured_counts", "num_graphs", "graph_mem_bytes", "pool_bytes", "build_s", "compile_s",
-                     "capture_s", "startup_s", "process_s", "triton_cache"]
+                     "capture_s", "startup_s", "process_s", "triton_cache", "num_mixed_graphs", "mixed_graph_mem_bytes",
+                     "mixed_capture_s"]
     first = ok_points(df).drop_duplicates(CONFIG)[cols].copy()
     first["captured_counts"] = first["captured_counts"].map(lambda c: [int(x) for x in c])
     return first.merge(verdicts(df), on=CONFIG, how="left").reset_index(drop=True)

@@ -118,6 +118,18 @@ def gpu_md(gpus: dict) -> list[str]:
     return out
 
 
+def piecewise_md(cfg: pd.DataFrame) -> list[str]:
+    """What each configuration's PIECEWISE graphs (mixed steps) cost besides its FULL graphs."""
+    have = cfg[cfg.num_mixed_graphs.notna()] if "num_mixed_graphs" in cfg else cfg.iloc[:0]
+    if have.empty:
+        return []
+    return ["PIECEWISE graphs (mixed steps: the model's pieces between attentions, per token bucket and key), captured "
+            "after the FULL ones and not counted in their columns:", "",
+            markdown_table(["kernels", "max_loras", "strategy", "PIECEWISE graphs", "their MiB", "their capture s"],
+                           [[c.kernels, int(c.max_loras), c.strategy, int(c.num_mixed_graphs), mib(c.mixed_graph_mem_bytes),
+                             c.mixed_capture_s] for c in have.itertuples()]), ""]
+
+
 def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.DataFrame,
                     decisions: list[MeasuredDecision], plots: dict, incomplete: str | None = None,
                     extra: list[str] | None = None, prefill: pd.DataFrame | None = None) -> str:
@@ -160,6 +172,7 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
               mib(c.pool_bytes), c.build_s, c.compile_s, c.capture_s, c.startup_s] for c in cfg.itertuples()],
         ),
         "",
+        *piecewise_md(cfg),
         f"![memory and startup]({plots['memory_startup'].name})",
         "",
         f"## Step time by active count ({u}, median [launch count], overhead over n = 0)",
