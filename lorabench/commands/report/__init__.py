@@ -9,6 +9,7 @@ from lorabench.analysis.prefill import prefill_overhead
 from lorabench.analysis.recommend import measured_decisions
 from lorabench.analysis.recommendation_json import report_json
 from lorabench.analysis.roofline import floors
+from lorabench.analysis.serving_price import predictions
 from lorabench.analysis.view import RunView
 from lorabench.commands import recommendation_file
 from lorabench.commands.report import plots as p
@@ -69,7 +70,8 @@ def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
     decisions = measured_decisions(view)
     rec = report_json(view, decisions)
     extra = residency.markdown(res, plots.get("residency"), unit(df)) if res is not None else []
-    extra += serving_md(view.compared[view.compared["mode"] == "serving"], unit(df))
+    serving = view.compared[(view.compared["mode"] == "serving") & (view.compared.status == "ok")]
+    extra += serving_md(serving, unit(df), predictions(view.compared) if len(serving) else None)
     md = render_markdown(view, run_info, over, fl, decisions, plots, incomplete, extra=extra, prefill=pre)
     if (run_dir / "NOTE.md").is_file():  # a caveat kept next to a run's data
         head, _, rest = md.partition("\n")

@@ -3,6 +3,7 @@ throughput and the latencies their clients see, per configuration."""
 
 import pandas as pd
 
+from lorabench.analysis.serving_price import FIGURES
 from lorabench.commands.report.labels import in_order
 from lorabench.commands.tables import markdown_table
 
@@ -16,9 +17,9 @@ def _with_interval(r, name: str) -> str | None:
     return f"{value:.2f}" + ("" if pd.isna(low) or pd.isna(high) else f" [{low:.2f}, {high:.2f}]")
 
 
-def serving_md(runs: pd.DataFrame, u: str) -> list[str]:
+def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> list[str]:
     """Per workload, every serving run: tokens/s, TTFT and ITL percentiles with their intervals,
-    the steps' mix and loads."""
+    the steps' mix and loads; then each run against its prediction (``analysis.serving_price``)."""
     if runs.empty:
         return []
     r0 = runs.iloc[0]
@@ -44,4 +45,28 @@ def serving_md(runs: pd.DataFrame, u: str) -> list[str]:
                 markdown_table(["kernels", "max_loras", "strategy", "output tokens/s", "tokens/s", "TTFT p50", "TTFT p90",
                                 "TTFT p99", "ITL p50", "ITL p99", "mean step", "prompt tokens", "steps with prompts",
                                 "loads/1k steps", "requests timed / pending"], rows), ""]
-    return out
+    return out + _predicted_md(runs, predicted or [])
+
+
+def _predicted_md(runs: pd.DataFrame, predicted: list) -> list[str]:
+    if not predicted:
+        return []
+    by_point = runs.set_index("point")
+    rows, why = [], []
+    for p in predicted:
+        r = by_point.loc[p.point]
+        if p.why:
+            why.append(f"- {r.kernels} max_loras {int(r.max_loras)} {r.strategy} under {r.workload}: not predicted: {p.why}")
+            continue
+        cells = []
+        for name in FIGURES:
+            m, e = p.measured.get(name), p.error_pct(name)
+            cells.append(None if m is None else f"{m:.1f} / {p.predicted[name]:.1f} ({e:+.1f} %)" if e is not None else f"{m:.1f}")
+        rows.append([r.kernels, int(r.max_loras), r.strategy, r.workload, *cells])
+    out = ["**Measured against predicted** (measured / predicted (error)): the same loop's steps priced from the run's "
+           "fixed points (decode steps, at their graph's bucket), its prefill points (steps with a prompt, interpolated "
+           "in tokens at their active count) and its timed load, the latencies taken from those steps", ""]
+    if rows:
+        out += [markdown_table(["kernels", "max_loras", "strategy", "workload", "output tokens/s", "mean step ms",
+                                "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows), ""]
+    return out + why + ([""] if why else [])
