@@ -152,3 +152,34 @@ def test_recommend_under_a_ttft_target(tmp_path, capsys):
     assert entry["chosen"]["max_loras"] == 4 and [r["against_target"] for r in entry["runs"]] == ["missed", "met"]
     assert main(["recommend", str(run), "--ttft-p99-ms", "100"]) == 2
     assert main(["recommend", str(run), "--ttft-p99-ms", "500", "--adapters", "8"]) == 2
+
+
+def test_steps_with_a_prompt_are_priced_between_the_points_at_their_active_count():
+    from lorabench.analysis.serving_price import _interpolate
+
+    xs, ys = np.array([4.0, 20.0]), np.array([1.0, 5.0])
+    assert _interpolate(12, xs, ys) == pytest.approx(3.0) and _interpolate(4, xs, ys) == pytest.approx(1.0)
+    assert _interpolate(28, xs, ys) == pytest.approx(7.0)  # past the largest: along the last two
+    assert _interpolate(12, xs[:1], ys[:1]) is None and _interpolate(4, xs[:1], ys[:1]) == 1.0
+
+
+def test_a_serving_run_is_priced_on_its_own_schedule():
+    from lorabench.analysis.serving_price import predict
+
+    spec = dict(workload="zipf:1", adapters=8, max_cpu_loras=8, output_tokens=6, concurrency=4, max_loras=2,
+                timed_steps=120, input_tokens="6-14", max_num_batched_tokens=16, seed=3)
+    steps = simulate_prompts(parse_workload("zipf:1"), Adapters(8, 8, 6), 4, 2, 120, Lengths(6, 14), 16, seed=3)
+    points = [{"status": "ok", "mode": mode, "kernels": "torch", "max_loras": 2, "strategy": "max", "concurrency": 4,
+               "n_active": n, "prefill_tokens": t, "step_ms_median": ms}
+              for n in range(3) for mode, t, ms in (("fixed", None, 1.0 + n), ("prefill", 16, 1.0 + n))]
+    row = {"status": "ok", "mode": "serving", "kernels": "torch", "strategy": "max", "point": 99, "capture_sizes": [4],
+           "load_ms_median": 0.5, **spec, **{f: 1.0 for f in ("output_tokens_per_s", "step_ms_mean", "ttft_ms_p50",
+                                                               "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")}}
+    rows = pd.DataFrame(points + [row])
+    p = predict(rows, next(rows[rows["mode"] == "serving"].itertuples()))
+    want = 1.0 + steps.n_active + 0.5 * steps.n_loads  # every point at n takes 1 + n ms, every load 0.5
+    assert p.why is None and p.predicted["step_ms_mean"] == pytest.approx(want.mean())
+    assert p.predicted["output_tokens_per_s"] == pytest.approx(latencies(steps.served, want).tokens_per_s)
+    assert p.error_pct("step_ms_mean") == pytest.approx(100 * (want.mean() - 1))
+    no_prefill = predict(rows[rows["mode"] != "prefill"], next(rows[rows["mode"] == "serving"].itertuples()))
+    assert no_prefill.predicted == {} and "with a prompt" in no_prefill.why
