@@ -113,9 +113,26 @@ def test_ttft_itl_and_tokens_per_second_from_the_steps_times():
 def test_a_closed_loops_ttft_counts_the_wait_for_a_place():
     served = serve(source(then=(-1, 3, 2)), clients=3, steps=4, budget=64, max_seqs=2)
     lat = latencies(served, [10, 10, 10, 10])
-    # R0, R1 at once; R2 waited for a place two steps; R3 (R0's successor) at once; R4 is still waiting
-    assert lat.ttft_ms.tolist() == [10.0, 10.0, 30.0, 10.0]
+    # R0, R1 at once; R2 waited for a place two steps; R3 (R0's successor, at 20 ms) at once, and R4 (at
+    # 20 ms) is still waiting: both arrived within the longest TTFT seen (30 ms) of the end (40 ms), so
+    # neither counts (R4 might yet be fast; counting R3 alone would favour the fast)
+    assert lat.ttft_ms.tolist() == [10.0, 10.0, 30.0] and lat.ttft_censored == 0
     assert lat.ttft_pending == 1  # R4 arrived at step 2 and is still waiting (R5 arrives after the last step)
+    waited = latencies(served, [10, 10, 10, 100])  # R4 has now waited 110 ms: longer than any TTFT seen
+    assert waited.ttft_ms.tolist() == [10.0, 10.0, 30.0, 10.0] and waited.ttft_censored == 1
+    assert waited.ttft_value(50) == pytest.approx(10.0) and waited.ttft_value(90) == float("inf")
+
+
+def test_censored_percentiles_and_intervals():
+    from lorabench.config.serving_latency import censored_percentile, censored_quantile
+
+    x = np.arange(1.0, 101.0)
+    assert censored_percentile(x, 0, 50) == pytest.approx(np.percentile(x, 50))
+    assert censored_percentile(x, 5, 50) == pytest.approx(np.percentile(np.r_[x, [1e9] * 5], 50))
+    assert censored_percentile(x, 5, 99) == float("inf")  # among the 5 above every value
+    iv = censored_quantile(x, 5, 0.9)
+    assert iv.estimate < 100 and iv.low < iv.estimate and iv.high == float("inf")  # its upper bound reaches them
+    assert censored_quantile(x, 0, 0.5) == censored_quantile(x, 0, 0.5)
 
 
 def test_quantile_intervals_cover_at_their_level():

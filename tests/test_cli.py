@@ -43,7 +43,8 @@ def test_check_and_tune_take_their_share_of_the_declarations():
     assert check["--model"] == OPTIONS["model"].describe() and "--no-check" not in check  # a check always checks
     tune = options("tune")
     assert tune["--tokens"] == TUNE_OPTIONS["tokens"].describe() == (
-        "Token buckets (tokens per decode step) to tune, comma-separated [default: 1,8,32].")
+        "Tokens per step to tune, comma-separated: decode buckets, and prefill sizes (e.g. 512,2048,8192: a step of "
+        "more tokens takes the nearest tuned size's config) [default: 1,8,32].")
     assert tune["--rank"] == OPTIONS["rank"].describe() and "--max-lora-rank" in tune
 
 

@@ -22,21 +22,29 @@ def spec_of(**flags):
     return build_spec({"device": "cpu", **flags}, None, CPU)[0]
 
 
-def test_prefill_steps_chunk_at_the_context_and_spread_the_adapters():
+def test_prefill_steps_hold_long_chunks_beside_single_tokens():
     rng = random.Random(0)
-    for tokens, n, most in [(16, 0, 3), (16, 3, 3), (100, 2, 4), (100, 4, 4), (7, 4, 4)]:
-        requests = prefill_requests(tokens, most, 32)
-        assert requests == max(most, 1, -(-tokens // 32))
-        step = prefill_step(tokens, n, 4, requests, rng)
+    for tokens, n, most in [(16, 0, 3), (16, 3, 3), (100, 2, 4), (100, 4, 4), (7, 4, 4), (1616, 16, 16), (8192, 4, 16)]:
+        requests = prefill_requests(tokens, most, 32 if tokens < 1000 else 2048)
+        assert requests == max(most, 1, -(-tokens // (32 if tokens < 1000 else 2048)))
+        step = prefill_step(tokens, n, 16, requests, 32 if tokens < 1000 else 2048, rng)
         assert step.tokens == tokens and len(step.adapters) == n and len(step.pieces) == requests
-        assert all(p.prefill and p.context == 0 and p.tokens <= 32 for p in step.pieces)
-        assert max(p.tokens for p in step.pieces) - min(p.tokens for p in step.pieces) <= 1
-        if n == 0:
+        assert all(p.prefill and p.context == 0 and p.tokens <= (32 if tokens < 1000 else 2048) for p in step.pieces)
+        long = [p.tokens for p in step.pieces if p.tokens > 1]
+        assert max(long, default=1) - min(long, default=1) <= 1 and len(long) <= -(-tokens // 32) + 1
+        if n:
+            assert step.pieces[0].adapter >= 0 and {p.adapter for p in step.pieces} == step.adapters
+        else:
             assert all(p.adapter == -1 for p in step.pieces)
+    loop_step = prefill_step(1616, 16, 16, 16, 2048, rng)  # the serving loop's mixed step: a prompt beside 15 tokens
+    assert [p.tokens for p in loop_step.pieces] == [1601] + [1] * 15
+    assert [p.tokens for p in prefill_step(8192, 4, 16, 16, 2048, rng).pieces] == [2045] * 4 + [1] * 12
     with pytest.raises(ValueError):
-        prefill_step(3, 3, 4, 4, rng)  # four requests cannot share three tokens
+        prefill_step(3, 3, 4, 4, 32, rng)  # four requests cannot share three tokens
     with pytest.raises(ValueError):
-        prefill_step(16, 3, 4, 2, rng)  # three adapters in two requests
+        prefill_step(16, 3, 4, 2, 32, rng)  # three adapters in two requests
+    with pytest.raises(ValueError):
+        prefill_step(100, 1, 4, 2, 32, rng)  # two chunks of at most 32 cannot hold 100 tokens
 
 
 def test_prefill_points_are_planned_and_size_the_model():

@@ -62,6 +62,7 @@ def test_the_timed_window_counts_only_what_began_in_it():
     served = Served([Step(())] * 4, [Request(0, 1, 3, 0, 1, [0, 1, 2]), Request(0, 1, 2, 2, 1, [3])])
     window = served.after(2)
     assert [(r.arrival, r.emitted_at) for r in window.requests] == [(-2, [0]), (0, [1])]
+    assert [r.done for r in window.requests] == [True, False]  # the first finished in the window
     lat = latencies(window, [1.0, 1.0])
     assert list(lat.ttft_ms) == [2.0] and lat.itl_ms.size == 0 and lat.output_tokens == 2
 
@@ -183,3 +184,22 @@ def test_a_serving_run_is_priced_on_its_own_schedule():
     assert p.error_pct("step_ms_mean") == pytest.approx(100 * (want.mean() - 1))
     no_prefill = predict(rows[rows["mode"] != "prefill"], next(rows[rows["mode"] == "serving"].itertuples()))
     assert no_prefill.predicted == {} and "with a prompt" in no_prefill.why
+
+
+def test_a_configuration_found_wrong_is_never_chosen():
+    from lorabench.analysis.serving import choices
+
+    rows = pd.DataFrame([serving_row(32, 900.0, 300.0, 280.0, 330.0, 0), serving_row(4, 500.0, 300.0, 280.0, 330.0, 1)])
+    rows["correct"] = [False, True]
+    (c,) = choices(rows, 500.0)
+    assert c.chosen.max_loras == 4 and [s.max_loras for s in c.runs] == [4]
+
+
+def test_a_trace_s_own_lengths_must_fit_the_context(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("adapter,input_tokens,output_tokens\n0,100,8\n1,10,8\n")
+    with pytest.raises(UserError, match=r"a request of 100 prompt and 8 output tokens \(trace trace:.*\) does not fit"):
+        build_spec({"device": "cpu", "adapters": "8", "input_tokens": "8-24", "context_len": "64",
+                    "workload": f"trace:{trace}"}, None, CPU)
+    with pytest.raises(UserError, match="--workload"):  # a bad workload still gets its own line
+        build_spec({"device": "cpu", "adapters": "8", "input_tokens": "8", "workload": "zipf:x"}, None, CPU)

@@ -165,7 +165,7 @@ def test_report_writes_plots_markdown_and_recommendation(run_dir, capsys):
         assert png.format == "PNG" and png.mode == "P" and png.size[0] > 400
     md = (run_dir / "report.md").read_text()
     assert "CPU wall" in md and "not GPU results" in md
-    host = section(md, "Host overhead per step (us, median over points)")
+    host = section(md, "Host overhead per decode step (us, median over the fixed and workload points)")
     [table] = [chunk.splitlines() for chunk in host.split("\n\n") if chunk.startswith("| kernels")]
     assert len(table) > 2
     for line in table[2:]:

@@ -152,7 +152,7 @@ BAD = [
     (["--kernels", "torch"], "--kernels"),
     (["--tokens", "0"], "--tokens"),
     (["--tokens", "1,x"], "--tokens"),
-    (["--tokens", "1024"], "--tokens"),
+    (["--tokens", "20000"], "--tokens"),
     (["--max-loras", "0"], "--max-loras"),
     (["--budget-s", "-1"], "--budget-s"),
     (["--budget-s", "soon"], "--budget-s"),

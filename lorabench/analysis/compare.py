@@ -278,7 +278,8 @@ def comparisons(rows: pd.DataFrame, kept: pd.DataFrame, gpus: dict, exp: pd.Data
     exp = exp[exp.expected_ms.notna()]
     conc: dict[tuple[str, int], set[int]] = {}
     strats: dict[tuple[str, int], set[str]] = {}
-    for (k, m, s), g in rows.dropna(subset=["concurrency"]).groupby(["kernels", "max_loras", "strategy"]):
+    decode = rows[rows["mode"] != "prefill"] if "mode" in rows else rows  # a prefill point's requests are no concurrency
+    for (k, m, s), g in decode.dropna(subset=["concurrency"]).groupby(["kernels", "max_loras", "strategy"]):
         conc.setdefault((k, int(m)), set()).update(int(c) for c in g.concurrency)
         strats.setdefault((k, int(m)), set()).add(s)
     for (k, m, s), cs in (planned or {}).items():

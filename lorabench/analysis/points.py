@@ -93,7 +93,7 @@ def configs(df: pd.DataFrame) -> pd.DataFrame:
     cols = CONFIG + ["captured_counts", "num_graphs", "graph_mem_bytes", "pool_bytes", "build_s", "compile_s",
                      "capture_s", "startup_s", "process_s", "triton_cache", "num_mixed_graphs", "mixed_graph_mem_bytes",
                      "mixed_capture_s"]
-    first = ok_points(df).drop_duplicates(CONFIG)[cols].copy()
+    first = ok_points(with_columns(df)).drop_duplicates(CONFIG)[cols].copy()
     first["captured_counts"] = first["captured_counts"].map(lambda c: [int(x) for x in c])
     return first.merge(verdicts(df), on=CONFIG, how="left").reset_index(drop=True)
 

@@ -30,6 +30,8 @@ def prefill_overhead(df: pd.DataFrame) -> pd.DataFrame:
     byte counts also ``floor_ms`` and ``x_floor`` (n > 0). Empty when the run has none."""
     pts = ok_points(df)
     pts = pts[pts["mode"] == PREFILL].copy()
+    if "correct" in pts:  # a configuration that failed its check may look fast by skipping work
+        pts = pts[~pts.correct.eq(False)]
     if pts.empty:
         return pts
     base = pts[pts.n_active == 0].drop_duplicates(KEY).set_index(KEY)

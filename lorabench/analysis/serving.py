@@ -3,7 +3,8 @@ target (``lorabench recommend RUN --ttft-p99-ms X``, and the report's serving se
 
 Every serving run (``mode`` ``serving``) is one configuration (kernels, max_loras, capture set,
 PIECEWISE sizes) measured on the same loop. The choice is among the measured ones, per kernels and
-workload: the most output tokens per second among those that meet the target. A run *meets* it
+workload: the most output tokens per second among those that meet the target; a configuration the
+check found wrong is never chosen. A run *meets* it
 when the 95 % interval of its TTFT p99 lies at or below it, *misses* it when the interval lies
 above, and is *unclear* when the interval spans it or the run had too few requests for an interval
 (its estimate is shown beside the verdict, never taken for one). Runs with requests still waiting for
@@ -61,8 +62,10 @@ def _value(v) -> float | None:
 
 
 def served_runs(rows: pd.DataFrame) -> pd.DataFrame:
-    """The ok serving rows."""
-    return rows[(rows.status == "ok") & (rows["mode"] == "serving")]
+    """The ok serving rows of configurations not found wrong by the check (one that skips work may
+    look fast)."""
+    runs = rows[(rows.status == "ok") & (rows["mode"] == "serving")]
+    return runs[~runs.correct.eq(False)] if "correct" in runs else runs
 
 
 def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingChoice]:

@@ -34,7 +34,9 @@ class ServingPrediction:
 
     def error_pct(self, name: str) -> float | None:
         m, p = self.measured.get(name), self.predicted.get(name)
-        return None if m is None or p is None or pd.isna(m) or not m else 100 * (p / m - 1)
+        if m is None or p is None or pd.isna(m) or not m or not np.isfinite(m) or not np.isfinite(p):
+            return None
+        return 100 * (p / m - 1)
 
 
 def _anchors(points: pd.DataFrame, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -90,9 +92,9 @@ def predict(view_rows: pd.DataFrame, row) -> ServingPrediction:
         predicted_ms[k] = t + steps.n_loads[k] * load_ms
     lat = latencies(steps.served, predicted_ms)
     predicted = {"output_tokens_per_s": lat.tokens_per_s, "step_ms_mean": float(predicted_ms.mean())}
-    for name, values in (("ttft", lat.ttft_ms), ("itl", lat.itl_ms)):
-        for p in (50, 99):
-            predicted[f"{name}_ms_p{p}"] = float(np.percentile(values, p)) if values.size else None
+    for p in (50, 99):
+        predicted[f"ttft_ms_p{p}"] = lat.ttft_value(p)
+        predicted[f"itl_ms_p{p}"] = float(np.percentile(lat.itl_ms, p)) if lat.itl_ms.size else None
     return ServingPrediction(int(row.point), measured, predicted)
 
 

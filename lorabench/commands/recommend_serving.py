@@ -20,7 +20,7 @@ from lorabench.errors import UserError
 
 
 def _ms(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
+    return "-" if v is None else "beyond the run" if v == float("inf") else f"{v:.1f}"
 
 
 def serving_table(c: ServingChoice) -> Table:
@@ -31,7 +31,7 @@ def serving_table(c: ServingChoice) -> Table:
         table.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
     for s in c.runs:
         mark = " *" if s == c.chosen else ""
-        ci = "-" if s.ttft_p99_low is None else f"{s.ttft_p99_low:.1f}…{s.ttft_p99_high:.1f}"
+        ci = "-" if s.ttft_p99_low is None else f"{_ms(s.ttft_p99_low)}…{_ms(s.ttft_p99_high)}"
         table.add_row(str(s.max_loras), s.strategy + mark, str(s.max_cudagraph_capture_size), f"{s.output_tokens_per_s:,.0f}",
                       _ms(s.ttft_p99_ms), ci, s.against(c.target_ms) or "-", _ms(s.itl_p99_ms), str(s.ttft_pending),
                       mib(s.graph_mem_bytes) or "-", "-" if s.startup_s is None else f"{s.startup_s:.1f}")

@@ -86,7 +86,7 @@ def _table(g: pd.DataFrame, k: str, m, strats: list[str], wl: str | None, cost, 
     for s in strats:
         table.add_column(s, justify="right", overflow="fold")
     good = ok_points(g)
-    conc = sorted(int(c) for c in g.concurrency.dropna().unique())
+    conc = sorted(int(c) for c in g[g["mode"] != "prefill"].concurrency.dropna().unique())  # prefill: requests, not c
     for i, c in enumerate(conc):
         cells = []
         for s in strats:

@@ -78,23 +78,28 @@ def mixed_step(tokens: int, n_active: int, max_loras: int, context_len: int, rng
 def prefill_requests(tokens: int, most_active: int, context_len: int) -> int:
     """The requests of every prefill step of ``tokens`` tokens in a sweep whose largest active count
     there is ``most_active``: one per adapter, or as many as chunks of at most ``context_len``
-    tokens need. Every n at that size shares them, so that the steps differ in their adapters
-    alone (attention's cost depends on the chunks' lengths)."""
+    tokens need. Every n at that size shares them (and ``prefill_step``'s chunks), so that the
+    steps differ in their adapters alone (attention's cost depends on the chunks' lengths)."""
     return max(most_active, 1, -(-tokens // context_len))
 
 
-def prefill_step(tokens: int, n_active: int, max_loras: int, requests: int, rng: random.Random) -> Step:
-    """A prefill point's step: ``tokens`` prompt tokens as ``requests`` first chunks (context 0) of
-    near-equal length, ``n_active`` distinct adapter slots among their requests (each at least
-    once, the rest drawn from them; n = 0: all base); request i is piece i."""
-    if n_active > min(requests, max_loras) or requests > tokens:
+def prefill_step(tokens: int, n_active: int, max_loras: int, requests: int, context_len: int,
+                 rng: random.Random) -> Step:
+    """A prefill point's step: ``tokens`` prompt tokens from ``requests`` requests (first chunks,
+    context 0) as a server's step holds them: as few long chunks of at most ``context_len`` as the
+    tokens need, near-equal, the other requests one token each (a long prompt's chunk beside short
+    ones, as a step of chunked prefill holds a prompt beside decode tokens); ``n_active`` distinct
+    adapter slots among the requests, on the long chunks first, each at least once, the rest drawn
+    from them (n = 0: all base). Request i is piece i."""
+    if n_active > min(requests, max_loras) or requests > tokens or requests * context_len < tokens:
         raise ValueError(f"cannot place {n_active} adapters in {requests} requests of a {tokens}-token prefill "
-                         f"with {max_loras} slots")
+                         f"with {max_loras} slots and chunks of at most {context_len}")
+    long = next(k for k in range(1, requests + 1) if tokens - (requests - k) <= k * context_len)
+    size, extra = divmod(tokens - (requests - long), long)
+    lengths = [size + (i < extra) for i in range(long)] + [1] * (requests - long)
     chosen = rng.sample(range(max_loras), n_active)
     adapters = chosen + [rng.choice(chosen) for _ in range(requests - n_active)] if chosen else [-1] * requests
-    rng.shuffle(adapters)
-    size, extra = divmod(tokens, requests)
-    return Step(tuple(Piece(i, a, size + (i < extra), 0, True, True) for i, a in enumerate(adapters)))
+    return Step(tuple(Piece(i, a, n, 0, True, True) for i, (a, n) in enumerate(zip(adapters, lengths))))
 
 
 def distinct_adapters(steps: np.ndarray) -> np.ndarray:

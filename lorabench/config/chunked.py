@@ -86,9 +86,12 @@ class Served:
         """The steps from ``start`` on, as if they were the first: each request's arrival and token
         steps counted from ``start`` (an earlier arrival is negative; tokens before it dropped), so
         that latencies over them leave out what began before."""
-        return Served(self.steps[start:], [
-            Request(r.adapter, r.input_tokens, r.output_tokens, r.arrival - start, r.prefilled,
-                    [s - start for s in r.emitted_at if s >= start]) for r in self.requests])
+        out = []
+        for r in self.requests:
+            kept = [s - start for s in r.emitted_at if s >= start]  # ``done`` still counts the tokens dropped
+            out.append(Request(r.adapter, r.input_tokens, r.output_tokens - (len(r.emitted_at) - len(kept)),
+                               r.arrival - start, r.prefilled, kept))
+        return Served(self.steps[start:], out)
 
 
 def serve(next_request: Callable[[], tuple[int, int, int]], clients: int, steps: int, budget: int, max_seqs: int,

@@ -7,9 +7,15 @@ at the end of the step that processed its last prompt token, each later one at t
 step that decoded it. TTFT = first token's end - arrival; ITL = the gaps between a request's
 consecutive tokens. Only what the first ``from_step`` steps did not start counts: requests that
 arrived from that step on, gaps whose first token came from it on, tokens out from it on (the
-loop's start, every client arriving at once, is not the steady state). Requests still waiting
-for their first token when the steps end are counted (``ttft_pending``), not timed: under load
-they are the slowest, so percentiles over ``ttft_ms`` alone read low when many are pending.
+loop's start, every client arriving at once, is not the steady state).
+
+Requests still waiting for their first token when the steps end are right-censored: their TTFT is
+not known, only that it exceeds the time they had waited. Dropping them would make the
+percentiles read low (under load they are the slowest). So TTFT counts only the requests that
+arrived at least the longest observed TTFT before the end: each of them either got its token, or
+waited longer than any request that did, and those count above every timed one (``ttft_censored``).
+A percentile (or an interval's bound) that falls among them is not known: +inf. Requests arriving
+later are left out of TTFT (``ttft_pending`` counts every one still waiting).
 """
 
 from dataclasses import dataclass
@@ -21,10 +27,41 @@ from lorabench.stats import Interval, quantile_interval
 
 
 
+def censored_quantile(x: np.ndarray, censored: int, q: float) -> Interval | None:
+    """``quantile_interval`` of ``x`` and ``censored`` more values above every one of it: where the
+    estimate or a bound falls among those, it is +inf (None: too few values for an interval)."""
+    x = np.asarray(x, dtype=float)
+    if not censored:
+        return quantile_interval(x, q)
+    top = float(x.max()) if x.size else 0.0
+    iv = quantile_interval(np.concatenate([x, np.full(censored, 2 * top + 1)]), q)
+    if iv is None:
+        return None
+
+    def known(v):
+        return v if v <= top else float("inf")
+
+    return Interval(known(iv.estimate), known(iv.low), known(iv.high), iv.level)
+
+
+def censored_percentile(x: np.ndarray, censored: int, p: float) -> float | None:
+    """The p-th percentile of ``x`` and ``censored`` values above them all (+inf where it falls
+    among those; None without any value)."""
+    x = np.asarray(x, dtype=float)
+    if x.size + censored == 0:
+        return None
+    if not censored:
+        return float(np.percentile(x, p))
+    top = float(x.max()) if x.size else 0.0
+    v = float(np.percentile(np.concatenate([x, np.full(censored, 2 * top + 1)]), p))
+    return v if v <= top else float("inf")
+
+
 @dataclass(frozen=True)
 class Latencies:
-    ttft_ms: np.ndarray  # one per request that arrived from ``from_step`` on and got its first token
-    ttft_pending: int  # requests that arrived from ``from_step`` on and had no token when the steps ended
+    ttft_ms: np.ndarray  # the counted requests that got their first token (see the module's docstring)
+    ttft_censored: int  # the counted requests still waiting at the end: longer than every one of ttft_ms
+    ttft_pending: int  # every request that arrived from ``from_step`` on and had no token when the steps ended
     itl_ms: np.ndarray  # one per gap between consecutive tokens of a request
     output_tokens: int  # tokens out in the counted steps
     wall_ms: float  # the counted steps' time
@@ -33,9 +70,13 @@ class Latencies:
     def tokens_per_s(self) -> float:
         return 1000 * self.output_tokens / self.wall_ms if self.wall_ms > 0 else float("nan")
 
+    def ttft_value(self, p: float) -> float | None:
+        """TTFT's p-th percentile (+inf: among the censored; None: no request counted)."""
+        return censored_percentile(self.ttft_ms, self.ttft_censored, p)
+
     def ttft(self, p: int) -> Interval | None:
         """TTFT's p-th percentile with its interval (None: too few requests for one)."""
-        return quantile_interval(self.ttft_ms, p / 100)
+        return censored_quantile(self.ttft_ms, self.ttft_censored, p / 100)
 
     def itl(self, p: int) -> Interval | None:
         return quantile_interval(self.itl_ms, p / 100)
@@ -50,14 +91,18 @@ def latencies(served: Served, step_ms, from_step: int = 0) -> Latencies:
         raise ValueError(f"from_step {from_step} is outside the {len(ms)} steps")
     end = np.cumsum(ms)
     start = end - ms
-    ttft, itl, tokens, pending = [], [], 0, 0
+    timed, waiting, itl, tokens = [], [], [], 0  # (arrival time, TTFT); arrival times of those still waiting
     for r in served.requests:
         steps = r.emitted_at
         if from_step <= r.arrival < len(ms):
             if steps:
-                ttft.append(end[steps[0]] - start[r.arrival])
+                timed.append((start[r.arrival], end[steps[0]] - start[r.arrival]))
             else:
-                pending += 1
+                waiting.append(start[r.arrival])
         itl.extend(end[b] - end[a] for a, b in zip(steps, steps[1:]) if a >= from_step)
         tokens += sum(1 for s in steps if s >= from_step)
-    return Latencies(np.array(ttft), pending, np.array(itl), tokens, float(ms[from_step:].sum()))
+    last = float(end[-1]) if len(ms) else 0.0
+    longest = max((t for _, t in timed), default=0.0)
+    ttft = [t for a, t in timed if a <= last - longest]  # arrived early enough for any TTFT seen to be seen
+    censored = sum(1 for a in waiting if a <= last - longest)
+    return Latencies(np.array(ttft), censored, len(waiting), np.array(itl), tokens, float(ms[from_step:].sum()))

@@ -90,9 +90,16 @@ def check_mixed_steps(spec: SweepSpec, names: Names) -> None:
             raise UserError(f"{names('input_tokens')}: goes with --adapters N (the residency runs it gives prompts)")
         lengths = parse_lengths(spec.input_tokens, names("input_tokens"))
         spec.input_tokens = str(lengths)
-        if lengths.high + spec.output_tokens > spec.context_len:
-            raise UserError(f"{names('input_tokens')}: a request of {lengths.high} prompt and {spec.output_tokens} output "
-                            f"tokens does not fit --context-len {spec.context_len}")
+        for w in spec.workload:  # a trace's own lengths, where it has them, must fit too
+            try:
+                df = getattr(parse_workload(w), "df", None)
+            except ValueError:  # a bad workload: said in its own line below
+                continue
+            prompt = int(df.input_tokens.max()) if df is not None and "input_tokens" in df else lengths.high
+            output = int(df.output_tokens.max()) if df is not None and "output_tokens" in df else spec.output_tokens
+            if prompt + output > spec.context_len:
+                raise UserError(f"{names('input_tokens')}: a request of {prompt} prompt and {output} output tokens"
+                                f"{f' (trace {w})' if df is not None else ''} does not fit --context-len {spec.context_len}")
         if spec.model_config.moe is not None:
             raise UserError(f"{names('input_tokens')}: serving runs with prompts run dense models only "
                             f"({spec.model_config.name} is a mixture of experts)")
@@ -116,7 +123,8 @@ def check_mixed_steps(spec: SweepSpec, names: Names) -> None:
         spec.max_cudagraph_capture_size = (max_capture_size(max(spec.concurrency), spec.max_num_batched_tokens)
                                            if spec.prefill_tokens or spec.input_tokens else 0)
     if spec.max_cudagraph_capture_size > spec.max_num_batched_tokens:
-        raise UserError(f"{names('max_cudagraph_capture_size')}: {spec.max_cudagraph_capture_size} tokens exceed "
+        given = "mixed_capture_sizes" if spec.mixed_capture_sizes else "max_cudagraph_capture_size"
+        raise UserError(f"{names(given)}: {spec.max_cudagraph_capture_size} tokens exceed "
                         f"--max-num-batched-tokens {spec.max_num_batched_tokens}")
 
 

@@ -21,14 +21,16 @@ def latency_columns(served: Served, step_ms: np.ndarray) -> dict:
     intervals (None where too few requests or gaps), how many requests were timed and pending,
     output tokens per second, and the steps' mix."""
     lat = latencies(served, step_ms)
-    row = {"ttft_requests": int(lat.ttft_ms.size), "ttft_pending": lat.ttft_pending,
+    row = {"ttft_requests": int(lat.ttft_ms.size) + lat.ttft_censored, "ttft_pending": lat.ttft_pending,
+           "ttft_censored": lat.ttft_censored,
            "output_tokens_per_s": lat.tokens_per_s,
            "prefill_token_share": sum(s.prefill_tokens for s in served.steps) / max(1, sum(s.tokens for s in served.steps)),
            "mixed_step_share": sum(s.prefill_tokens > 0 for s in served.steps) / max(1, len(served.steps))}
-    for name, values, interval in (("ttft", lat.ttft_ms, lat.ttft), ("itl", lat.itl_ms, lat.itl)):
+    value = {"ttft": lat.ttft_value, "itl": lambda p: float(np.percentile(lat.itl_ms, p)) if lat.itl_ms.size else None}
+    for name, interval in (("ttft", lat.ttft), ("itl", lat.itl)):
         for p in PERCENTILES:
             iv = interval(p)
-            row[f"{name}_ms_p{p}"] = float(np.percentile(values, p)) if values.size else None
+            row[f"{name}_ms_p{p}"] = value[name](p)
             row[f"{name}_ms_p{p}_low"] = None if iv is None else iv.low
             row[f"{name}_ms_p{p}_high"] = None if iv is None else iv.high
     return row

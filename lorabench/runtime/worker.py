@@ -245,9 +245,10 @@ class Worker:
         """The point's batches, the same for every strategy (seeded by the point, not the
         strategy), and for a residency point the loads each step makes (else None)."""
         job, c = self.lead, point.concurrency
-        rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}-{point.prefill_tokens}")
+        prefill = f"-{point.prefill_tokens}" if point.prefill_tokens else ""  # decode points: the seeds of older runs
+        rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}{prefill}")
         if point.mode == PREFILL:
-            steps = [prefill_step(point.prefill_tokens, point.n_active, job.max_loras, c, rng)
+            steps = [prefill_step(point.prefill_tokens, point.n_active, job.max_loras, c, job.context_len, rng)
                      for _ in range(FIXED_BATCH_VARIANTS)]
             return [MixedBatch(s.token_adapters, MixedLayout.of(s, {p.request: p.request for p in s.pieces}))
                     for s in steps], None

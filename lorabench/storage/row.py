@@ -218,16 +218,20 @@ class Row:
                                      "or `eager` (past `max_cudagraph_capture_size`)")
     input_tokens: str | None = column("serving runs (`mode` `serving`): each request's prompt, N tokens or LO-HI "
                                       "(uniform); a trace's input_tokens column overrides it")
-    ttft_requests: int | None = column("serving runs: requests that arrived in the timed steps and got their first token")
-    ttft_pending: int | None = column("serving runs: requests that arrived in the timed steps and had no token at their "
-                                      "end (not in the TTFT percentiles, which then read low)")
+    ttft_requests: int | None = column("serving runs: requests the TTFT percentiles count: those that arrived in the "
+                                       "timed steps at least the longest TTFT seen before their end")
+    ttft_censored: int | None = column("serving runs: of those, the ones still waiting at the end: counted above every "
+                                       "timed one (a percentile among them is +inf)")
+    ttft_pending: int | None = column("serving runs: every request that arrived in the timed steps and had no token at "
+                                      "their end")
     output_tokens_per_s: float | None = column("serving runs: output tokens per second over the timed steps "
                                                "(`tokens_per_s` counts prompt tokens too)")
     prefill_token_share: float | None = column("serving runs: the timed steps' prompt tokens over all their tokens")
     mixed_step_share: float | None = column("serving runs: the timed steps holding a prompt chunk (PIECEWISE graphs or "
                                             "eager) over all of them (the rest: decode steps on FULL graphs)")
     ttft_ms_p50: float | None = column("serving runs: time to first token, ms, median: from the start of the step a "
-                                       "request arrived in to the end of the step that made its first token")
+                                       "request arrived in to the end of the step that made its first token (+inf: "
+                                       "among the censored requests)")
     ttft_ms_p50_low: float | None = column("serving runs: its 95 % interval (distribution-free), low")
     ttft_ms_p50_high: float | None = column("serving runs: its 95 % interval, high")
     ttft_ms_p90: float | None = column("serving runs: time to first token, ms, p90")

@@ -126,7 +126,8 @@ def coverage(run_dir: Path, df: "pd.DataFrame | None" = None) -> Coverage | None
                 by_config[key] = points - have
             continue
         planned += len(points)
-        conc.setdefault(key, set()).update(int(p["concurrency"]) for p in points)
+        # a prefill point's concurrency is its step's requests, not a concurrency the run sweeps
+        conc.setdefault(key, set()).update(int(p["concurrency"]) for p in points if p.get("mode") != "prefill")
         lacking = [p["index"] for p in points if p["index"] not in done]
         missing += lacking
         if lacking:

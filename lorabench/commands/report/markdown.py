@@ -208,9 +208,10 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
         out += [markdown_table(["kernels", "max_loras", "workload", "c", "strategy", "expected", "measured", "meas/exp - 1 (%)", "speed-up vs max"], rows), ""]
         out += auto_md(df, exp, run_info, u, samples)
     ok = ok_points(df)
+    ok = ok[ok["mode"].isin(["fixed", "workload"])]  # decode steps of c tokens (prefill and loop steps vary)
     host = ok.groupby(["kernels", "concurrency"]).agg(
         host=("host_us_median", "median"), copy=("copy_us_median", "median"), launch=("launch_us_median", "median"))
-    out += ["## Host overhead per step (us, median over points)", "",
+    out += ["## Host overhead per decode step (us, median over the fixed and workload points)", "",
             "`host` = building the batch metadata + choosing the graph; `copy` = the call queueing the metadata's "
             "copy to the device; `launch` = the graph replay call (on the CPU: the eager step itself).", "",
             markdown_table(["kernels", "c", "host us", "copy us", "launch us"],

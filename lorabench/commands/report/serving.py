@@ -14,7 +14,12 @@ def _with_interval(r, name: str) -> str | None:
     if value is None or pd.isna(value):
         return None
     low, high = getattr(r, f"{name}_low"), getattr(r, f"{name}_high")
-    return f"{value:.2f}" + ("" if pd.isna(low) or pd.isna(high) else f" [{low:.2f}, {high:.2f}]")
+    return _ms(value) + ("" if pd.isna(low) or pd.isna(high) else f" [{_ms(low)}, {_ms(high)}]")
+
+
+def _ms(v: float) -> str:
+    """A latency; +inf (among requests still waiting at the run's end) as beyond the run."""
+    return f"{v:.2f}" if v != float("inf") else "beyond the run"
 
 
 def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> list[str]:
@@ -31,8 +36,10 @@ def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> lis
            "slots least recently used, inside the step that needs them. A step with a prompt chunk replays PIECEWISE "
            "graphs (eager past the largest size), a decode step its FULL graph. The latencies take the steps as run "
            "back to back, each as long as it was timed: TTFT from the start of the step a request arrived in to the "
-           "end of the step that made its first token, ITL between its tokens; only requests arriving in the timed "
-           f"steps count. Percentiles in {u}, with distribution-free 95 % intervals where there are enough requests "
+           "end of the step that made its first token, ITL between its tokens; TTFT counts the requests that arrived "
+           "in the timed steps at least the longest TTFT seen before their end, those still waiting among them above "
+           "every timed one (a percentile that falls among them is beyond the run); `pending`: every request still "
+           f"waiting at the end. Percentiles in {u}, with distribution-free 95 % intervals where there are enough requests "
            "(p90: 36, p99: 368).", ""]
     for w, g in runs.groupby("workload", sort=False):
         g = in_order(g, by=("kernels", "max_loras", "strategy"))
@@ -40,11 +47,11 @@ def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> lis
                  _with_interval(r, "ttft_ms_p50"), _with_interval(r, "ttft_ms_p90"), _with_interval(r, "ttft_ms_p99"),
                  _with_interval(r, "itl_ms_p50"), _with_interval(r, "itl_ms_p99"), r.step_ms_mean,
                  f"{100 * r.prefill_token_share:.0f} %", f"{100 * r.mixed_step_share:.0f} %", 1000 * r.loads_per_step,
-                 f"{int(r.ttft_requests)} / {int(r.ttft_pending)}"] for r in g.itertuples()]
+                 f"{int(r.ttft_requests)} ({int(r.ttft_censored)}) / {int(r.ttft_pending)}"] for r in g.itertuples()]
         out += [f"**{w}**\n",
                 markdown_table(["kernels", "max_loras", "strategy", "output tokens/s", "tokens/s", "TTFT p50", "TTFT p90",
                                 "TTFT p99", "ITL p50", "ITL p99", "mean step", "prompt tokens", "steps with prompts",
-                                "loads/1k steps", "requests timed / pending"], rows), ""]
+                                "loads/1k steps", "TTFT requests (still waiting) / pending"], rows), ""]
     return out + _predicted_md(runs, predicted or [])
 
 
