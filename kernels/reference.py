@@ -28,14 +28,17 @@ def lora_delta(
     """
     rank = lora_a.shape[1] // (len(slice_starts) - 1)  # A's rows per slice: R, or R / TP
     slot = token_slot[: x.shape[0]].long()
-    use = (slot >= 0).to(torch.float32)[:, None]
-    a = lora_a[slot.clamp(min=0)].float()  # [T, S·R, K]
-    b = lora_b[slot.clamp(min=0)].float()  # [T, N, R]
-    h = scale * torch.einsum("tk,trk->tr", x.float(), a) * use
     delta = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32, device=x.device)
-    for s in range(len(slice_starts) - 1):
-        n0, n1 = slice_starts[s], slice_starts[s + 1]
-        delta[:, n0:n1] = torch.einsum("tnr,tr->tn", b[:, n0:n1, :rank], h[:, s * rank : (s + 1) * rank])
+    # One slot at a time: its tokens' rows through its own A and B (a per-token gather of A and B
+    # would take T·(S·R·K + N·R) floats: 30 GB for a gate_up of 8192 prefill tokens).
+    for s in torch.unique(slot).tolist():
+        if s < 0:
+            continue
+        rows = (slot == s).nonzero().squeeze(1)
+        h = scale * (x[rows].float() @ lora_a[s].float().T)  # [t, S·R]
+        for i in range(len(slice_starts) - 1):
+            n0, n1 = slice_starts[i], slice_starts[i + 1]
+            delta[rows, n0:n1] = h[:, i * rank : (i + 1) * rank] @ lora_b[s, n0:n1, :rank].float().T
     return delta
 
 

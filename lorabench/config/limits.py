@@ -3,7 +3,7 @@ configuration that cannot fit is refused in one line instead of swapping or dyin
 
 The resident terms mirror ``lorabench.runtime.model.LlamaLoRA`` tensor by tensor (its parameters
 and buffers; in MoE layers ``runtime.moe.MoEMLP``'s router, experts, expert LoRA slots and routing
-buffers); the rest are allowances: a step's activations and the check's float32 gathers, the
+buffers); the rest are allowances: a step's activations and the check's float32 reference, the
 float32 draw that makes each random weight, CUDA graphs (a fixed part and a part per graph and
 layer, as sweeps on an H200 measured) and the worker process's own runtime.
 """
@@ -53,7 +53,7 @@ class MemoryEstimate:
     weights: int  # base weights and norms
     adapters: int  # max_loras slots of A and B over every LoRA linear
     kv_cache: int  # and the rotary tables, also one row per position
-    activations: int  # shrink scratch, a step's tensors, the check's gathers, the draw of the largest weight
+    activations: int  # shrink scratch, a step's tensors, the check's reference, the draw of the largest weight
     graphs: int  # allowance for captured graphs (0 on the CPU: eager steps)
     runtime: int = RUNTIME
 
@@ -162,8 +162,9 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     if s.vllm:  # its per-slice copies of the dense LoRA linears; expert LoRA is handed over as views
         adapters += adapters - s.max_loras * expert_lora_bytes_per_slot(s.cfg, s.rank, s.dtype)
     linears = _linears(s)
-    # The check's reference gathers each token's A and B, then makes them float32.
-    gathers = (b + 4) * t * max(slices * s.rank * k + n * s.rank for k, n, slices in linears)
+    # The check's reference, one slot at a time in float32: its tokens' inputs, their h, the update of
+    # every token and a slice's product, and the slot's A and B.
+    gathers = 4 * max(t * (k + 2 * n + slices * s.rank) + slices * s.rank * k + n * s.rank for k, n, slices in linears)
     # Each random weight is drawn in float32 and scaled (two float32 copies) before its cast.
     largest = max([cfg.vocab * cfg.hidden, s.rows * cfg.kv_heads * s.context_len * cfg.head_dim]
                   + [n * k for k, n, _ in linears]
