@@ -60,6 +60,7 @@
 #   gemm-bench - scripts/gemm_bench.py: the gemm backend's base GEMM vs cuBLAS at llama-2-7b's and Llama-3.1-8B's linears
 #            (decode and prefill token counts, a grid of tilings at GB_GRID), and each linear's LoRA overhead, triton vs gemm
 #   gemm-sweep - sweeps/gemm.toml (GS_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/gemm/
+#   prefill-check - lorabench check of PIECEWISE graphs (lorabench's and vLLM's rules, max and pow2) on 2 layers of Llama-3.1-8B
 #   prefill - sweeps/prefill.toml (PF_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably), reported: results/prefill/
 #   serving - sweeps/serving.toml (SV_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably), reported: results/serving/
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
@@ -194,6 +195,10 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       /usr/bin/time -f "gemm-sweep wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
         --spec sweeps/gemm.toml ${GS_ARGS:-} --out results/gemm 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
       tar czf "$OUT/gemm.tgz" results/gemm ;;
+    prefill-check)  # the check alone of PIECEWISE graphs, lorabench's and vLLM's rules (default and specialised), 2 layers
+      timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench check --kernels triton,vllm --strategy max,pow2 --max-loras 4 \
+        --model llama-3.1-8b --layers 2 --capture-sizes 1,2,4 --mixed-capture-sizes 4,8,16 --dtype bfloat16 \
+        --out results/prefill 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     prefill)  # sweeps/prefill.toml: LoRA overhead at 128..8192 prompt tokens, lorabench's kernels and vLLM's: results/prefill/
       /usr/bin/time -f "prefill wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
         --spec sweeps/prefill.toml ${PF_ARGS:-} --out results/prefill 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
