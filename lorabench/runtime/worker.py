@@ -14,33 +14,27 @@ sweep runs it through ``python -m lorabench.runtime.lifeline SWEEP_PID lorabench
 import functools
 import json
 import os
-import random
 import sys
 import time
 import traceback
 
 import torch
 
-from lorabench.config.batches import fixed_batch, prefill_step
 from lorabench.config.models import shard
 from lorabench.config.peft import read_adapters
-from lorabench.config.lengths import parse_lengths
-from lorabench.config.plan import FIXED, LOOPS, PREFILL, SERVING, Job, Point
-from lorabench.config.residency import simulate
-from lorabench.config.serving import simulate_prompts
+from lorabench.config.plan import LOOPS, Job, Point
 from lorabench.config.sweep_spec import OPTIONS
-from lorabench.config.workload import parse_workload
 from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env, telemetry
 from lorabench.runtime.adapters import AdapterLoader
 from lorabench.runtime.arms import Arm, forget_compiled, triton_cache_files
 from lorabench.runtime.check import References, check
-from lorabench.runtime.dispatch import Dispatcher, MixedBatch
+from lorabench.runtime.dispatch import Dispatcher
 from lorabench.runtime.load_paths import ONE_COPY, OneCopy, StorageReads
 from lorabench.runtime.load_timing import timed_loads
-from lorabench.runtime.mixed_attention import MixedLayout
 from lorabench.runtime.model import LlamaLoRA
 from lorabench.runtime.peft_slots import fill_slots
+from lorabench.runtime.point_steps import PointSteps, point_steps
 from lorabench.runtime.probe import probe
 from lorabench.runtime.protocol import SWEEP, Measured
 from lorabench.runtime.rows import timed_columns
@@ -51,7 +45,6 @@ from lorabench.storage.checks import Checked
 from lorabench.storage.row import Row
 from lorabench.storage.tune_files import tuned_table
 
-FIXED_BATCH_VARIANTS = 8  # fixed-mode points cycle through this many random batches of the same (c, n)
 JOB_COLUMNS = [name for name, o in OPTIONS.items() if o.column]  # options every row copies from its job
 
 
@@ -104,9 +97,6 @@ class Worker:
         self.adapters = read_adapters(job.adapter_dir, job.model, job.rank) if job.adapter_dir else ()
         if self.adapters:  # what a CPU-cache miss reads, per adapter (the recommendation prices misses by it)
             self.common["adapter_file_bytes"] = [os.path.getsize(a.weights) for a in self.adapters]
-        self.start_slots: dict[int, list[int]] = {}  # a residency point's slots at each turn's first step
-        self.reads: list[list[int]] | None = None  # a residency point's CPU-cache misses per step, read from storage
-        self.served = None  # a serving point's requests over its timed steps (their latencies)
 
     def point_row(self, arm: Arm, point: Point) -> dict:
         return {**self.common, **arm.job.config, "captured_counts": arm.counts, **self.shared, **arm.startup,
@@ -241,39 +231,11 @@ class Worker:
             SWEEP.emit(Checked(**arm.job.config, correct=None, detail=verdict["check_detail"]))
         arm.startup.update(verdict)
 
-    def batches(self, point: Point) -> tuple[list[list[int]] | list[MixedBatch], list[list[tuple[int, int]]] | None]:
-        """The point's batches, the same for every strategy (seeded by the point, not the
-        strategy), and for a residency point the loads each step makes (else None)."""
-        job, c = self.lead, point.concurrency
-        prefill = f"-{point.prefill_tokens}" if point.prefill_tokens else ""  # decode points: the seeds of older runs
-        rng = random.Random(f"{job.seed}-{c}-{point.n_active}-{point.workload}{prefill}")
-        if point.mode == PREFILL:
-            steps = [prefill_step(point.prefill_tokens, point.n_active, job.max_loras, c, job.context_len, rng)
-                     for _ in range(FIXED_BATCH_VARIANTS)]
-            return [MixedBatch(s.token_adapters, MixedLayout.of(s, {p.request: p.request for p in s.pieces}))
-                    for s in steps], None
-        if point.mode == FIXED:
-            n = point.n_active
-            return [fixed_batch(c, n, job.max_loras, rng, base_tokens=c if n == 0 else 0)
-                    for _ in range(FIXED_BATCH_VARIANTS)], None
-        wl = parse_workload(point.workload)
-        if point.mode in LOOPS:
-            if self.loader is None:
-                raise RuntimeError("this worker could not load adapters (its log says why)")
-            if point.mode == SERVING:
-                prompts = parse_lengths(job.input_tokens, "--input-tokens")
-                steps = simulate_prompts(wl, job.residency, c, job.max_loras, job.iters, prompts,
-                                         job.max_num_batched_tokens, job.seed)
-                self.served = steps.served
-                batches = [MixedBatch(b, MixedLayout.of(step, rows)) if step.prefill_tokens else b  # decode alone: FULL graphs
-                           for b, step, rows in zip(steps.batches, steps.pieces, steps.rows)]
-            else:
-                steps = simulate(wl, job.residency, c, job.max_loras, job.iters, job.seed)
-                batches = steps.batches
-            self.start_slots = steps.slots_at(range(0, job.iters, TURN))  # each turn's first step's slots
-            self.reads = steps.reads if self.adapters else None  # random adapters have no files to read
-            return batches, steps.loads
-        return [wl.sample(c, job.max_loras, rng) for _ in range(job.iters)], None
+    def point_steps(self, point: Point) -> PointSteps:
+        """The point's steps (``runtime.point_steps``); a loop's need this worker's loader."""
+        if point.mode in LOOPS and self.loader is None:
+            raise RuntimeError("this worker could not load adapters (its log says why)")
+        return point_steps(self.lead, point, reads_files=bool(self.adapters))
 
     def measure(self, entries: list[tuple[Arm, Point]]) -> list[tuple[dict, object]]:
         """One point, timed for every strategy that has it, in alternating turns: ``TURN`` steps
@@ -282,8 +244,8 @@ class Worker:
         ``MIN_STEPS``). Returns each strategy's row's columns and its steps, or a failed ``Measured``
         for a strategy whose steps raised: the others go on."""
         job = self.lead
-        batches, loads = self.batches(entries[0][1])
-        ci_target = None if loads else job.ci_target  # a residency run's mean needs all its steps: rare loads are its point
+        steps = self.point_steps(entries[0][1])
+        ci_target = None if steps.loads else job.ci_target  # a residency run's mean needs all its steps: rare loads are its point
         timed = [Timed() for _ in entries]
         failed: dict[int, BaseException] = {}
         todo = list(range(len(entries)))
@@ -294,7 +256,7 @@ class Worker:
             for i in order:
                 arm, point = entries[i]
                 try:
-                    self.turn(arm, point, batches, loads, timed[i], rnd, alone=len(entries) == 1)
+                    self.turn(arm, point, steps, timed[i], rnd, alone=len(entries) == 1)
                 except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
                     traceback.print_exc()
                     failed[i] = e
@@ -306,20 +268,20 @@ class Worker:
             if i in failed:
                 out.append(self.failed(arm, p, failed[i]))
             else:
-                columns, steps = timed_columns(arm.dispatcher, p, timed[i], arm.predicted, self.served)
-                out.append(({**self.point_row(arm, p), **columns, "arms": arms}, steps))
+                columns, samples = timed_columns(arm.dispatcher, p, timed[i], arm.predicted, steps.served)
+                out.append(({**self.point_row(arm, p), **columns, "arms": arms}, samples))
         return out
 
-    def turn(self, arm: Arm, point: Point, batches: list[list[int]], loads, timed: "Timed", rnd: int,
-             alone: bool) -> None:
+    def turn(self, arm: Arm, point: Point, steps: PointSteps, timed: "Timed", rnd: int, alone: bool) -> None:
         """One strategy's turn at a point: ``TURN`` more timed steps, after the spec's warm-up on
         its first turn and ``SWITCH_WARMUP`` untimed steps on every later one (none when it is
-        timed alone); a residency point's steps make their loads."""
-        steps = min(TURN, self.lead.iters - timed.steps)
+        timed alone); a loop's steps make their loads."""
+        n = min(TURN, self.lead.iters - timed.steps)
         warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
-        start = self.start_slots.get(timed.steps) if loads else None
-        reads = self.reads if loads else None
-        timed.add(time_steps(arm.dispatcher, batches, steps, warmup, first=timed.steps, loads=loads,
+        loads = steps.loads
+        start = steps.start_slots.get(timed.steps) if loads else None
+        reads = steps.reads if loads else None
+        timed.add(time_steps(arm.dispatcher, steps.batches, n, warmup, first=timed.steps, loads=loads,
                              loader=self.residency_loader if loads else None, start_slots=start, reads=reads,
                              storage=StorageReads([a.weights for a in self.adapters]) if reads else None), rnd)
 
