@@ -19,8 +19,8 @@ import pandas as pd
 from lorabench.analysis.intervals import interval_of
 from lorabench.analysis.points import CONFIG, ok_points
 from lorabench.config.models import LORA_LINEARS_PER_LAYER
+from lorabench.config.plan import PREFILL
 
-PREFILL = "prefill"  # the rows' mode (config.plan.PREFILL; analysis imports nothing of the runtime's config)
 KEY = CONFIG + ["prefill_tokens"]
 
 

@@ -19,7 +19,7 @@ MET, MISSED, UNCLEAR = "met", "missed", "unclear"
 
 
 @dataclass(frozen=True)
-class Served:
+class ServingRun:
     """One serving run's figures as the choice reads them."""
 
     kernels: str
@@ -52,8 +52,8 @@ class ServingChoice:
     workload: str
     kernels: str
     target_ms: float | None
-    runs: tuple[Served, ...]  # every configuration measured, most output tokens/s first
-    chosen: Served | None
+    runs: tuple[ServingRun, ...]  # every configuration measured, most output tokens/s first
+    chosen: ServingRun | None
     why: str
 
 
@@ -72,7 +72,7 @@ def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingC
     """Per (workload, kernels) of the run's serving rows: the choice (see the module's docstring)."""
     out = []
     for (w, k), g in served_runs(rows).groupby(["workload", "kernels"], sort=False):
-        runs = tuple(sorted((Served(
+        runs = tuple(sorted((ServingRun(
             k, int(r.max_loras), r.strategy, int(r.max_cudagraph_capture_size), int(r.point), float(r.output_tokens_per_s),
             _value(r.ttft_ms_p99), _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high), _value(r.itl_ms_p99),
             int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),

@@ -93,8 +93,7 @@ def predict(view_rows: pd.DataFrame, row) -> ServingPrediction:
     lat = latencies(steps.served, predicted_ms)
     predicted = {"output_tokens_per_s": lat.tokens_per_s, "step_ms_mean": float(predicted_ms.mean())}
     for p in (50, 99):
-        predicted[f"ttft_ms_p{p}"] = lat.ttft_value(p)
-        predicted[f"itl_ms_p{p}"] = float(np.percentile(lat.itl_ms, p)) if lat.itl_ms.size else None
+        predicted[f"ttft_ms_p{p}"], predicted[f"itl_ms_p{p}"] = lat.ttft_value(p), lat.itl_value(p)
     return ServingPrediction(int(row.point), measured, predicted)
 
 

@@ -16,10 +16,6 @@ class Lengths:
     def draw(self, rng: random.Random) -> int:
         return self.low if self.low == self.high else rng.randint(self.low, self.high)
 
-    @property
-    def mean(self) -> float:
-        return (self.low + self.high) / 2
-
     def __str__(self) -> str:
         return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
 

@@ -47,6 +47,10 @@ class Shape:
     def rows(self) -> int:
         return self.max_tokens if self.cache_rows is None else self.cache_rows
 
+    @property
+    def logits(self) -> int:
+        return self.max_tokens if self.logit_tokens is None else self.logit_tokens
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -145,8 +149,7 @@ def step_bytes(s: Shape, cuda: bool) -> int:
     every query head (the flash kernels, and the CPU's, read them in place)."""
     cfg, t = s.cfg, s.max_tokens
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    logits = t if s.logit_tokens is None else s.logit_tokens
-    step = 2 * 4 * (t * (4 * cfg.hidden + qkv + 3 * cfg.intermediate) + logits * cfg.vocab)
+    step = 2 * 4 * (t * (4 * cfg.hidden + qkv + 3 * cfg.intermediate) + s.logits * cfg.vocab)
     if cfg.moe is not None:  # router logits; per routed entry: w13's output, SiLU·mul, w2's output
         moe = cfg.moe
         step += 4 * t * (moe.experts + moe.top_k * (2 * moe.intermediate + moe.intermediate + cfg.hidden))
@@ -174,8 +177,7 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     buffers = 16 * t + 8 * (2 * t + 2 * s.max_loras + 1)  # input ids, positions, metadata buffers
     step = step_bytes(s, cuda)
     activations = scratch + step + gathers + draw + buffers
-    logits = t if s.logit_tokens is None else s.logit_tokens
-    graph_bytes = GRAPHS_FIXED + graphs * (cfg.layers * GRAPH_PER_LAYER + 4 * logits * cfg.vocab) + step if cuda else 0
+    graph_bytes = GRAPHS_FIXED + graphs * (cfg.layers * GRAPH_PER_LAYER + 4 * s.logits * cfg.vocab) + step if cuda else 0
     return MemoryEstimate(weights, adapters, kv_cache, activations, graph_bytes)
 
 

@@ -50,7 +50,7 @@ def simulate_prompts(workload, adapters: Adapters, clients: int, max_loras: int,
                 row_of[p.request] = free.pop(free.index(min(free)))
         if i == burn_in:
             out.first_slots = list(slots.holder)  # before this step's loads
-        batch = sorted(step.adapters, key=[p.adapter for p in step.pieces].index)  # in the pieces' order
+        batch = list(dict.fromkeys(p.adapter for p in step.pieces if p.adapter >= 0))  # in the pieces' order
         loads, missed = slots.activate(batch, i)
         if i >= burn_in:
             k = i - burn_in

@@ -26,17 +26,21 @@ from lorabench.config.chunked import Served
 from lorabench.stats import Interval, quantile_interval
 
 
+def _with_censored(x: np.ndarray, censored: int) -> tuple[np.ndarray, float]:
+    """``x`` and ``censored`` stand-ins above every one of it, and the largest known value: a
+    statistic of them that lands above it lands among the censored."""
+    x = np.asarray(x, dtype=float)
+    top = float(x.max()) if x.size else 0.0
+    return np.concatenate([x, np.full(censored, 2 * top + 1)]), top
+
 
 def censored_quantile(x: np.ndarray, censored: int, q: float) -> Interval | None:
     """``quantile_interval`` of ``x`` and ``censored`` more values above every one of it: where the
     estimate or a bound falls among those, it is +inf (None: too few values for an interval)."""
-    x = np.asarray(x, dtype=float)
-    if not censored:
-        return quantile_interval(x, q)
-    top = float(x.max()) if x.size else 0.0
-    iv = quantile_interval(np.concatenate([x, np.full(censored, 2 * top + 1)]), q)
-    if iv is None:
-        return None
+    values, top = _with_censored(x, censored)
+    iv = quantile_interval(values, q)
+    if iv is None or not censored:
+        return iv
 
     def known(v):
         return v if v <= top else float("inf")
@@ -47,14 +51,11 @@ def censored_quantile(x: np.ndarray, censored: int, q: float) -> Interval | None
 def censored_percentile(x: np.ndarray, censored: int, p: float) -> float | None:
     """The p-th percentile of ``x`` and ``censored`` values above them all (+inf where it falls
     among those; None without any value)."""
-    x = np.asarray(x, dtype=float)
-    if x.size + censored == 0:
+    values, top = _with_censored(x, censored)
+    if not values.size:
         return None
-    if not censored:
-        return float(np.percentile(x, p))
-    top = float(x.max()) if x.size else 0.0
-    v = float(np.percentile(np.concatenate([x, np.full(censored, 2 * top + 1)]), p))
-    return v if v <= top else float("inf")
+    v = float(np.percentile(values, p))
+    return v if not censored or v <= top else float("inf")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class Latencies:
     def ttft(self, p: int) -> Interval | None:
         """TTFT's p-th percentile with its interval (None: too few requests for one)."""
         return censored_quantile(self.ttft_ms, self.ttft_censored, p / 100)
+
+    def itl_value(self, p: float) -> float | None:
+        """ITL's p-th percentile (None: no gap)."""
+        return float(np.percentile(self.itl_ms, p)) if self.itl_ms.size else None
 
     def itl(self, p: int) -> Interval | None:
         return quantile_interval(self.itl_ms, p / 100)

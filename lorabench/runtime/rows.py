@@ -26,11 +26,10 @@ def latency_columns(served: Served, step_ms: np.ndarray) -> dict:
            "output_tokens_per_s": lat.tokens_per_s,
            "prefill_token_share": sum(s.prefill_tokens for s in served.steps) / max(1, sum(s.tokens for s in served.steps)),
            "mixed_step_share": sum(s.prefill_tokens > 0 for s in served.steps) / max(1, len(served.steps))}
-    value = {"ttft": lat.ttft_value, "itl": lambda p: float(np.percentile(lat.itl_ms, p)) if lat.itl_ms.size else None}
-    for name, interval in (("ttft", lat.ttft), ("itl", lat.itl)):
+    for name, value, interval in (("ttft", lat.ttft_value, lat.ttft), ("itl", lat.itl_value, lat.itl)):
         for p in PERCENTILES:
             iv = interval(p)
-            row[f"{name}_ms_p{p}"] = value[name](p)
+            row[f"{name}_ms_p{p}"] = value(p)
             row[f"{name}_ms_p{p}_low"] = None if iv is None else iv.low
             row[f"{name}_ms_p{p}_high"] = None if iv is None else iv.high
     return row
