@@ -77,9 +77,10 @@ class SweepSpec:
                                              shown="every n from 0 to min(c, max_loras)", minimum=0)
     prefill_tokens: list[int] | None = option(
         None, f"Prefill points: steps of this many prompt tokens, {LIST} (e.g. 128,512,2048,8192), at every active count n "
-        "from 0 to max_loras (or those of --active-counts): each step's prompts are equal chunks of at most "
-        "--context-len tokens from as many requests as the largest n there, or as the chunks need, the same at every "
-        "n (steps differ in their adapters alone), the n adapters spread over them",
+        "from 0 to max_loras (or those of --active-counts): each step holds as many requests as the largest n there "
+        "(or as chunks of at most --context-len need), as few long chunks as the tokens need and the other requests "
+        "one token each, the same at every n (steps differ in their adapters alone), the n adapters on the long "
+        "chunks first",
         shown="none")
     max_num_batched_tokens: int = option(8192, "vLLM's --max-num-batched-tokens: the most tokens one step holds (every "
                                          "prefill point's at most)", maximum=MAX_BATCHED_TOKENS, column=True)
