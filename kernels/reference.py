@@ -4,6 +4,8 @@ It reads only each token's slot, never the launch count or the sorted metadata, 
 what the batch *should* get whatever graph serves it. Math in float32.
 """
 
+from types import SimpleNamespace
+
 import torch
 
 from .meta import LoRAMeta
@@ -18,6 +20,7 @@ def lora_delta(
     slice_starts: tuple[int, ...],
     token_slot: torch.Tensor,
     scale: float,
+    h_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The LoRA update of every token, float32 [T, N]; zero rows for base-model tokens.
 
@@ -36,6 +39,8 @@ def lora_delta(
             continue
         rows = (slot == s).nonzero().squeeze(1)
         h = scale * (x[rows].float() @ lora_a[s].float().T)  # [t, S·R]
+        if h_dtype is not None:
+            h = h.to(h_dtype).float()
         for i in range(len(slice_starts) - 1):
             n0, n1 = slice_starts[i], slice_starts[i + 1]
             delta[rows, n0:n1] = h[:, i * rank : (i + 1) * rank] @ lora_b[s, n0:n1, :rank].float().T
@@ -48,11 +53,11 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale).to(y.dtype)
 
 
-def expert_lora_delta(call, token_slot: torch.Tensor, scale: float) -> torch.Tensor:
+def expert_lora_delta(call, token_slot: torch.Tensor, scale: float, h_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The expert LoRA update of every routed entry, float32 [T·top_k, S·N_s]: each entry of an
     adapter token (whose slot has expert LoRA, ``call.enabled``) gets its slot's A and B of the
     entry's expert, times its routing weight for w2 (``call.mul_weight``); zero rows otherwise.
-    ``call``: a ``kernels.moe_lora.ExpertCall``."""
+    ``call``: a ``kernels.moe_lora.ExpertCall``; ``h_dtype`` as in ``lora_delta``."""
     tokens, top_k = call.topk_ids.shape
     slices, max_loras, experts = call.lora_a.shape[:3]
     entry = torch.arange(tokens * top_k, device=call.y.device)
@@ -65,6 +70,8 @@ def expert_lora_delta(call, token_slot: torch.Tensor, scale: float) -> torch.Ten
     parts = []
     for i in range(slices):
         h = scale * torch.einsum("tk,trk->tr", x, call.lora_a[i, s, e].float())
+        if h_dtype is not None:
+            h = h.to(h_dtype).float()
         parts.append(torch.einsum("tnr,tr->tn", call.lora_b[i, s, e].float(), h))
     delta = torch.cat(parts, dim=1) * use.float()[:, None]
     if call.mul_weight:
@@ -76,3 +83,21 @@ def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
     """In-place reference expert LoRA: every adapter entry served, whatever the grid."""
     del launch_count
     call.y[:, : call.lora_b.shape[0] * call.lora_b.shape[3]] += expert_lora_delta(call, meta.token_slot, scale).to(call.y.dtype)
+
+
+def _rounded_lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
+    del launch_count, scratch
+    y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale, y.dtype).to(y.dtype)
+
+
+def _rounded_moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
+    del launch_count
+    delta = expert_lora_delta(call, meta.token_slot, scale, call.y.dtype)
+    call.y[:, : call.lora_b.shape[0] * call.lora_b.shape[3]] += delta.to(call.y.dtype)
+
+
+# The reference with its shrink's output rounded to the model's dtype, as a kernel in that dtype
+# may round it. It differs from the reference by rounding alone, so the two answers' distance is
+# the error a correct kernel may show: the check's rounding floor (``runtime.check``).
+ROUNDED = SimpleNamespace(lora_apply=_rounded_lora_apply, moe_lora_apply=_rounded_moe_lora_apply,
+                          NEEDS_ZEROED_SCRATCH=NEEDS_ZEROED_SCRATCH)

@@ -13,7 +13,8 @@ from lorabench.kernels import BACKENDS, get_backend
 from lorabench.config.batches import mixed_step
 from lorabench.config.models import resolve, shortened
 from lorabench.config.strategies import capture_counts
-from lorabench.runtime.check import Case, check, mixed_cases
+from lorabench.runtime import check as check_module
+from lorabench.runtime.check import NOISE_MARGIN, Case, check, mixed_cases, rounding_floor
 from lorabench.runtime.dispatch import Dispatcher, Route
 from lorabench.runtime.mixed_attention import MixedLayout
 from lorabench.runtime.model import LlamaLoRA
@@ -100,6 +101,52 @@ def test_one_short_on_a_mixed_step_is_caught_with_the_smallest_step(monkeypatch)
     case = Case(f.slots)
     assert case.tokens == 2 and case.n_active == 2 and (f.graph_tokens, f.key, f.grid) == (2, 1, 1), f
     assert f.pieces and v.failing_mixed_graphs and "mixed step [" in v.detail and "PIECEWISE graphs" in v.detail
+
+
+def test_mixed_steps_are_held_to_their_rounding_floor_in_16_bit():
+    """In a 16-bit dtype at depth, rounding alone moves a mixed step's logits (prompt tokens attend to
+    each other's fresh keys): the check measures that floor on the model (the reference against its
+    rounded self), and a correct backend's mixed steps stay within NOISE_MARGIN times it."""
+    from lorabench.config.models import ModelConfig
+
+    deep = ModelConfig("deep-tiny", 12, 128, 4, 2, 256, 512)
+    model = LlamaLoRA(deep, max_loras=4, rank=16, max_tokens=24, context_len=48, dtype=torch.bfloat16,
+                      device=DEVICE, cache_rows=30)
+    d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2], counts=capture_counts("max", 4),
+                   use_graphs=False, mixed_sizes=[8, 16])
+    d.warm_up()
+    d.capture()
+    d.capture_mixed()
+    floor = rounding_floor(d, 0)
+    assert 1e-4 < floor < 0.1  # bf16 rounding, well under what an update moves (~1)
+    v = check(d, "bfloat16")
+    assert v.rounding_floor == floor and v.mixed_tolerance == max(v.tolerance, NOISE_MARGIN * floor)
+    assert v.correct is True and v.mixed_max_err < v.mixed_tolerance, v.detail
+
+
+def test_a_raised_mixed_tolerance_still_catches_a_dropped_update(monkeypatch):
+    """A rounding floor of 0.15 lifts the mixed steps' tolerance to 0.3 (the decode batches keep the
+    dtype's): a launch count one short on a mixed step still fails, named against 0.3; a floor too
+    close to what the update moves makes the check inconclusive."""
+    d = build()
+    monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: 0.15)
+    good = Dispatcher.route_mixed
+
+    def one_short(self, tokens, n):
+        r = good(self, tokens, n)
+        return Route(r.tokens, r.launch - 1, r.graphed, mixed=True) if r.launch > 1 and r.graphed else r
+
+    monkeypatch.setattr(Dispatcher, "route_mixed", one_short)
+    for key in [(b, c) for b in (2, 4, 8) for c in (1, 3) if c <= b]:
+        d.mixed_runners[key] = d._pieces(key)
+        d.mixed_grid[key] = key[1]
+    v = check(d, DTYPE)
+    assert v.mixed_tolerance == pytest.approx(0.3) and v.tolerance < 0.3
+    assert v.correct is False and v.first.pieces and v.first.max_err > 0.3, v.detail
+    assert "tolerance 0.3" in v.detail
+    monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: v.sensitivity / 4)
+    inconclusive = check(d, DTYPE)
+    assert inconclusive.correct is None and "inconclusive on mixed steps" in inconclusive.detail
 
 
 def test_a_layout_past_the_cache_rows_gets_one_line():

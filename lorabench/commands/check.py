@@ -33,6 +33,9 @@ def check_table(checks: list[Checked]) -> Table:
         detail = c.detail
         if c.correct is True:
             detail = f"max error {c.max_err:.2g} (tolerance {c.tolerance:g})"
+            if c.mixed_batches and c.mixed_tolerance and c.mixed_tolerance > c.tolerance:
+                detail = (f"max error {c.max_err:.2g}; decode within {c.tolerance:g}, mixed steps within "
+                          f"{c.mixed_tolerance:.2g} (their rounding floor {c.rounding_floor:.2g}, doubled)")
         batches = "-" if c.batches is None else str(c.batches)
         table.add_row(c.kernels, str(c.max_loras), c.strategy, graphs, batches, verdict, detail)
     return table

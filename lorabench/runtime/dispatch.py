@@ -291,19 +291,22 @@ class Dispatcher:
         return out if prep.layout is not None else out[: prep.batch_tokens]
 
     def reference(self, slots: list[int], input_ids: torch.Tensor | None = None, reuse_routing: bool = False,
-                  layout: MixedLayout | None = None) -> torch.Tensor:
+                  layout: MixedLayout | None = None, rounded: bool = False) -> torch.Tensor:
         """The eager plain-torch answer for exactly this batch (no padding, no launch count); with
         ``layout``, of this mixed step (its attention writes the same cache positions the
         launched step wrote, so the two read the same context).
         It overwrites the metadata: launch the next batch with ``launch``, which reloads it.
         reuse_routing: MoE layers send each token to the experts the last launched step chose
-        (``runtime.moe``), so the answer differs from that step's only by its LoRA."""
+        (``runtime.moe``), so the answer differs from that step's only by its LoRA.
+        rounded: the reference with its shrink's output in the model's dtype (``reference.ROUNDED``)."""
         if input_ids is not None:
             self.input_ids[: len(slots)].copy_(input_ids)
         self.ref_buf.load(self.ref_buf.pack(slots)[0])
         self.model.reuse_routing = reuse_routing
         try:
-            return self.forward(len(slots), self.max_loras, backend=get_backend("reference"), meta=self.ref_buf.meta,
+            reference = get_backend("reference")
+            backend = reference.ROUNDED if rounded else reference
+            return self.forward(len(slots), self.max_loras, backend=backend, meta=self.ref_buf.meta,
                                 layout=layout)
         finally:
             self.model.reuse_routing = False

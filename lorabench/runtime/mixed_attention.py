@@ -6,16 +6,21 @@ request's earlier steps processed. Its new keys and values are written at positi
 ``context .. context + tokens``; its query i attends to the cache's first ``context + i + 1``
 positions (its earlier context and its own chunk, causally). A decode token is a piece of one.
 
-The pieces run as one padded ``scaled_dot_product_attention`` call: queries padded to the longest
-piece, keys to the longest context, a mask per piece. (vLLM runs a varlen flash-attention kernel;
-torch has none that runs on the CPU too, and attention lies outside the captured graphs of a mixed
-step, as vLLM splits its PIECEWISE graphs at attention.)
+Pieces of one token (decode) run as one ``scaled_dot_product_attention`` call over their rows'
+contexts (keys padded to the longest, a mask each); each longer piece (a prompt chunk) runs as its
+own call with a lower-right causal mask, which torch serves with flash attention on a GPU. (vLLM
+runs one varlen flash-attention kernel; torch has none that runs on the CPU too. One padded call
+for all pieces, the first version, did up to pieces x longest chunk x longest context of work with
+a materialised mask: 6x the step time of a 2048-token chunk beside 15 decode tokens.) Attention
+lies outside the captured graphs of a mixed step, as vLLM splits its PIECEWISE graphs at attention.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from lorabench.config.chunked import Step
 
@@ -54,6 +59,36 @@ class MixedLayout:
         return torch.cat([torch.arange(c, c + n, device=device) for c, n in zip(self.contexts, self.lengths)])
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A layout's index tensors on one device, made once per layout (attention runs every layer)."""
+
+    token_rows: torch.Tensor  # [T] each token's cache row
+    positions: torch.Tensor  # [T] each token's position in its request
+    decode_tokens: torch.Tensor  # [P1] where the one-token pieces lie on the token axis
+    decode_rows: torch.Tensor  # [P1] their cache rows
+    decode_mask: torch.Tensor  # [P1, 1, 1, C]: the keys each sees (its context and itself)
+    chunks: tuple[tuple[int, int, int, int], ...]  # (start, tokens, context, row) of each longer piece
+
+
+@lru_cache(maxsize=16)
+def _plan(layout: "MixedLayout", device: torch.device) -> _Plan:
+    rows = torch.tensor(layout.rows, device=device)
+    ones = [i for i, n in enumerate(layout.lengths) if n == 1]
+    seen = [layout.contexts[i] + 1 for i in ones]
+    keys = torch.arange(max(seen, default=1), device=device)
+    mask = keys[None, :] < torch.tensor(seen, device=device, dtype=torch.long)[:, None]
+    return _Plan(
+        token_rows=torch.repeat_interleave(rows, torch.tensor(layout.lengths, device=device)),
+        positions=layout.positions(device),
+        decode_tokens=torch.tensor([layout.starts[i] for i in ones], device=device, dtype=torch.long),
+        decode_rows=torch.tensor([layout.rows[i] for i in ones], device=device, dtype=torch.long),
+        decode_mask=mask[:, None, None, :],
+        chunks=tuple((s, n, c, r) for s, n, c, r in zip(layout.starts, layout.lengths, layout.contexts, layout.rows)
+                     if n > 1),
+    )
+
+
 def attend(q, k, v, cache_k, cache_v, layout: MixedLayout) -> torch.Tensor:
     """Write each piece's k, v [T, KVH, D] into its cache row, then attention of q [T, H, D] over
     each piece's context and causal chunk: [T, H, D]. Caches [rows, KVH, context_len, D]."""
@@ -65,23 +100,22 @@ def attend(q, k, v, cache_k, cache_v, layout: MixedLayout) -> torch.Tensor:
     need = max(c + n for c, n in zip(layout.contexts, layout.lengths))
     if need > cache_k.shape[2]:
         raise ValueError(f"a piece reaches position {need}, past the cache's {cache_k.shape[2]}")
-    dev = q.device
-    rows = torch.tensor(layout.rows, device=dev)
-    token_rows = torch.repeat_interleave(rows, torch.tensor(layout.lengths, device=dev))
-    pos = layout.positions(dev)
-    cache_k[token_rows, :, pos] = k
-    cache_v[token_rows, :, pos] = v
-
-    pieces, longest = len(layout.lengths), max(layout.lengths)
-    offs = torch.arange(longest, device=dev)
-    lengths = torch.tensor(layout.lengths, device=dev)
-    valid = offs[None, :] < lengths[:, None]  # [P, L]: a real query, not padding
-    index = (torch.tensor(layout.starts, device=dev)[:, None] + offs[None, :]).clamp(max=t - 1)
-    qp = q[index].permute(0, 2, 1, 3)  # [P, H, L, D]
-    keys = torch.arange(need, device=dev)
-    limit = torch.tensor(layout.contexts, device=dev)[:, None] + offs[None, :] + 1  # [P, L]: keys each query sees
-    mask = keys[None, None, :] < limit[:, :, None]  # [P, L, C]
-    mask = mask & valid[:, :, None] | (~valid[:, :, None] & (keys == 0))  # padding sees one key: no empty softmax
-    out = F.scaled_dot_product_attention(qp, cache_k[rows, :, :need], cache_v[rows, :, :need], attn_mask=mask[:, None],
-                                         enable_gqa=heads != cache_k.shape[1])
-    return out.permute(0, 2, 1, 3)[valid]  # [T, H, D], in the step's token order
+    plan = _plan(layout, q.device)
+    cache_k[plan.token_rows, :, plan.positions] = k
+    cache_v[plan.token_rows, :, plan.positions] = v
+    out = torch.empty_like(q)
+    group = heads // cache_k.shape[1]
+    if len(plan.decode_tokens):
+        seen = plan.decode_mask.shape[-1]
+        rows = plan.decode_rows
+        out[plan.decode_tokens] = F.scaled_dot_product_attention(
+            q[plan.decode_tokens].unsqueeze(2), cache_k[rows, :, :seen], cache_v[rows, :, :seen],
+            attn_mask=plan.decode_mask, enable_gqa=group > 1).squeeze(2)
+    for start, n, ctx, row in plan.chunks:
+        # K and V repeated per query head: the lower-right causal call has no GQA path
+        kc = cache_k[row, :, : ctx + n].repeat_interleave(group, dim=0)
+        vc = cache_v[row, :, : ctx + n].repeat_interleave(group, dim=0)
+        qc = q[start : start + n].transpose(0, 1)  # [H, n, D]
+        o = F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=causal_lower_right(n, ctx + n))
+        out[start : start + n] = o[0].transpose(0, 1)
+    return out

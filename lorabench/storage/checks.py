@@ -34,6 +34,9 @@ class Checked:
     failing_mixed_graphs: list | None = None  # [bucket, key, grid] of every wrong mixed key
     mixed_eager_wrong: bool | None = None  # a mixed step past every mixed size was wrong
     first_mixed: dict | None = None  # the smallest failing mixed step (``first`` may be a decode batch)
+    mixed_max_err: float | None = None  # worst relative logit error over the mixed steps
+    rounding_floor: float | None = None  # what rounding alone moves a mixed step's logits by (``runtime.check``)
+    mixed_tolerance: float | None = None  # the mixed steps' tolerance: max(tolerance, NOISE_MARGIN x rounding_floor)
     detail: str = ""  # the verdict in words
     num_graphs: int | None = None
     captured_counts: list[int] | None = None
