@@ -70,6 +70,9 @@ def test_mixed_cases_reach_every_mixed_key_and_the_eager_path():
     assert any(not r.graphed and r.tokens == 12 for r in routes)  # past the largest mixed size
     assert all(r.mixed for r in routes)
     assert any(c.base and c.n_active == 4 for c in cs)  # base requests among every adapter
+    counts = lambda t: sorted({c.n_active for c in cs if c.tokens == t})  # noqa: E731
+    assert counts(9) == [0, 1, 2, 3, 4]  # just past the largest size: the eager path at every n
+    assert counts(12) == [0, 1, 4]  # the largest step: its ends only
 
 
 @pytest.mark.parametrize("kernels,strategy", [("torch", "max"), ("torch", "pow2"), ("triton", "pow2"),

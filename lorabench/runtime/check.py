@@ -185,7 +185,9 @@ def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
     the largest, a step of the most tokens the model holds (eager). For each, every n in
     0..min(tokens, max_loras): adapters alone and with one base request (n = 0: base alone), each
     a prompt chunk among decode tokens with random contexts (``batches.mixed_step``), in the
-    cache's last rows (``mixed_rows``). Smallest first."""
+    cache's last rows (``mixed_rows``). Smallest first. The largest eager step takes n = 0, 1 and
+    its most only: the eager path meets every n at the step just past the largest size already,
+    and at thousands of tokens each n would cost more than all the smaller steps together."""
     sizes, top = d.mixed_sizes, d.model.max_tokens
     if not sizes:
         return []
@@ -194,7 +196,9 @@ def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
         lengths |= {sizes[-1] + 1, top}
     out = []
     for t in sorted(lengths):
-        for n in range(min(t, d.max_loras) + 1):
+        most = min(t, d.max_loras)
+        counts = range(most + 1) if t < top or t <= sizes[-1] + 1 else sorted({0, 1, most})
+        for n in counts:
             for base in sorted({1} if n == 0 else {0, min(1, t - n)}):
                 step = mixed_step(t, n, d.max_loras, d.model.context_len, rng, base)
                 out.append(Case(step.token_adapters, step, d.model.cache_rows - mixed_rows(d)))
