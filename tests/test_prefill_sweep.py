@@ -62,6 +62,15 @@ def test_prefill_points_are_planned_and_size_the_model():
     assert given.mixed_sizes == [8, 32] and given.max_cudagraph_capture_size == 32
 
 
+def test_beside_a_serving_run_prefill_points_stop_at_its_clients():
+    """A serving run's steps hold at most its clients' requests, so at most that many adapters: its
+    prefill points (which price the loop's mixed steps) need no larger n."""
+    spec = spec_of(max_loras="8", concurrency="4", adapters="16", input_tokens="12", output_tokens="4",
+                   prefill_tokens="16", context_len="32", strategy="max")
+    (job,) = plan(spec)
+    assert [p.n_active for p in job.points if p.mode == PREFILL] == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("flags,says", [
     ({"prefill_tokens": "9000"}, "--max-num-batched-tokens 8192"),
     ({"prefill_tokens": "64", "max_num_batched_tokens": "32"}, "--max-num-batched-tokens 32"),

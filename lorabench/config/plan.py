@@ -127,7 +127,7 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
     """The workers' jobs, each with its points: for every concurrency c, every n in
     0..min(c, max_loras) (or those of --active-counts, and 0) in fixed mode, then one workload run
     per workload; then per --prefill-tokens T, a prefill point at every n in 0..min(T, max_loras)
-    (or those of --active-counts). With --adapters the
+    (or those of --active-counts; beside a serving run's, n up to its clients). With --adapters the
     workload runs are residency runs, of the largest concurrency's clients only (the smaller
     concurrencies are the batch sizes its steps take). vLLM's kernels skip strategies vLLM has no
     grid for."""
@@ -155,8 +155,10 @@ def plan(spec: SweepSpec, run_id: str = "", started_at: str = "", argv: str = ""
                         for w in spec.workload:
                             points.append(Point(index, SERVING if spec.input_tokens else RESIDENCY, c, workload=w))
                             index += 1
+                # beside a serving run, no step holds more requests (so adapters) than its clients
+                most = min(max_loras, max(spec.concurrency)) if spec.input_tokens else max_loras
                 for t in spec.prefill_tokens or ():
-                    ns = [n for n in range(min(t, max_loras) + 1)
+                    ns = [n for n in range(min(t, most) + 1)
                           if n == 0 or spec.active_counts is None or n in spec.active_counts]
                     requests = prefill_requests(t, ns[-1], spec.context_len)  # the same chunks at every n
                     for n in ns:
