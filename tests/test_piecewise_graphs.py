@@ -14,7 +14,7 @@ from lorabench.config.batches import mixed_step
 from lorabench.config.models import resolve, shortened
 from lorabench.config.strategies import capture_counts
 from lorabench.runtime import check as check_module
-from lorabench.runtime.check import NOISE_MARGIN, Case, check, mixed_cases, rounding_floor
+from lorabench.runtime.check import MIN_MIXED_SENSITIVITY, NOISE_MARGIN, Case, check, mixed_cases, rounding_floor
 from lorabench.runtime.dispatch import Dispatcher, Route
 from lorabench.runtime.mixed_attention import MixedLayout
 from lorabench.runtime.model import LlamaLoRA
@@ -127,10 +127,28 @@ def test_mixed_steps_are_held_to_their_rounding_floor_in_16_bit():
     assert v.correct is True and v.mixed_max_err < v.mixed_tolerance, v.detail
 
 
+def test_an_moe_model_s_rounding_floor_keeps_its_routing():
+    """The rounded reference takes the experts the first answer chose: a near-tie flipped by
+    rounding would send a token to another expert, and the floor would measure routing (0.3-1.2 at
+    8 layers of a Mixtral-like model in bf16) instead of rounding (under 0.1)."""
+    from dataclasses import replace
+
+    moe = resolve("tiny-moe")
+    deep = replace(moe, name="deep-tiny-moe", layers=8, full_layers=8)
+    model = LlamaLoRA(deep, max_loras=4, rank=16, max_tokens=24, context_len=48, dtype=torch.bfloat16,
+                      device=DEVICE, cache_rows=30)
+    d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2], counts=capture_counts("max", 4),
+                   use_graphs=False, mixed_sizes=[8, 16])
+    d.warm_up()
+    d.capture()
+    d.capture_mixed()
+    assert max(rounding_floor(d, seed) for seed in range(4)) < 0.1
+
+
 def test_a_raised_mixed_tolerance_still_catches_a_dropped_update(monkeypatch):
     """A rounding floor of 0.15 lifts the mixed steps' tolerance to 0.3 (the decode batches keep the
     dtype's): a launch count one short on a mixed step still fails, named against 0.3; a floor too
-    close to what the update moves makes the check inconclusive."""
+    close to what the update moves makes a right configuration's check inconclusive."""
     d = build()
     monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: 0.15)
     good = Dispatcher.route_mixed
@@ -147,9 +165,52 @@ def test_a_raised_mixed_tolerance_still_catches_a_dropped_update(monkeypatch):
     assert v.mixed_tolerance == pytest.approx(0.3) and v.tolerance < 0.3
     assert v.correct is False and v.first.pieces and v.first.max_err > 0.3, v.detail
     assert "tolerance 0.3" in v.detail
+    assert check(d, DTYPE).correct is False  # beyond its limit: WRONG however close the floor comes
+    monkeypatch.setattr(Dispatcher, "route_mixed", good)
     monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: v.sensitivity / 4)
-    inconclusive = check(d, DTYPE)
+    inconclusive = check(build(), DTYPE)  # right, but a dropped update would now pass too
     assert inconclusive.correct is None and "inconclusive on mixed steps" in inconclusive.detail
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_decode_batches_keep_the_dtype_tolerance_when_mixed_steps_get_more(monkeypatch, kind):
+    """Logits off by 0.1 relative: over the dtype's tolerance, under a mixed tolerance of 0.3
+    (floor 0.15). On decode batches that is WRONG; on mixed steps it passes."""
+    d = build()
+    monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: 0.15)
+    good = Dispatcher.launch
+
+    def off(self, prep, every_token=False):
+        out = good(self, prep, every_token)
+        return out * 1.1 if (prep.layout is None) == (kind == "decode") else out
+
+    monkeypatch.setattr(Dispatcher, "launch", off)
+    v = check(d, DTYPE)
+    assert v.tolerance < 0.1 < v.mixed_tolerance
+    if kind == "decode":
+        assert v.correct is False and v.failing_graphs and not v.failing_mixed_graphs, v.detail
+    else:
+        assert v.correct is True and 0.09 < v.mixed_max_err < v.mixed_tolerance, v.detail
+
+
+def test_a_decode_failure_stays_wrong_when_mixed_steps_cannot_tell(monkeypatch):
+    """A rounding floor too high for the mixed steps to be conclusive takes no verdict away from
+    the decode batches: a launch count one short there is still WRONG."""
+    d = build()
+    good = Dispatcher.route
+
+    def one_short(self, tokens, n):
+        r = good(self, tokens, n)
+        return Route(r.tokens, r.launch - 1, r.graphed) if r.launch > 1 and r.graphed else r
+
+    monkeypatch.setattr(Dispatcher, "route", one_short)
+    for key in [(b, c) for b in (2, 4, 8) for c in (1, 3) if c <= b]:
+        d.runners[key] = lambda key=key: d.forward(*key)
+        d.grid[key] = key[1]
+    monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: 0.3)
+    v = check(d, DTYPE)
+    assert v.sensitivity < MIN_MIXED_SENSITIVITY * v.mixed_tolerance  # mixed steps alone could not tell
+    assert v.correct is False and v.failing_graphs and "WRONG" in v.detail
 
 
 def test_a_layout_past_the_cache_rows_gets_one_line():

@@ -35,7 +35,7 @@ def check_table(checks: list[Checked]) -> Table:
             detail = f"max error {c.max_err:.2g} (tolerance {c.tolerance:g})"
             if c.mixed_batches and c.mixed_tolerance and c.mixed_tolerance > c.tolerance:
                 detail = (f"max error {c.max_err:.2g}; decode within {c.tolerance:g}, mixed steps within "
-                          f"{c.mixed_tolerance:.2g} (their rounding floor {c.rounding_floor:.2g}, doubled)")
+                          f"{c.mixed_tolerance:.2g} (over their rounding floor {c.rounding_floor:.2g})")
         batches = "-" if c.batches is None else str(c.batches)
         table.add_row(c.kernels, str(c.max_loras), c.strategy, graphs, batches, verdict, detail)
     return table

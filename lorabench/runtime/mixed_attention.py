@@ -8,11 +8,12 @@ positions (its earlier context and its own chunk, causally). A decode token is a
 
 Pieces of one token (decode) run as one ``scaled_dot_product_attention`` call over their rows'
 contexts (keys padded to the longest, a mask each); each longer piece (a prompt chunk) runs as its
-own call with a lower-right causal mask, which torch serves with flash attention on a GPU. (vLLM
-runs one varlen flash-attention kernel; torch has none that runs on the CPU too. One padded call
-for all pieces, the first version, did up to pieces x longest chunk x longest context of work with
-a materialised mask: 6x the step time of a 2048-token chunk beside 15 decode tokens.) Attention
-lies outside the captured graphs of a mixed step, as vLLM splits its PIECEWISE graphs at attention.
+own call with a lower-right causal mask, which torch serves with flash attention on a GPU in 16-bit
+dtypes. (vLLM runs one varlen flash-attention kernel; torch has none that runs on the CPU too. One
+padded call for all pieces, the first version, computed pieces x longest chunk x longest context
+scores through a materialised mask: for a 2048-token chunk beside 15 decode tokens, 16x the
+chunk's own.) Attention lies outside the captured graphs of a mixed step, as vLLM splits its
+PIECEWISE graphs at attention.
 """
 
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ def attend(q, k, v, cache_k, cache_v, layout: MixedLayout) -> torch.Tensor:
             q[plan.decode_tokens].unsqueeze(2), cache_k[rows, :, :seen], cache_v[rows, :, :seen],
             attn_mask=plan.decode_mask, enable_gqa=group > 1).squeeze(2)
     for start, n, ctx, row in plan.chunks:
-        # K and V repeated per query head: the lower-right causal call has no GQA path
+        # K and V repeated per query head: the lower-right causal call's non-flash paths take no grouped heads
         kc = cache_k[row, :, : ctx + n].repeat_interleave(group, dim=0)
         vc = cache_v[row, :, : ctx + n].repeat_interleave(group, dim=0)
         qc = q[start : start + n].transpose(0, 1)  # [H, n, D]
