@@ -94,7 +94,8 @@ class Row:
     correct: bool | None = column("the configuration's check: true, false, or null (not checked or inconclusive)")
     check_detail: str | None = column(
         "the verdict in words; when wrong, the smallest failing batch, its graph and error")
-    check_max_err: float | None = column("worst relative logit error over the check's batches")
+    check_max_err: float | None = column(
+        "worst relative logit error over the check's batches, mixed steps too (their own tolerance: check_detail)")
     check_batches: int | None = column("batches the check ran")
     check_s: float | None = column("seconds the check took")
     predicted_ms: float | None = column(
