@@ -60,6 +60,7 @@
 #   gemm-bench - scripts/gemm_bench.py: the gemm backend's base GEMM vs cuBLAS at llama-2-7b's and Llama-3.1-8B's linears
 #            (decode and prefill token counts, a grid of tilings at GB_GRID), and each linear's LoRA overhead, triton vs gemm
 #   gemm-sweep - sweeps/gemm.toml (GS_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/gemm/
+#   mixed-tests - the mixed steps' tests alone (attention with context in 16 bit, PIECEWISE graphs, prefill sweeps): a minute
 #   prefill-check - lorabench check of PIECEWISE graphs (lorabench's and vLLM's rules, max and pow2) on 2 layers of Llama-3.1-8B
 #   prefill - sweeps/prefill.toml (PF_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably), reported: results/prefill/
 #   serving - sweeps/serving.toml (SV_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably), reported: results/serving/
@@ -104,6 +105,8 @@ for stage in "$@"; do
       python3 scripts/linear_bench.py --max-loras "${LB_LORAS:-4}" --points "${LB_POINTS:-1:1,8:4}" "${tuned[@]}" "${vars[@]}" \
         --json "$OUT/linear-bench-$SECONDS.json" 2>&1 | tee -a "$OUT/linear-bench.log" ;;
     shrink-grid) python3 scripts/shrink_grid.py --json "$OUT/shrink-grid.json" 2>&1 | tee -a "$OUT/shrink-grid.log" ;;
+    mixed-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_mixed_attention.py tests/test_piecewise_graphs.py \
+                   tests/test_prefill_sweep.py 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
     kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py \
                     -k "${TESTS_K:-fused or agnostic}" 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
     kernels-32|kernels-128)

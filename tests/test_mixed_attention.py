@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE
 from lorabench.config.chunked import Piece, Step
 from lorabench.runtime.mixed_attention import MixedLayout, attend
 
@@ -55,6 +56,24 @@ def test_attention_with_context_matches_a_plain_softmax(heads, kv_heads, pieces)
     assert torch.equal(cache_k[~written], before[~written])  # nothing else changed
     assert out.shape == q.shape
     torch.testing.assert_close(out.double(), reference(q, cache_k, cache_v, layout), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_in_16_bit_on_the_device(dtype):
+    """The kernels torch picks for 16-bit inputs on the device (on a GPU: flash attention for the
+    chunks' lower-right causal calls) against the float64 softmax: Llama-3.1-8B's heads (32 over 8
+    KV heads of 128), a 300-token chunk with 200 cached beside decode tokens and a fresh prompt."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, rows, ctx_len = 32, 8, 128, 6, 640
+    step = step_of((1, 12, False), (300, 200, True), (1, 511, False), (37, 0, True), (1, 0, False))
+    layout = MixedLayout.of(step, dict(enumerate((4, 0, 5, 2, 1))))
+    t = layout.tokens
+    q, k, v = (torch.randn(t, h, d, generator=g).to(DEVICE, dtype) for h in (heads, kv_heads, kv_heads))
+    cache_k, cache_v = (torch.randn(rows, kv_heads, ctx_len, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    out = attend(q, k, v, cache_k, cache_v, layout)
+    assert out.dtype == dtype and out.device.type == torch.device(DEVICE).type
+    ref = reference(q.cpu(), cache_k.cpu(), cache_v.cpu(), layout)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_layouts_that_cannot_run_get_one_line():
