@@ -28,6 +28,12 @@ LoRA, like the other backends' grids.
 Adapters must be finite: a zero of hm times an Inf of another slot's B is NaN in the dot, so one
 slot's Inf reaches every token of the M tile (the pair's expand keeps slots apart). Padding past a
 slot's own rank is never read under ``+unpadded``.
+
+``GemmConfig.gather`` takes the other epilogue: each token reads its own slot's B over the tile's
+columns and sums ``h[m, s·R + r] · B[slot_m][n, r]`` over r in the CUDA cores, so its work follows
+the tile's tokens, not the active slots (the walk above reads S·R columns per active slot per tile,
+a chain of dependent loads at 32 slots). Made for decode sizes, where a tile's few tokens hold few
+of the slots; the launch count still decides who is served (a token's slot must be launched).
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -47,6 +53,7 @@ from .shrink import lora_shrink
 from .tiles import expand_tile
 
 EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_N): more spills registers (sm_90 compiles)
+GATHER_ELEMENTS = 4096  # the same for a gathered epilogue step (BLOCK_M x BLOCK_N x R_STEP)
 
 # The shrink splits K with fp32 atomics into the model's scratch: it must start at zero.
 NEEDS_ZEROED_SCRATCH = True
@@ -84,6 +91,34 @@ def _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active
 
 
 @triton.jit
+def _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols, h_ptr, b_ptr, rank_ptr, n1, n2, n3,
+                   R: tl.constexpr, stride_hm, stride_bl, stride_bn, R_PAD: tl.constexpr, R_STEP: tl.constexpr,
+                   RANKED: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] plus every served token's own LoRA over the tile's columns:
+    Σ_r h[m, s(n)·R + r] · B[slot_m][n, r], s(n) the slice column n lies in; R_STEP ranks at a time
+    (a [BLOCK_M, BLOCK_N, R_STEP] gather of B and of h). A token is served when its slot is among
+    the launched ones; columns past the last slice get nothing."""
+    served = tl.sum(((token_slot[:, None] == launched[None, :]) & (launched[None, :] >= 0)).to(tl.int32), axis=1) > 0
+    ok_m = m_mask & served
+    slot = tl.where(ok_m, token_slot, 0).to(tl.int64)
+    s_n = (offs_n >= n1).to(tl.int32) + (offs_n >= n2).to(tl.int32)
+    ok_n = n_mask & (offs_n < n3)
+    limit = R
+    if RANKED:
+        own = tl.load(rank_ptr + slot, mask=ok_m, other=0)
+        limit = tl.minimum((own + 15) // 16 * 16, R)[:, None, None]
+    for r0 in tl.static_range(0, R_PAD, R_STEP):
+        offs_r = r0 + tl.arange(0, R_STEP)
+        mask = ok_m[:, None, None] & ok_n[None, :, None] & (offs_r[None, None, :] < limit)
+        b = tl.load(b_ptr + slot[:, None, None] * stride_bl + cols[None, :, None] * stride_bn + offs_r[None, None, :],
+                    mask=mask, other=0.0)
+        hv = tl.load(h_ptr + rows[:, None, None] * stride_hm + (s_n[None, :, None] * R + offs_r[None, None, :]),
+                     mask=mask, other=0.0)
+        acc += tl.sum(hv * b.to(tl.float32), axis=2)
+    return acc
+
+
+@triton.jit
 def _gemm_lora_kernel(
     x_ptr,  # [T, K] input activations
     w_ptr,  # [N, K] base weight (unused without HAS_BASE)
@@ -113,6 +148,9 @@ def _gemm_lora_kernel(
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch at once
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank (LoRAMeta.slot_rank)
+    GATHER: tl.constexpr,  # the gathered epilogue (each token its own slot's B) instead of the walk over the active slots
+    R_PAD: tl.constexpr,  # GATHER: the rank rounded up to a power of two
+    R_STEP: tl.constexpr,  # GATHER: ranks per gather step
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -137,7 +175,7 @@ def _gemm_lora_kernel(
         launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
         live = tl.sum((launched >= 0).to(tl.int32), axis=0) * S * R  # active slots come first
         token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
-        if PRELOAD:  # and the epilogue's first operands (registers held over the loop)
+        if PRELOAD and not GATHER:  # and the epilogue's first operands (registers held over the loop)
             hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
                                 rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
 
@@ -151,7 +189,10 @@ def _gemm_lora_kernel(
     if not HAS_BASE:
         acc = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
 
-    if HAS_LORA:
+    if HAS_LORA and GATHER:
+        acc = _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols, h_ptr, b_ptr, rank_ptr,
+                             n1, n2, n3, R, stride_hm, stride_bl, stride_bn, R_PAD, R_STEP, RANKED)
+    elif HAS_LORA:
         if not PRELOAD:
             hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
                                 rank_ptr, n1, n2, n3, R, S, stride_hm, stride_bl, stride_bn, BLOCK_J, RANKED)
@@ -172,10 +213,11 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     preload: bool = False  # the first epilogue step's h and B loaded before the K loop (held in registers over it; slower on an H200)
+    gather: bool = False  # the gathered epilogue (module doc): each token its own slot's B; not yet timed on a GPU
 
 
 SEARCH_SPACE = {"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512],
-                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5], "preload": [True, False]}
+                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5], "preload": [True, False], "gather": [True, False]}
 
 # Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
 TUNED_CONFIGS: dict[tuple, GemmConfig] = {}
@@ -270,14 +312,16 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     )
     flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
                  LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), USE_PDL=pdl, UPCAST=upcast, RANKED=ranked,
-                 **pdl_launch(pdl))
+                 R_PAD=triton.next_power_of_2(rank), **pdl_launch(pdl))
     while True:
         grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         block_j = max(16, min(width, EPILOGUE_ELEMENTS // cfg.block_n))
+        # the gathered epilogue's step: [BLOCK_M, BLOCK_N, R_STEP] of B, at most GATHER_ELEMENTS
+        r_step = max(1, min(flags["R_PAD"], GATHER_ELEMENTS // (cfg.block_m * cfg.block_n)))
         try:
             _gemm_lora_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
-                                    GROUP_M=cfg.group_m, PRELOAD=cfg.preload, num_warps=cfg.num_warps,
-                                    num_stages=cfg.num_stages, **flags)
+                                    GROUP_M=cfg.group_m, PRELOAD=cfg.preload, GATHER=cfg.gather, R_STEP=r_step,
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         except OutOfResources:
             down = smaller(cfg)
             if config is not None or down is None:  # a config asked for (a tune's) is not changed behind its back

@@ -14,7 +14,8 @@ Points (max_loras:tokens:active adapters, launched = active): per linear, the Lo
 ``triton`` (cuBLAS, then lorabench's shrink + expand) and ``gemm`` (the shrink, then the GEMM with
 the expand in its epilogue) — as configured, with its first epilogue step's h and B loaded before
 the K loop (``gemm_early``) and after it (``gemm_late``; ``GemmConfig.preload``), with epilogue
-steps twice as wide (``gemm_wide``) and without PDL (``gemm_nopdl``) —
+steps twice as wide (``gemm_wide``), without PDL (``gemm_nopdl``) and with the gathered epilogue
+(``gemm_gather``: each token its own slot's B, ``GemmConfig.gather``) —
 each graph against the cuBLAS-only graph in the same loop, and the step estimate (the four linears
 × the model's layers). Results are checked against the reference.
 """
@@ -137,9 +138,10 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             triton_lora.lora_apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
         out["triton"] = y
 
-    def gemm(preload=None, name="gemm"):
+    def gemm(preload=None, name="gemm", gather=None):
         cfg = gemm_lora.config_for(tokens, k, n)
         cfg = cfg if preload is None else replace(cfg, preload=preload)
+        cfg = cfg if gather is None else replace(cfg, gather=gather)
 
         def run():
             scratch.zero_()
@@ -149,7 +151,8 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
         return run
 
     graphs = {"cublas": capture_graph(cublas), "triton": capture_graph(pair), "gemm": capture_graph(gemm()),
-              "gemm/early": capture_graph(gemm(True, "gemm/early")), "gemm/late": capture_graph(gemm(False, "gemm/late"))}
+              "gemm/early": capture_graph(gemm(True, "gemm/early")), "gemm/late": capture_graph(gemm(False, "gemm/late")),
+              "gemm/gather": capture_graph(gemm(None, "gemm/gather", gather=True))}
     elements = gemm_lora.EPILOGUE_ELEMENTS
     gemm_lora.EPILOGUE_ELEMENTS = 2 * elements
     try:
@@ -174,8 +177,10 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             "gemm_early_over_us": res["gemm/early"][0] - res["cublas"][0],
             "gemm_late_over_us": res["gemm/late"][0] - res["cublas"][0],
             "gemm_wide_over_us": res["gemm/wide"][0] - res["cublas"][0],
+            "gemm_gather_over_us": res["gemm/gather"][0] - res["cublas"][0],
             "triton_err": rel(out["triton"], ref),
-            "gemm_err": max(rel(out[v], ref) for v in ("gemm", "gemm/early", "gemm/late", "gemm/wide", "gemm/no-pdl"))}
+            "gemm_err": max(rel(out[v], ref) for v in ("gemm", "gemm/early", "gemm/late", "gemm/wide", "gemm/no-pdl",
+                                                       "gemm/gather"))}
 
 
 def main() -> None:
@@ -212,7 +217,7 @@ def main() -> None:
             per = [bench_lora(lname, k, slices, max_loras, t, active) for lname, (k, slices) in lora_linears(cfg).items()]
             rows["lora"].extend({"model": model, **r} for r in per)
             layers = cfg.layers
-            variants = ("triton", "gemm", "gemm_early", "gemm_late", "gemm_wide", "gemm_nopdl")
+            variants = ("triton", "gemm", "gemm_early", "gemm_late", "gemm_wide", "gemm_nopdl", "gemm_gather")
             step = {v: sum(r[f"{v}_over_us"] for r in per) * layers / 1000 for v in variants}
             cells = "  ".join(f"{r['linear']} " + "/".join(f"{r[f'{v}_over_us']:.2f}" for v in variants) for r in per)
             worst = max(max(r["triton_err"], r["gemm_err"]) for r in per)

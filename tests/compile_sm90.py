@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -164,6 +165,13 @@ def launch_gemm(dtype, tokens):
         for loras in (4, 32):
             y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, k, slices, loras, 16)
             gemm_lora._launch(y, x, w, None, h, b, starts, meta, loras, None, gemm_lora.pdl_enabled(x.device))
+            # the gathered epilogue in the default tiling, padded and +unpadded, and at a large rank
+            cfg = replace(gemm_lora.config_for(tokens, k, sum(slices)), gather=True)
+            for m in (meta, meta._replace(slot_rank=torch.empty(loras, dtype=torch.int32))):
+                gemm_lora._launch(y, x, w, None, h, b, starts, m, loras, cfg, gemm_lora.pdl_enabled(x.device))
+    y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, 4096, (4096, 1024, 1024), 4, 128)
+    gemm_lora._launch(y, x, w, None, h, b, starts, meta, 4, replace(gemm_lora.config_for(tokens, 4096, 6144),
+                                                                               gather=True), False)
     y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, 4096, (4096,), 4, 16)
     gemm_lora._launch(y, x, w, torch.empty(4096, dtype=dtype), h, b, starts, meta, 4, None, False)
     gemm_lora._launch(y, x, w, None, None, None, (0,), None, 0, None, False)

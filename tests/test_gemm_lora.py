@@ -2,6 +2,7 @@
 against plain torch, on batches mixing base-model and adapter tokens at every launch count."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,17 @@ from lorabench.runtime.lora_meta import MetaBuffer
 # Triton's CPU interpreter returns garbage from bf16 dots (the kernels upcast there): bf16 on the GPU.
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3 if HAS_CUDA else 1e-4}
+
+
+@pytest.fixture(params=["walk", "gather"])
+def epilogue(request, monkeypatch):
+    """Both epilogues: the walk over the active slots (default) and the gathered one (each token
+    its own slot's B), chosen through the default tiling."""
+    if request.param == "gather":
+        chosen = gemm_lora.config_for
+        monkeypatch.setattr(gemm_lora, "config_for", lambda t, k, n: replace(chosen(t, k, n), gather=True))
+        monkeypatch.setattr(gemm_lora, "FITTED", {})
+    return request.param
 
 
 def case(tokens, k, widths, rank, max_loras, dtype, base_frac=0.3, seed=0, bias=True, a_rows=None):
@@ -54,7 +66,7 @@ def close(out, ref, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rank", [1, 8, 16, 100, 512])
-def test_whole_linear_matches_torch_at_every_rank(dtype, rank):
+def test_whole_linear_matches_torch_at_every_rank(dtype, rank, epilogue):
     widths = (40, 24, 24)  # q/k/v-like slices of unequal width, none a multiple of the N tile
     x, w, bias, a, b, slots = case(9, 96, widths, rank, 4, dtype, seed=rank)
     y, base, served = run(x, w, bias, a, b, slots, starts_of(widths), 4, 4)
@@ -67,14 +79,14 @@ def test_whole_linear_matches_torch_at_every_rank(dtype, rank):
 
 @pytest.mark.parametrize("tokens", [1, 2, 17, 64, 130])  # one M tile of every decode size, and several (prefill)
 @pytest.mark.parametrize("widths", [(72,), (48, 48), (32, 16, 16)], ids=["1slice", "2slices", "3slices"])
-def test_token_counts_and_slices(tokens, widths):
+def test_token_counts_and_slices(tokens, widths, epilogue):
     x, w, bias, a, b, slots = case(tokens, 64, widths, 16, 4, torch.float16, seed=tokens)
     y, base, served = run(x, w, bias, a, b, slots, starts_of(widths), 4, 4)
     close(y, base + lora_delta(x, a, b, starts_of(widths), served, 0.5), torch.float16)
 
 
 @pytest.mark.parametrize("launch", [1, 2, 3, 6])
-def test_launch_count_below_the_active_count_serves_only_the_launched(launch):
+def test_launch_count_below_the_active_count_serves_only_the_launched(launch, epilogue):
     """A graph launched for fewer slots than the batch holds serves the first ``launch`` active
     slots only (what a too-small grid does; the dispatcher must never let it happen)."""
     x, w, bias, a, b, _ = case(12, 64, (48, 16), 16, 6, torch.float32)
@@ -92,7 +104,7 @@ def test_launch_count_zero_is_the_base_gemm_alone():
     close(gemm_lora.base_linear(x, w), x.float() @ w.float().t(), torch.float32)
 
 
-def test_many_slots_take_several_epilogue_steps():
+def test_many_slots_take_several_epilogue_steps(epilogue):
     """32 slots of rank 16 over 3 slices: 1536 slot-rank columns, 12 steps of the epilogue."""
     widths = (32, 16, 16)
     x, w, bias, a, b, _ = case(40, 32, widths, 16, 32, torch.float32, bias=False)
@@ -101,13 +113,13 @@ def test_many_slots_take_several_epilogue_steps():
     close(y, base + lora_delta(x, a, b, starts_of(widths), served, 0.5), torch.float32)
 
 
-def test_all_base_tokens_and_no_bias():
+def test_all_base_tokens_and_no_bias(epilogue):
     x, w, _, a, b, _ = case(4, 64, (48,), 16, 2, torch.float16, bias=False)
     y, base, _ = run(x, w, None, a, b, [-1] * 4, starts_of((48,)), 2, 2)
     close(y, base, torch.float16)
 
 
-def test_fully_sharded_shapes():
+def test_fully_sharded_shapes(epilogue):
     """A fully sharded rank: A holds R / TP rows per slice (the rest of h is other ranks'), and a
     row-parallel rank's LoRA updates only the first N / TP outputs (slices end before y does)."""
     x, w, bias, a, b, slots = case(6, 64, (32, 32), 16, 3, torch.float32, a_rows=8)
@@ -195,7 +207,7 @@ def test_operands_need_a_contiguous_last_axis():
         gemm_lora.linear_apply(x, w, bias, a, b.transpose(1, 2).contiguous().transpose(1, 2), starts_of((32,)), meta, 2, 0.5)
 
 
-def test_unpadded_epilogue_never_reads_bs_padding():
+def test_unpadded_epilogue_never_reads_bs_padding(epilogue):
     """With ``meta.slot_rank`` the epilogue leaves out each slot's B columns past its own rank
     (rounded up to 16): NaN there changes nothing (read, it would turn the row to NaN even times
     a zero h)."""
