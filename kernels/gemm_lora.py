@@ -34,6 +34,9 @@ columns and sums ``h[m, s·R + r] · B[slot_m][n, r]`` over r in the CUDA cores,
 the tile's tokens, not the active slots (the walk above reads S·R columns per active slot per tile,
 a chain of dependent loads at 32 slots). Made for decode sizes, where a tile's few tokens hold few
 of the slots; the launch count still decides who is served (a token's slot must be launched).
+Output tiles past ``GATHER_TILE`` elements take the walk (sm_90 compiles of the gather spill from
+64 x 64 on, and take minutes at 128 x 256); the tune does not search it (it times one active slot,
+where the walk is one step): ``scripts/gemm_bench.py`` times both.
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -54,6 +57,7 @@ from .tiles import expand_tile
 
 EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_N): more spills registers (sm_90 compiles)
 GATHER_ELEMENTS = 4096  # the same for a gathered epilogue step (BLOCK_M x BLOCK_N x R_STEP)
+GATHER_TILE = 2048  # the largest output tile (BLOCK_M x BLOCK_N) the gathered epilogue takes; larger ones walk
 
 # The shrink splits K with fp32 atomics into the model's scratch: it must start at zero.
 NEEDS_ZEROED_SCRATCH = True
@@ -92,12 +96,12 @@ def _lora_chunk(j0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active
 
 @triton.jit
 def _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols, h_ptr, b_ptr, rank_ptr, n1, n2, n3,
-                   R: tl.constexpr, stride_hm, stride_bl, stride_bn, R_PAD: tl.constexpr, R_STEP: tl.constexpr,
-                   RANKED: tl.constexpr):
+                   R: tl.constexpr, stride_hm, stride_bl, stride_bn, R_STEP: tl.constexpr, RANKED: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] plus every served token's own LoRA over the tile's columns:
     Σ_r h[m, s(n)·R + r] · B[slot_m][n, r], s(n) the slice column n lies in; R_STEP ranks at a time
-    (a [BLOCK_M, BLOCK_N, R_STEP] gather of B and of h). A token is served when its slot is among
-    the launched ones; columns past the last slice get nothing."""
+    (a [BLOCK_M, BLOCK_N, R_STEP] gather of B and of h), up to R (not its next power of two: a rank
+    of 320 takes 40 steps of 8, not 64). A token is served when its slot is among the launched ones; columns
+    past the last slice get nothing."""
     served = tl.sum(((token_slot[:, None] == launched[None, :]) & (launched[None, :] >= 0)).to(tl.int32), axis=1) > 0
     ok_m = m_mask & served
     slot = tl.where(ok_m, token_slot, 0).to(tl.int64)
@@ -107,7 +111,7 @@ def _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols
     if RANKED:
         own = tl.load(rank_ptr + slot, mask=ok_m, other=0)
         limit = tl.minimum((own + 15) // 16 * 16, R)[:, None, None]
-    for r0 in tl.static_range(0, R_PAD, R_STEP):
+    for r0 in tl.static_range(0, R, R_STEP):
         offs_r = r0 + tl.arange(0, R_STEP)
         mask = ok_m[:, None, None] & ok_n[None, :, None] & (offs_r[None, None, :] < limit)
         b = tl.load(b_ptr + slot[:, None, None] * stride_bl + cols[None, :, None] * stride_bn + offs_r[None, None, :],
@@ -149,8 +153,7 @@ def _gemm_lora_kernel(
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank (LoRAMeta.slot_rank)
     GATHER: tl.constexpr,  # the gathered epilogue (each token its own slot's B) instead of the walk over the active slots
-    R_PAD: tl.constexpr,  # GATHER: the rank rounded up to a power of two
-    R_STEP: tl.constexpr,  # GATHER: ranks per gather step
+    R_STEP: tl.constexpr,  # GATHER: ranks per gather step (a power of two)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -191,7 +194,7 @@ def _gemm_lora_kernel(
 
     if HAS_LORA and GATHER:
         acc = _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols, h_ptr, b_ptr, rank_ptr,
-                             n1, n2, n3, R, stride_hm, stride_bl, stride_bn, R_PAD, R_STEP, RANKED)
+                             n1, n2, n3, R, stride_hm, stride_bl, stride_bn, R_STEP, RANKED)
     elif HAS_LORA:
         if not PRELOAD:
             hm, b = _lora_chunk(0, live, token_slot, rows, m_mask, offs_n, n_mask, cols, active_ptr, h_ptr, b_ptr,
@@ -213,11 +216,11 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     preload: bool = False  # the first epilogue step's h and B loaded before the K loop (held in registers over it; slower on an H200)
-    gather: bool = False  # the gathered epilogue (module doc): each token its own slot's B; not yet timed on a GPU
+    gather: bool = False  # the gathered epilogue (module doc) where the tile is at most GATHER_TILE; not yet timed on a GPU
 
 
 SEARCH_SPACE = {"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512],
-                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5], "preload": [True, False], "gather": [True, False]}
+                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5], "preload": [True, False]}
 
 # Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
 TUNED_CONFIGS: dict[tuple, GemmConfig] = {}
@@ -312,15 +315,17 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     )
     flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
                  LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), USE_PDL=pdl, UPCAST=upcast, RANKED=ranked,
-                 R_PAD=triton.next_power_of_2(rank), **pdl_launch(pdl))
+                 **pdl_launch(pdl))
     while True:
         grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         block_j = max(16, min(width, EPILOGUE_ELEMENTS // cfg.block_n))
+        tile = cfg.block_m * cfg.block_n
+        gather = cfg.gather and tile <= GATHER_TILE
         # the gathered epilogue's step: [BLOCK_M, BLOCK_N, R_STEP] of B, at most GATHER_ELEMENTS
-        r_step = max(1, min(flags["R_PAD"], GATHER_ELEMENTS // (cfg.block_m * cfg.block_n)))
+        r_step = min(triton.next_power_of_2(rank), max(1, GATHER_ELEMENTS // tile)) if gather else 1
         try:
             _gemm_lora_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
-                                    GROUP_M=cfg.group_m, PRELOAD=cfg.preload, GATHER=cfg.gather, R_STEP=r_step,
+                                    GROUP_M=cfg.group_m, PRELOAD=cfg.preload and not gather, GATHER=gather, R_STEP=r_step,
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         except OutOfResources:
             down = smaller(cfg)

@@ -138,10 +138,9 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
             triton_lora.lora_apply(y, x, a, b, starts, meta.meta, active, 0.5, scratch[i])
         out["triton"] = y
 
-    def gemm(preload=None, name="gemm", gather=None):
-        cfg = gemm_lora.config_for(tokens, k, n)
+    def gemm(preload=None, name="gemm", gather=False):
+        cfg = replace(gemm_lora.config_for(tokens, k, n), gather=gather)  # the walk unless asked
         cfg = cfg if preload is None else replace(cfg, preload=preload)
-        cfg = cfg if gather is None else replace(cfg, gather=gather)
 
         def run():
             scratch.zero_()

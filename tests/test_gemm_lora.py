@@ -96,6 +96,32 @@ def test_launch_count_below_the_active_count_serves_only_the_launched(launch, ep
     close(y, base + lora_delta(x, a, b, starts_of((48, 16)), served, 0.5), torch.float32)
 
 
+def test_unlaunched_tokens_get_nothing_even_with_an_h(epilogue):
+    """The launch count gates the epilogue itself: an h handed in for every adapter token (as a
+    producer's shrink may leave it) adds nothing for tokens whose slot was not launched."""
+    x, w, bias, a, b, _ = case(8, 64, (48, 16), 16, 6, torch.float32)
+    slots = [0, 1, 2, 3, 4, 5, -1, 2]
+    buf = MetaBuffer(8, 6, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    scratch = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    y = gemm_lora.linear_apply(x, w, bias, a, b, starts_of((48, 16)), buf.meta, 2, 0.5, scratch, shrunk=True)
+    launched = set(buf.meta.active_slots[:2].tolist())
+    ref = x.float() @ w.float().t() + bias.float()
+    for t, slot in enumerate(slots):
+        if slot in launched:
+            ref[t, :48] += scratch[t, :16] @ b[slot, :48].float().t()
+            ref[t, 48:] += scratch[t, 16:] @ b[slot, 48:].float().t()
+    close(y, ref, torch.float32)
+
+
+def test_one_adapter_token(epilogue):
+    """The decode size the gathered epilogue is made for: one token, of an adapter."""
+    x, w, bias, a, b, slots = case(1, 64, (32, 16, 16), 16, 4, torch.float16, base_frac=0.0, seed=3)
+    y, base, served = run(x, w, bias, a, b, slots, starts_of((32, 16, 16)), 4, 4)
+    assert served.tolist() == slots and slots[0] >= 0
+    close(y, base + lora_delta(x, a, b, starts_of((32, 16, 16)), served, 0.5), torch.float16)
+
+
 def test_launch_count_zero_is_the_base_gemm_alone():
     x, w, bias, a, b, slots = case(5, 64, (48,), 16, 2, torch.float32)
     y, base, _ = run(x, w, bias, a, b, slots, starts_of((48,)), 2, 0)
@@ -134,15 +160,16 @@ def test_fully_sharded_shapes(epilogue):
     close(y[:, 32:], base[:, 32:], torch.float32)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["walk", "gather"])
 @pytest.mark.parametrize("group_m", [1, 2, 3, 8])
-def test_several_m_tiles_walked_in_groups(group_m):
+def test_several_m_tiles_walked_in_groups(group_m, gather):
     """Prefill-like launches: 5 M tiles x 6 N tiles, walked GROUP_M M tiles at a time (the last
     group shorter): every output tile is computed once, by the right program."""
     widths = (40, 56)
     x, w, bias, a, b, slots = case(70, 64, widths, 16, 3, torch.float32, seed=7)
     buf = MetaBuffer(70, 3, DEVICE)
     buf.load(buf.pack(slots)[0])
-    cfg = gemm_lora.GemmConfig(16, 16, 32, num_stages=2, group_m=group_m)
+    cfg = gemm_lora.GemmConfig(16, 16, 32, num_stages=2, group_m=group_m, gather=gather)
     scratch = torch.zeros(70, 2 * 16, dtype=torch.float32, device=DEVICE)
     y = gemm_lora.linear_apply(x, w, bias, a, b, starts_of(widths), buf.meta, 3, 0.5, scratch, config=cfg)
     served = torch.tensor(slots, device=DEVICE)
