@@ -4,6 +4,7 @@ It reads only each token's slot, never the launch count or the sorted metadata, 
 what the batch *should* get whatever graph serves it. Math in float32.
 """
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -47,10 +48,12 @@ def lora_delta(
     return delta
 
 
-def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
-    """In-place reference update ``y += delta``; same signature as the kernel backends."""
+def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None, rounded=False):
+    """In-place reference update ``y += delta``; same signature as the kernel backends (``rounded``:
+    the shrink's output in y's dtype, ``ROUNDED``)."""
     del launch_count, scratch  # the reference serves every adapter token, whatever the grid
-    y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale).to(y.dtype)
+    h_dtype = y.dtype if rounded else None
+    y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale, h_dtype).to(y.dtype)
 
 
 def expert_lora_delta(call, token_slot: torch.Tensor, scale: float, h_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -79,25 +82,16 @@ def expert_lora_delta(call, token_slot: torch.Tensor, scale: float, h_dtype: tor
     return delta
 
 
-def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
-    """In-place reference expert LoRA: every adapter entry served, whatever the grid."""
+def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale, rounded=False) -> None:
+    """In-place reference expert LoRA: every adapter entry served, whatever the grid (``rounded`` as
+    in ``lora_apply``)."""
     del launch_count
-    call.y[:, : call.lora_b.shape[0] * call.lora_b.shape[3]] += expert_lora_delta(call, meta.token_slot, scale).to(call.y.dtype)
-
-
-def _rounded_lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
-    del launch_count, scratch
-    y[:, : slice_starts[-1]] += lora_delta(x, lora_a, lora_b, slice_starts, meta.token_slot, scale, y.dtype).to(y.dtype)
-
-
-def _rounded_moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
-    del launch_count
-    delta = expert_lora_delta(call, meta.token_slot, scale, call.y.dtype)
+    delta = expert_lora_delta(call, meta.token_slot, scale, call.y.dtype if rounded else None)
     call.y[:, : call.lora_b.shape[0] * call.lora_b.shape[3]] += delta.to(call.y.dtype)
 
 
 # The reference with its shrink's output rounded to the model's dtype, as a kernel in that dtype
 # may round it. It differs from the reference by rounding alone, so the two answers' distance is
 # the error a correct kernel may show: the check's rounding floor (``runtime.check``).
-ROUNDED = SimpleNamespace(lora_apply=_rounded_lora_apply, moe_lora_apply=_rounded_moe_lora_apply,
-                          NEEDS_ZEROED_SCRATCH=NEEDS_ZEROED_SCRATCH)
+ROUNDED = SimpleNamespace(lora_apply=partial(lora_apply, rounded=True),
+                          moe_lora_apply=partial(moe_lora_apply, rounded=True), NEEDS_ZEROED_SCRATCH=NEEDS_ZEROED_SCRATCH)

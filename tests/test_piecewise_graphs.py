@@ -86,8 +86,9 @@ def test_lorabench_mixed_steps_are_correct(kernels, strategy):
     assert v.graphs_checked == v.graphs_total and "PIECEWISE" in v.detail
 
 
-def test_one_short_on_a_mixed_step_is_caught_with_the_smallest_step(monkeypatch):
-    d = build()
+def short_mixed_routes(d: Dispatcher, monkeypatch) -> None:
+    """Mixed steps routed to a launch count one short (the class of bug the check is for), with the
+    PIECEWISE graphs those short keys need."""
     good = Dispatcher.route_mixed
 
     def one_short(self, tokens, n):
@@ -98,12 +99,29 @@ def test_one_short_on_a_mixed_step_is_caught_with_the_smallest_step(monkeypatch)
     for key in [(b, c) for b in (2, 4, 8) for c in (1, 3) if c <= b]:  # the keys the short routes land on
         d.mixed_runners[key] = d._pieces(key)
         d.mixed_grid[key] = key[1]
+
+
+def test_one_short_on_a_mixed_step_is_caught_with_the_smallest_step(monkeypatch):
+    d = build()
+    short_mixed_routes(d, monkeypatch)
     v = check(d, DTYPE)
     assert v.correct is False and not v.failing_graphs and not v.eager_wrong  # decode steps are right
     f = v.first
     case = Case(f.slots)
     assert case.tokens == 2 and case.n_active == 2 and (f.graph_tokens, f.key, f.grid) == (2, 1, 1), f
     assert f.pieces and v.failing_mixed_graphs and "mixed step [" in v.detail and "PIECEWISE graphs" in v.detail
+
+
+def deep_bf16(cfg) -> Dispatcher:
+    """A deeper model in bf16 on the torch backend, eager, with mixed sizes 8 and 16: rounding shows."""
+    model = LlamaLoRA(cfg, max_loras=4, rank=16, max_tokens=24, context_len=48, dtype=torch.bfloat16,
+                      device=DEVICE, cache_rows=30)
+    d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2], counts=capture_counts("max", 4),
+                   use_graphs=False, mixed_sizes=[8, 16])
+    d.warm_up()
+    d.capture()
+    d.capture_mixed()
+    return d
 
 
 def test_mixed_steps_are_held_to_their_rounding_floor_in_16_bit():
@@ -113,13 +131,7 @@ def test_mixed_steps_are_held_to_their_rounding_floor_in_16_bit():
     from lorabench.config.models import ModelConfig
 
     deep = ModelConfig("deep-tiny", 12, 128, 4, 2, 256, 512)
-    model = LlamaLoRA(deep, max_loras=4, rank=16, max_tokens=24, context_len=48, dtype=torch.bfloat16,
-                      device=DEVICE, cache_rows=30)
-    d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2], counts=capture_counts("max", 4),
-                   use_graphs=False, mixed_sizes=[8, 16])
-    d.warm_up()
-    d.capture()
-    d.capture_mixed()
+    d = deep_bf16(deep)
     floor = rounding_floor(d, 0)
     assert 1e-4 < floor < 0.1  # bf16 rounding, well under what an update moves (~1)
     v = check(d, "bfloat16")
@@ -135,13 +147,7 @@ def test_an_moe_model_s_rounding_floor_keeps_its_routing():
 
     moe = resolve("tiny-moe")
     deep = replace(moe, name="deep-tiny-moe", layers=8, full_layers=8)
-    model = LlamaLoRA(deep, max_loras=4, rank=16, max_tokens=24, context_len=48, dtype=torch.bfloat16,
-                      device=DEVICE, cache_rows=30)
-    d = Dispatcher(model, get_backend("torch"), max_loras=4, capture_sizes=[1, 2], counts=capture_counts("max", 4),
-                   use_graphs=False, mixed_sizes=[8, 16])
-    d.warm_up()
-    d.capture()
-    d.capture_mixed()
+    d = deep_bf16(deep)
     assert max(rounding_floor(d, seed) for seed in range(4)) < 0.1
 
 
@@ -151,23 +157,15 @@ def test_a_raised_mixed_tolerance_still_catches_a_dropped_update(monkeypatch):
     close to what the update moves makes a right configuration's check inconclusive."""
     d = build()
     monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: 0.15)
-    good = Dispatcher.route_mixed
-
-    def one_short(self, tokens, n):
-        r = good(self, tokens, n)
-        return Route(r.tokens, r.launch - 1, r.graphed, mixed=True) if r.launch > 1 and r.graphed else r
-
-    monkeypatch.setattr(Dispatcher, "route_mixed", one_short)
-    for key in [(b, c) for b in (2, 4, 8) for c in (1, 3) if c <= b]:
-        d.mixed_runners[key] = d._pieces(key)
-        d.mixed_grid[key] = key[1]
+    right = Dispatcher.route_mixed
+    short_mixed_routes(d, monkeypatch)
     v = check(d, DTYPE)
     assert v.mixed_tolerance == pytest.approx(0.3) and v.tolerance < 0.3
     assert v.correct is False and v.first.pieces and v.first.max_err > 0.3, v.detail
     assert "tolerance 0.3" in v.detail
-    assert check(d, DTYPE).correct is False  # beyond its limit: WRONG however close the floor comes
-    monkeypatch.setattr(Dispatcher, "route_mixed", good)
     monkeypatch.setattr(check_module, "rounding_floor", lambda d, seed, refs=None: v.sensitivity / 4)
+    assert check(d, DTYPE).correct is False  # beyond its limit: WRONG however close the floor comes
+    monkeypatch.setattr(Dispatcher, "route_mixed", right)
     inconclusive = check(build(), DTYPE)  # right, but a dropped update would now pass too
     assert inconclusive.correct is None and "inconclusive on mixed steps" in inconclusive.detail
 

@@ -180,6 +180,11 @@ def cases(d: Dispatcher, rng: random.Random) -> list[Case]:
     return out
 
 
+def mixed_case(d: Dispatcher, step: Step) -> Case:
+    """A mixed step as a case, its requests in the cache's last rows (``mixed_rows``)."""
+    return Case(step.token_adapters, step, d.model.cache_rows - mixed_rows(d))
+
+
 def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
     """With mixed sizes only. Per mixed size b (previous size p): steps of p+1 and b tokens; past
     the largest, a step of the most tokens the model holds (eager). For each, every n in
@@ -200,8 +205,7 @@ def mixed_cases(d: Dispatcher, rng: random.Random) -> list[Case]:
         counts = range(most + 1) if t < top or t <= sizes[-1] + 1 else sorted({0, 1, most})
         for n in counts:
             for base in sorted({1} if n == 0 else {0, min(1, t - n)}):
-                step = mixed_step(t, n, d.max_loras, d.model.context_len, rng, base)
-                out.append(Case(step.token_adapters, step, d.model.cache_rows - mixed_rows(d)))
+                out.append(mixed_case(d, mixed_step(t, n, d.max_loras, d.model.context_len, rng, base)))
     return out
 
 
@@ -235,7 +239,7 @@ def rounding_floor(d: Dispatcher, seed: int, refs: "References | None" = None) -
         return refs.rounding_floor
     t = d.model.max_tokens
     step = mixed_step(t, min(t, d.max_loras), d.max_loras, d.model.context_len, random.Random(seed + 1), 0)
-    case = Case(step.token_adapters, step, d.model.cache_rows - mixed_rows(d))
+    case = mixed_case(d, step)
     ids = torch.randint(0, d.model.cfg.vocab, (t,), device=d.input_ids.device,
                         generator=torch.Generator(device=d.input_ids.device).manual_seed(seed + 1))
     ref = d.reference(case.slots, ids, layout=case.layout)
