@@ -71,13 +71,15 @@ def _rope_cache_kernel(
     qkv_ptr,  # [T, (Hq + 2·Hkv)·D] fused projection output
     cos_ptr, sin_ptr,  # [context, D/2] tables
     pos_ptr,  # [T] position of each token
+    rows_ptr,  # [T] cache row of each token (read only if HAS_ROWS)
     q_ptr,  # [T, Hq, D] out: rotated queries
-    ck_ptr, cv_ptr,  # [T_max, Hkv, context, D] caches, written at (t, head, pos)
+    ck_ptr, cv_ptr,  # [rows, Hkv, context, D] caches, written at (row, head, pos); row = t unless HAS_ROWS
     stride_qkv,
     stride_c0, stride_c1, stride_c2,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,  # a mixed step: token t's cache row is rows[t], not t
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first
 ):
     pdl_wait(USE_PDL)
@@ -98,7 +100,10 @@ def _rope_cache_kernel(
         tl.store(q_dst + D // 2 + half, r2)
     else:
         kv = head - HQ
-        c_off = t * stride_c0 + kv * stride_c1 + pos * stride_c2
+        row = t
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + t).to(tl.int64)
+        c_off = row * stride_c0 + kv * stride_c1 + pos * stride_c2
         tl.store(ck_ptr + c_off + half, r1)
         tl.store(ck_ptr + c_off + D // 2 + half, r2)
         v_src = qkv_ptr + t * stride_qkv + (HQ + HKV + kv) * D
@@ -106,24 +111,26 @@ def _rope_cache_kernel(
         tl.store(cv_ptr + c_off + D // 2 + half, tl.load(v_src + D // 2 + half))
 
 
-def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads, kv_heads, fused=True, pdl=False):
+def rope_and_cache(qkv, cos_table, sin_table, positions, cache_k, cache_v, heads, kv_heads, fused=True, pdl=False,
+                   rows=None):
     """Rotary embedding on q and k (rotate-half form) and the new k, v written into the caches at
-    each token's position. qkv: [T, (heads + 2·kv_heads)·D]; returns q [T, heads, D]."""
+    each token's position. qkv: [T, (heads + 2·kv_heads)·D]; returns q [T, heads, D].
+    rows: each token's cache row [T] (a mixed step's pieces); None: token t's row is t."""
     t = qkv.shape[0]
     d = cache_k.shape[-1]
     if not fused:
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         cos, sin = cos_table[positions], sin_table[positions]
-        rows = torch.arange(t, device=qkv.device)
+        rows = torch.arange(t, device=qkv.device) if rows is None else rows
         cache_k[rows, :, positions] = rotate(k.reshape(t, kv_heads, d), cos, sin)
         cache_v[rows, :, positions] = v.reshape(t, kv_heads, d)
         return rotate(q.reshape(t, heads, d), cos, sin)
     q = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device)
     pdl = pdl and pdl_enabled(qkv.device)
     _rope_cache_kernel[(t, heads + kv_heads)](
-        qkv, cos_table, sin_table, positions, q, cache_k, cache_v,
+        qkv, cos_table, sin_table, positions, positions if rows is None else rows, q, cache_k, cache_v,
         qkv.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        HQ=heads, HKV=kv_heads, D=d, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
+        HQ=heads, HKV=kv_heads, D=d, HAS_ROWS=rows is not None, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
     )
     return q
 

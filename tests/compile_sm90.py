@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_lora, producer_shrink, shrink, triton_lora
+from lorabench.kernels import (base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_lora, producer_shrink, shrink,
+                               triton_lora, varlen_attention)
 
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -112,7 +113,7 @@ def record_launches():
                          (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
                          (moe_lora, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
                          (moe_lora, "_sorted_expand_kernel"), (gemm_lora, "_gemm_lora_kernel"),
-                         (producer_shrink, "_producer_shrink_kernel")]:
+                         (producer_shrink, "_producer_shrink_kernel"), (varlen_attention, "_varlen_attention_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         setattr(module, name, recs[name])
@@ -147,6 +148,15 @@ def launch_everything(dtype, tokens):
     base_ops.rope_and_cache(torch.empty(tokens, (32 + 16) * 128, dtype=dtype), torch.empty(64, 64), torch.empty(64, 64),
                             torch.empty(tokens, dtype=torch.int64), cache, cache, 32, 8, pdl=True)
     base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), pdl=True)
+    # a mixed step's attention: rotary and cache writes at each token's row, then the varlen kernel
+    # (Llama-3.1-8B's 32 heads over 8 KV heads, and llama-2-7b's 32 over 32)
+    rows = torch.empty(tokens, dtype=torch.int64)
+    base_ops.rope_and_cache(torch.empty(tokens, (32 + 16) * 128, dtype=dtype), torch.empty(64, 64), torch.empty(64, 64),
+                            rows, cache, cache, 32, 8, rows=rows)
+    for kv_heads in (8, 32):
+        kv = torch.empty(4, kv_heads, 64, 128, dtype=dtype)
+        varlen_attention.varlen_attention(torch.empty(tokens, 32, 128, dtype=dtype), kv, kv,
+                                          torch.empty(tokens, 4, dtype=torch.int64))
 
 
 def gemm_inputs(dtype, tokens, k, slices, loras, rank):
@@ -338,6 +348,9 @@ def main(part: str) -> int:
                     return 1
                 stack = stack_bytes(kernel.asm["cubin"])
                 large = kwargs.get("R_STEPS", 1) > 1 or kwargs.get("BLOCK_R", 16) > 64 or kwargs.get("BLOCK_M", 16) > 32
+                if stack and name == "_varlen_attention_kernel":  # 128 query rows of 128: must fit in registers
+                    print(f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}")
+                    return 1
                 if stack and stack > 8 and lora and not large:  # decode tiles at ranks up to 64: no spills (8 bytes: the fused kernel's frame)
                     print(f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}")
                     return 1

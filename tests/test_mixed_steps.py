@@ -82,3 +82,18 @@ def test_a_layout_for_other_tokens_gets_one_line():
     layout = MixedLayout.of(Step((Piece(0, -1, 3, 0, True, True),)), {0: 0})
     with pytest.raises(ValueError, match="2 tokens for a layout of 3"):
         m(torch.tensor([1, 2], device=DEVICE), None, None, layout)
+
+
+def test_the_gpu_paths_two_kernels_give_the_torch_paths_step():
+    """A mixed step with the model's fused ops (as on a GPU: rotary and cache writes in one kernel,
+    then one varlen attention launch a layer) against the torch ops: the same logits, the same caches."""
+    m = model()
+    for r in range(3):
+        run(m, [(r, 5, 0)], PROMPT[:5], {r: [0, -1, 2][r]})
+    fused = copy.deepcopy(m)
+    fused.fused = True
+    pieces, adapters, ids = [(0, 1, 5), (1, 3, 5), (2, 6, 5)], {0: 0, 1: -1, 2: 2}, list(range(20, 30))
+    torch.testing.assert_close(run(fused, pieces, ids, adapters), run(m, pieces, ids, adapters), **TOL)
+    for ours, theirs in zip(fused.layers, m.layers):
+        torch.testing.assert_close(ours.cache_k, theirs.cache_k, **TOL)
+        torch.testing.assert_close(ours.cache_v, theirs.cache_v, **TOL)

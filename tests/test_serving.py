@@ -203,3 +203,19 @@ def test_a_trace_s_own_lengths_must_fit_the_context(tmp_path):
                     "workload": f"trace:{trace}"}, None, CPU)
     with pytest.raises(UserError, match="--workload"):  # a bad workload still gets its own line
         build_spec({"device": "cpu", "adapters": "8", "input_tokens": "8", "workload": "zipf:x"}, None, CPU)
+
+
+def test_a_serving_runs_prefill_points_stop_at_their_own_cap(tmp_path):
+    """The loop takes the spec's iters; its prefill points, which only price its mixed steps, at
+    most PREFILL_STEPS (3000 steps of a ~65 ms prompt step were 3 minutes a point)."""
+    from lorabench.config.plan import plan
+    from lorabench.runtime.worker import PREFILL_STEPS, Worker
+
+    flags = dict(max_loras="2", concurrency="4", adapters="8", input_tokens="8-24", output_tokens="8", context_len="64",
+                 iters="3000", max_num_batched_tokens="32", prefill_tokens="24", strategy="max", kernels="triton",
+                 device="cpu", out=str(tmp_path))
+    spec, _ = build_spec(flags, None, CPU)
+    job = plan(spec)[0]
+    w = Worker([job], 0.0)
+    wanted = {p.mode: w.steps_wanted(p) for p in job.points}
+    assert wanted == {"fixed": 3000, "prefill": PREFILL_STEPS, "serving": 3000} and PREFILL_STEPS < 3000

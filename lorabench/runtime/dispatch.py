@@ -30,7 +30,7 @@ from lorabench.config.strategies import choose_bucket, choose_launch
 from lorabench.kernels import get_backend
 from lorabench.runtime.graphs import no_collection
 from lorabench.runtime.lora_meta import MetaBuffer
-from lorabench.runtime.mixed_attention import MixedLayout
+from lorabench.runtime.mixed_attention import MixedLayout, index_of
 from lorabench.runtime.model import LlamaLoRA, LoRAStep
 from lorabench.runtime.piecewise_graphs import PiecewiseStep
 
@@ -280,8 +280,7 @@ class Dispatcher:
         h = pieces(layout)
         if every_token:
             return self.model.logits(h[: layout.tokens])
-        last = torch.tensor([s + n - 1 for s, n in zip(layout.starts, layout.lengths)], device=h.device)
-        return self.model.logits(h[last])
+        return self.model.logits(h[index_of(layout, h.device).last])
 
     def launch(self, prep: Prepared, every_token: bool = False) -> torch.Tensor:
         """Copy the metadata in and run the chosen graph; returns logits [batch tokens, vocab]

@@ -6,14 +6,17 @@ request's earlier steps processed. Its new keys and values are written at positi
 ``context .. context + tokens``; its query i attends to the cache's first ``context + i + 1``
 positions (its earlier context and its own chunk, causally). A decode token is a piece of one.
 
-Pieces of one token (decode) run as one ``scaled_dot_product_attention`` call over their rows'
-contexts (keys padded to the longest, a mask each); each longer piece (a prompt chunk) runs as its
-own call with a lower-right causal mask, which torch serves with flash attention on a GPU in 16-bit
-dtypes. (vLLM runs one varlen flash-attention kernel; torch has none that runs on the CPU too. One
-padded call for all pieces, the first version, computed pieces x longest chunk x longest context
-scores through a materialised mask: for a 2048-token chunk beside 15 decode tokens, 16x the
-chunk's own.) Attention lies outside the captured graphs of a mixed step, as vLLM splits its
-PIECEWISE graphs at attention.
+On a GPU a layer's mixed attention is two launches, as vLLM's is: ``base_ops.rope_and_cache``
+(rotary q and k, k and v written into each token's cache row) and ``varlen_attention`` (every
+piece's causal attention over its row), their index tensors made once per layout and copied in
+without a sync (``index_of``, ``blocks_of``). Attention runs between a mixed step's PIECEWISE
+graphs, eagerly, every layer, so its host cost is paid in every step.
+
+``attend`` is the torch version (the CPU path, and the kernel's reference in the tests): pieces of
+one token (decode) run as one ``scaled_dot_product_attention`` call over their rows' contexts
+(keys padded to the longest, a mask each); each longer piece (a prompt chunk) runs as its own call
+with a lower-right causal mask. (One padded call for all pieces, the first version, computed
+pieces x longest chunk x longest context scores through a materialised mask.)
 """
 
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from lorabench.config.chunked import Step
+from lorabench.kernels.varlen_attention import blocks
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,44 @@ class MixedLayout:
 
 
 @dataclass(frozen=True)
+class StepIndex:
+    """A layout's per-token indices on one device, copied in at once from pinned memory without a
+    sync (a blocking copy would stall the host until the GPU drained, every new layout)."""
+
+    host: torch.Tensor  # what they were copied from: kept until the copy is done
+    token_rows: torch.Tensor  # [T] each token's cache row
+    positions: torch.Tensor  # [T] each token's position in its request
+    last: torch.Tensor  # [P] each piece's last token on the step's token axis (the tokens a step samples)
+
+
+def _to_device(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host, host.to(device)
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=64)
+def index_of(layout: "MixedLayout", device: torch.device) -> StepIndex:
+    """The layout's ``StepIndex`` on ``device`` (cached: a layout's steps and layers share it)."""
+    t = layout.tokens
+    rows = [r for r, n in zip(layout.rows, layout.lengths) for _ in range(n)]
+    positions = [c + i for c, n in zip(layout.contexts, layout.lengths) for i in range(n)]
+    last = [s + n - 1 for s, n in zip(layout.starts, layout.lengths)]
+    host, dev = _to_device(rows + positions + last, device)
+    return StepIndex(host, dev[:t], dev[t : 2 * t], dev[2 * t :])
+
+
+@lru_cache(maxsize=64)
+def blocks_of(layout: "MixedLayout", device: torch.device, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pinned host copy, [NB, 4] on ``device``): ``varlen_attention``'s blocks of this layout."""
+    table = blocks(layout.starts, layout.lengths, layout.contexts, layout.rows, per_block)
+    host, dev = _to_device([v for b in table for v in b], device)
+    return host, dev.view(-1, 4)
+
+
+@dataclass(frozen=True)
 class _Plan:
     """A layout's index tensors on one device, made once per layout (attention runs every layer)."""
 
@@ -90,17 +132,24 @@ def _plan(layout: "MixedLayout", device: torch.device) -> _Plan:
     )
 
 
+def check_layout(layout: MixedLayout, tokens: int, cache_shape) -> None:
+    """One line for a step whose pieces its tokens or the caches [rows, KVH, context, D] cannot hold."""
+    if tokens != layout.tokens:
+        raise ValueError(f"{tokens} queries for a layout of {layout.tokens} tokens")
+    if max(layout.rows) >= cache_shape[0]:
+        raise ValueError(f"a piece in cache row {max(layout.rows)}, past the cache's {cache_shape[0]} rows")
+    need = max(c + n for c, n in zip(layout.contexts, layout.lengths))
+    if need > cache_shape[2]:
+        raise ValueError(f"a piece reaches position {need}, past the cache's {cache_shape[2]}")
+
+
 def attend(q, k, v, cache_k, cache_v, layout: MixedLayout) -> torch.Tensor:
     """Write each piece's k, v [T, KVH, D] into its cache row, then attention of q [T, H, D] over
     each piece's context and causal chunk: [T, H, D]. Caches [rows, KVH, context_len, D]."""
     t, heads, d = q.shape
-    if t != layout.tokens or k.shape[0] != t or v.shape[0] != t:
+    if k.shape[0] != t or v.shape[0] != t:
         raise ValueError(f"{t} queries, {k.shape[0]} keys for a layout of {layout.tokens} tokens")
-    if max(layout.rows) >= cache_k.shape[0]:
-        raise ValueError(f"a piece in cache row {max(layout.rows)}, past the cache's {cache_k.shape[0]} rows")
-    need = max(c + n for c, n in zip(layout.contexts, layout.lengths))
-    if need > cache_k.shape[2]:
-        raise ValueError(f"a piece reaches position {need}, past the cache's {cache_k.shape[2]}")
+    check_layout(layout, t, cache_k.shape)
     plan = _plan(layout, q.device)
     cache_k[plan.token_rows, :, plan.positions] = k
     cache_v[plan.token_rows, :, plan.positions] = v

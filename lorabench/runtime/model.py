@@ -28,7 +28,8 @@ from lorabench.kernels import MAX_SLICES, producer_shrink
 from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, rotate, silu_mul
 from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
-from lorabench.runtime.mixed_attention import MixedLayout, attend
+from lorabench.kernels.varlen_attention import block_tokens, varlen_attention
+from lorabench.runtime.mixed_attention import MixedLayout, attend, blocks_of, check_layout, index_of
 from lorabench.runtime.moe import MoEMLP
 
 
@@ -148,7 +149,7 @@ class Block(nn.Module):
         step, token t in cache row t attending to the whole cache (the benchmark's fixed context)."""
         cfg, t = self.cfg, qkv.shape[0]
         if layout is not None:
-            attn = self._mixed_attention(qkv, rope, pos, layout)
+            attn = self._mixed_attention(qkv, rope, pos, layout, fused)
         else:
             q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
             attn = F.scaled_dot_product_attention(
@@ -169,9 +170,16 @@ class Block(nn.Module):
             return x, self.down(act, lora, scratch[3], shrunk=True)
         return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
 
-    def _mixed_attention(self, qkv, rope, pos, layout):
-        """Rotary q and k at each token's position, then attention over each piece's cached context (torch ops)."""
+    def _mixed_attention(self, qkv, rope, pos, layout, fused):
+        """Rotary q and k at each token's position, then attention over each piece's cached context:
+        two kernels (``fused``), or torch ops."""
         cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
+        if fused:
+            check_layout(layout, t, self.cache_k.shape)
+            index = index_of(layout, qkv.device)
+            q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, rows=index.token_rows)
+            table = blocks_of(layout, qkv.device, block_tokens(cfg.heads // cfg.kv_heads))[1]
+            return varlen_attention(q, self.cache_k, self.cache_v, table)
         q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
         cos, sin = rope[0][pos], rope[1][pos]
         q, k = rotate(q.reshape(t, cfg.heads, d), cos, sin), rotate(k.reshape(t, cfg.kv_heads, d), cos, sin)
@@ -243,7 +251,7 @@ class LlamaLoRA(nn.Module):
         if layout is not None:
             if layout.tokens != t:
                 raise ValueError(f"{t} tokens for a layout of {layout.tokens}")
-            positions = layout.positions(input_ids.device)
+            positions = index_of(layout, input_ids.device).positions
         x, out = self.first_piece(input_ids, lora)
         for i in range(len(self.layers)):
             attn = self.attention(i, out, positions, lora, layout)

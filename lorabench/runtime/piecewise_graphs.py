@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from lorabench.runtime.graphs import weak_view
-from lorabench.runtime.mixed_attention import MixedLayout
+from lorabench.runtime.mixed_attention import MixedLayout, index_of
 from lorabench.runtime.model import LlamaLoRA, LoRAStep
 
 
@@ -50,7 +50,7 @@ class PiecewiseStep:
         """Every piece eagerly; attention between them over ``layout`` (None: skipped, the
         warm-up's compile pass). Returns the bucket's final hidden states."""
         lora, x = self.lora(), None
-        positions = None if layout is None else layout.positions(self.input_ids.device)
+        positions = None if layout is None else index_of(layout, self.input_ids.device).positions
         for i in range(self.pieces):
             x, out = self._piece(i, lora, x)
             if layout is not None and i < self.pieces - 1:
@@ -75,7 +75,7 @@ class PiecewiseStep:
         if self.graphs is None:
             return self.run_eager(layout)
         lora = self.lora()
-        positions = layout.positions(self.input_ids.device)
+        positions = index_of(layout, self.input_ids.device).positions
         for i, graph in enumerate(self.graphs):
             graph.replay()
             if i < self.pieces - 1:

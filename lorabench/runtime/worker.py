@@ -22,7 +22,7 @@ import torch
 
 from lorabench.config.models import shard
 from lorabench.config.peft import read_adapters
-from lorabench.config.plan import LOOPS, Job, Point
+from lorabench.config.plan import LOOPS, PREFILL, Job, Point
 from lorabench.config.sweep_spec import OPTIONS
 from lorabench.kernels import BACKENDS, get_backend
 from lorabench.runtime import env, telemetry
@@ -44,6 +44,10 @@ from lorabench.runtime.vllm_rules import VllmRules
 from lorabench.storage.checks import Checked
 from lorabench.storage.row import Row
 from lorabench.storage.tune_files import tuned_table
+
+# A prefill point's timed steps at most: a serving run's ``iters`` (thousands) is sized for its loop,
+# whose prefill points only price its mixed steps; 3000 steps of ~65 ms were 3 minutes a point.
+PREFILL_STEPS = 200
 
 JOB_COLUMNS = [name for name, o in OPTIONS.items() if o.column]  # options every row copies from its job
 
@@ -260,7 +264,8 @@ class Worker:
                 except Exception as e:  # noqa: BLE001 - a failing point is a row, the sweep goes on
                     traceback.print_exc()
                     failed[i] = e
-            todo = [i for i in todo if i not in failed and not timed[i].done(job.iters, ci_target, len(entries))]
+            todo = [i for i in todo if i not in failed and not timed[i].done(self.steps_wanted(entries[i][1]), ci_target,
+                                                                              len(entries))]
             rnd += 1
         arms = ",".join(arm.job.strategy for arm, _ in entries)  # timed together at this point
         out = []
@@ -272,11 +277,16 @@ class Worker:
                 out.append(({**self.point_row(arm, p), **columns, "arms": arms}, samples))
         return out
 
+    def steps_wanted(self, point: Point) -> int:
+        """The timed steps a point takes at most: the spec's ``iters``, at most ``PREFILL_STEPS`` for
+        a prefill point."""
+        return min(self.lead.iters, PREFILL_STEPS) if point.mode == PREFILL else self.lead.iters
+
     def turn(self, arm: Arm, point: Point, steps: PointSteps, timed: "Timed", rnd: int, alone: bool) -> None:
         """One strategy's turn at a point: ``TURN`` more timed steps, after the spec's warm-up on
         its first turn and ``SWITCH_WARMUP`` untimed steps on every later one (none when it is
         timed alone); a loop's steps make their loads."""
-        n = min(TURN, self.lead.iters - timed.steps)
+        n = min(TURN, self.steps_wanted(point) - timed.steps)
         warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
         loads = steps.loads
         start = steps.start_slots.get(timed.steps) if loads else None
