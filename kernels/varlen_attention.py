@@ -56,6 +56,7 @@ def _varlen_attention_kernel(
     D_PAD: tl.constexpr,  # D rounded up to a power of 2
     BLOCK_T: tl.constexpr,  # tokens per block (BLOCK_T * G_PAD rows, at least 16)
     BLOCK_N: tl.constexpr,  # keys per iteration
+    PRECISION: tl.constexpr,  # the dots' input precision: "ieee" for float32 (no TF32 rounding), "tf32" otherwise
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -82,14 +83,14 @@ def _varlen_attention_kernel(
         kv_mask = (kn < end)[:, None] & dmask[None, :]
         offs = cache + kn[:, None] * stride_c2 + d[None, :]
         k = tl.load(ck_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(kn[None, :] <= qpos[:, None], s, float("-inf"))  # causal; key 0 is always seen
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(cv_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (first + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -114,6 +115,7 @@ def varlen_attention(q, cache_k, cache_v, block_table, out=None):
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         out.stride(0), out.stride(1), (d ** -0.5) * 1.4426950408889634,
         G=group, G_PAD=triton.next_power_of_2(group), D=d, D_PAD=triton.next_power_of_2(d),
-        BLOCK_T=per_block, BLOCK_N=BLOCK_N, num_warps=8 if per_block * triton.next_power_of_2(group) >= 128 else 4,
+        BLOCK_T=per_block, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if per_block * triton.next_power_of_2(group) >= 128 else 4,
     )
     return out

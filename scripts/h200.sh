@@ -62,8 +62,9 @@
 #   gemm-sweep - sweeps/gemm.toml (GS_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/gemm/
 #   mixed-tests - the mixed steps' tests alone (attention with context in 16 bit, PIECEWISE graphs, prefill sweeps): a minute
 #   prefill-check - lorabench check of PIECEWISE graphs (lorabench's and vLLM's rules, max and pow2) on 2 layers of Llama-3.1-8B
-#   prefill - sweeps/prefill.toml (PF_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably), reported: results/prefill/
-#   serving - sweeps/serving.toml (SV_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably), reported: results/serving/
+#   prefill - sweeps/prefill.toml (PF_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably; on a warm machine the
+#            stage resumes the run a stopped call left), reported: results/prefill/
+#   serving - sweeps/serving.toml (SV_ARGS adds sweep options, STAGE_TIMEOUT stops it; resumed as prefill), reported: results/serving/
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   load-paths - every load path (per-slice, one-copy, pageable, overlapped, storage cold/warm) and the host link, for
 #            Llama-3.1-8B with 4 PEFT adapters (scripts/peft_adapters.py) at each rank of LP_RANKS (16 64 128): results/load-paths/
@@ -79,6 +80,14 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 pack() { tar czf "$OUT/runs.tgz" results/*/ 2>/dev/null || true; }  # what finished, should the call be cut short
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/stages.log"; }
+# The sweep's arguments for spec $2 into folder $1 (then $3...: more options), or, where a stopped call
+# left a run there unfinished (run.json's status not "finished"), those resuming it: on a machine
+# still warm a stage goes on with its run instead of starting again.
+sweep_args() {
+  local dir=$1 spec=$2 r run=; shift 2
+  for r in "$dir"/2*/; do [ -f "$r/run.json" ] && ! grep -q '"status": "finished"' "$r/run.json" && run=${r%/}; done
+  if [ -n "$run" ]; then echo "--resume $run"; else echo "--spec $spec $* --out $dir"; fi
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
   | tee -a "$OUT/stages.log"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
@@ -204,12 +213,12 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
         --out results/prefill 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     prefill)  # sweeps/prefill.toml: LoRA overhead at 128..8192 prompt tokens, lorabench's kernels and vLLM's: results/prefill/
       /usr/bin/time -f "prefill wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
-        --spec sweeps/prefill.toml ${PF_ARGS:-} --out results/prefill 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
+        $(sweep_args results/prefill sweeps/prefill.toml ${PF_ARGS:-}) 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
       for run in results/prefill/2*/; do lorabench report "$run" >/dev/null 2>&1; done
       tar czf "$OUT/prefill.tgz" results/prefill ;;
     serving)  # sweeps/serving.toml: TTFT, ITL and tokens/s of a loop with prompts, lorabench's kernels and vLLM's: results/serving/
       /usr/bin/time -f "serving wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
-        --spec sweeps/serving.toml ${SV_ARGS:-} --out results/serving 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
+        $(sweep_args results/serving sweeps/serving.toml ${SV_ARGS:-}) 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
       for run in results/serving/2*/; do lorabench report "$run" >/dev/null 2>&1; done
       tar czf "$OUT/serving.tgz" results/serving ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/

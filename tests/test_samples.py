@@ -67,3 +67,11 @@ def test_a_run_without_samples_reads_empty(tmp_path, packed):
     df = read_samples(tmp_path)
     assert df.empty and list(df.columns) == SCHEMA.names and not has_samples(tmp_path)
     assert not (tmp_path / FOLDER).exists()
+
+
+def test_a_step_timed_at_the_hosts_pace_says_so():
+    from lorabench.runtime.rows import host_bound
+
+    assert host_bound(38_700.0, 38.97) == "host-bound: launches 38.70 of 38.97 ms"  # a mixed step whose host launched all the time
+    assert host_bound(60.0, 6.28) is None  # a replayed graph: microseconds to launch
+    assert host_bound(5_000.0, 7.0) is None and host_bound(0.0, 0.0) is None

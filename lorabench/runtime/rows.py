@@ -35,9 +35,22 @@ def latency_columns(served: Served, step_ms: np.ndarray) -> dict:
     return row
 
 
+HOST_BOUND = 0.9  # a step whose launches took this share of its GPU time or more was timed at the host's pace
+
+
+def host_bound(launch_us: float, step_ms: float) -> str | None:
+    """Why a GPU step's time is the host's, not its kernels': its launches (the host's time in the
+    step's ``run``, the events' span on the device) took nearly all of it; None otherwise. A replayed
+    graph launches in microseconds; steps that run kernels between graphs or eagerly can be host-bound."""
+    if step_ms > 0 and launch_us >= HOST_BOUND * step_ms * 1e3:
+        return f"host-bound: launches {launch_us / 1e3:.2f} of {step_ms:.2f} ms"
+    return None
+
+
 def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served: Served | None = None) -> tuple[dict, Steps]:
-    """The columns an ok row adds to the point's, and its steps. ``noisy_iqr`` (not a column):
-    why the step times are too spread, or None (``lorabench.runtime.timing.summarize``).
+    """The columns an ok row adds to the point's, and its steps. ``noisy_iqr`` and ``noisy_host``
+    (not columns): why the step times are too spread (``lorabench.runtime.timing.summarize``), why
+    they are the host's (``host_bound``), or None.
     ``served``: a serving point's requests over its timed steps (``Schedule.served``)."""
     c, s = point.concurrency, t.samples()
     stats = summarize(s.step_ms)
@@ -49,6 +62,7 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served
            "launch_us_median": float(np.median(s.launch_us)),
            "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
            "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}
+    row["noisy_host"] = host_bound(row["launch_us_median"], stats["step_ms_median"]) if d.use_graphs else None
     if d.model.cfg.moe is not None:
         row["moe_lora_path"] = d.moe_path(row["graph_tokens"])
     if predicted and point.mode == WORKLOAD:
