@@ -105,6 +105,8 @@ def varlen_attention(q, cache_k, cache_v, block_table, out=None):
     t, heads, d = q.shape
     kv_heads = cache_k.shape[1]
     group = heads // kv_heads
+    if d < 16 or q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride() != cache_k.stride():
+        raise ValueError(f"varlen_attention needs head size >= 16 (not {d}), each head contiguous, and caches alike")
     if out is None:
         out = torch.empty_like(q)
     if block_table.shape[0] == 0:

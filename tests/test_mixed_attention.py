@@ -82,7 +82,7 @@ def test_attention_in_16_bit_on_the_device(dtype):
     # the GPU path's kernel, its caches written as attend wrote them
     index = index_of(layout, q.device)
     ours[0][index.token_rows, :, index.positions], ours[1][index.token_rows, :, index.positions] = k, v
-    table = blocks_of(layout, q.device, block_tokens(heads // kv_heads))[1]
+    table = blocks_of(layout, q.device, heads // kv_heads)[1]
     kernel = varlen_attention(q, *ours, table)
     assert kernel.dtype == dtype
     torch.testing.assert_close(kernel.cpu().double(), ref, rtol=2e-2, atol=2e-2)
@@ -120,7 +120,7 @@ def test_the_varlen_kernel_matches_the_torch_attention(heads, kv_heads, d, piece
     index = index_of(layout, torch.device("cpu"))
     q = rope_and_cache(qkv, angles.cos(), angles.sin(), index.positions, *ours, heads, kv_heads, fused=True,
                        rows=index.token_rows)
-    table = blocks_of(layout, torch.device("cpu"), block_tokens(heads // kv_heads))[1]
+    table = blocks_of(layout, torch.device("cpu"), heads // kv_heads)[1]
     out = varlen_attention(q, *ours, table)
     qt, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     cos, sin = angles.cos()[index.positions], angles.sin()[index.positions]

@@ -218,3 +218,17 @@ def test_a_layout_past_the_cache_rows_gets_one_line():
     with pytest.raises(ValueError, match="cache row"):
         model(torch.zeros(4, dtype=torch.long, device=DEVICE), None, None,
               MixedLayout.of(step, {p.request: p.request for p in step.pieces}))
+
+
+def test_the_warm_up_runs_a_mixed_steps_attention_kernels(monkeypatch):
+    """Warm-up runs the pieces without attention; it then runs one token's attention, so that on a
+    GPU the mixed attention's kernels compile before any timed step (``--warmup 0`` included)."""
+    import lorabench.runtime.model as model_mod
+
+    d = build()
+    d.model.fused = True  # as on a GPU
+    calls = []
+    real = model_mod.varlen_attention
+    monkeypatch.setattr(model_mod, "varlen_attention", lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
+    d.warm_up()
+    assert calls == [(1, 4)]  # one block: the token of layer 0

@@ -70,8 +70,13 @@ def test_a_run_without_samples_reads_empty(tmp_path, packed):
 
 
 def test_a_step_timed_at_the_hosts_pace_says_so():
+    import numpy as np
     from lorabench.runtime.rows import host_bound
 
-    assert host_bound(38_700.0, 38.97) == "host-bound: launches 38.70 of 38.97 ms"  # a mixed step whose host launched all the time
-    assert host_bound(60.0, 6.28) is None  # a replayed graph: microseconds to launch
-    assert host_bound(5_000.0, 7.0) is None and host_bound(0.0, 0.0) is None
+    ms, us = np.array([38.97, 39.1]), np.array([38_700.0, 38_900.0])  # mixed steps whose host launched all the time
+    assert host_bound(us, ms) == "host-bound: 100 % of the time in steps whose launches took >= 90 % of them"
+    assert host_bound(np.array([60.0, 55.0]), np.array([6.28, 6.3])) is None  # replayed graphs: microseconds to launch
+    # a loop: 97 decode replays of 8 ms, 3 host-bound mixed steps of 60 ms (19 % of the time), however the medians fall
+    ms, us = np.array([8.0] * 97 + [60.0] * 3), np.array([40.0] * 97 + [59_000.0] * 3)
+    assert host_bound(us, ms).startswith("host-bound: 19 %")
+    assert host_bound(np.array([0.0]), np.array([0.0])) is None

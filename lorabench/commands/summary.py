@@ -17,7 +17,7 @@ from lorabench.config.strategies import report_order
 from lorabench.storage.runs import Coverage
 
 ERROR_CHARS = 300  # of the first failure's error, on its line
-NOISY = "noisy (IQR/median >= 10 %, or a GPU slowdown or clock drop)"  # the report's words for the `noisy` column
+NOISY = "noisy (IQR/median >= 10 %, host-bound steps, or a GPU slowdown or clock drop)"  # the report's words for the `noisy` column
 TOO_NOISY = 0.5  # a CPU run with at least this share of its points noisy is too noisy to compare strategies
 
 

@@ -194,6 +194,9 @@ class Dispatcher:
         for key in self.mixed_keys:
             self.rules.arm(*key)
             self._pieces(key).run_eager()
+        if self.mixed_keys:  # attention between the pieces (skipped above): one token of layer 0, row 0
+            self.model.attention(0, self.model.first_piece(self.input_ids[:1], None)[1], None, None,
+                                 MixedLayout((0,), (1,), (0,), (0,)))
         if self.use_graphs:
             torch.cuda.synchronize()
 

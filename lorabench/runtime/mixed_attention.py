@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from lorabench.config.chunked import Step
-from lorabench.kernels.varlen_attention import blocks
+from lorabench.kernels.varlen_attention import block_tokens, blocks
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,10 @@ def index_of(layout: "MixedLayout", device: torch.device) -> StepIndex:
 
 
 @lru_cache(maxsize=64)
-def blocks_of(layout: "MixedLayout", device: torch.device, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pinned host copy, [NB, 4] on ``device``): ``varlen_attention``'s blocks of this layout."""
-    table = blocks(layout.starts, layout.lengths, layout.contexts, layout.rows, per_block)
+def blocks_of(layout: "MixedLayout", device: torch.device, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pinned host copy, [NB, 4] on ``device``): ``varlen_attention``'s blocks of this layout for a
+    model with ``group`` query heads per KV head (the kernel's block size follows it)."""
+    table = blocks(layout.starts, layout.lengths, layout.contexts, layout.rows, block_tokens(group))
     host, dev = _to_device([v for b in table for v in b], device)
     return host, dev.view(-1, 4)
 

@@ -28,7 +28,7 @@ from lorabench.kernels import MAX_SLICES, producer_shrink
 from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, rotate, silu_mul
 from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
-from lorabench.kernels.varlen_attention import block_tokens, varlen_attention
+from lorabench.kernels.varlen_attention import varlen_attention
 from lorabench.runtime.mixed_attention import MixedLayout, attend, blocks_of, check_layout, index_of
 from lorabench.runtime.moe import MoEMLP
 
@@ -149,7 +149,7 @@ class Block(nn.Module):
         step, token t in cache row t attending to the whole cache (the benchmark's fixed context)."""
         cfg, t = self.cfg, qkv.shape[0]
         if layout is not None:
-            attn = self._mixed_attention(qkv, rope, pos, layout, fused)
+            attn = self._mixed_attention(qkv, rope, layout, fused)
         else:
             q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
             attn = F.scaled_dot_product_attention(
@@ -170,18 +170,19 @@ class Block(nn.Module):
             return x, self.down(act, lora, scratch[3], shrunk=True)
         return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
 
-    def _mixed_attention(self, qkv, rope, pos, layout, fused):
-        """Rotary q and k at each token's position, then attention over each piece's cached context:
-        two kernels (``fused``), or torch ops."""
+    def _mixed_attention(self, qkv, rope, layout, fused):
+        """Rotary q and k at each token's position (the layout's), then attention over each piece's
+        cached context: two kernels (``fused``), or torch ops."""
         cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
+        check_layout(layout, t, self.cache_k.shape)
+        index = index_of(layout, qkv.device)
         if fused:
-            check_layout(layout, t, self.cache_k.shape)
-            index = index_of(layout, qkv.device)
-            q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, rows=index.token_rows)
-            table = blocks_of(layout, qkv.device, block_tokens(cfg.heads // cfg.kv_heads))[1]
+            q = rope_and_cache(qkv, *rope, index.positions, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads,
+                               rows=index.token_rows)
+            table = blocks_of(layout, qkv.device, cfg.heads // cfg.kv_heads)[1]
             return varlen_attention(q, self.cache_k, self.cache_v, table)
         q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
-        cos, sin = rope[0][pos], rope[1][pos]
+        cos, sin = rope[0][index.positions], rope[1][index.positions]
         q, k = rotate(q.reshape(t, cfg.heads, d), cos, sin), rotate(k.reshape(t, cfg.kv_heads, d), cos, sin)
         return attend(q, k, v.reshape(t, cfg.kv_heads, d), self.cache_k, self.cache_v, layout)
 

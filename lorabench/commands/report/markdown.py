@@ -157,7 +157,7 @@ def render_markdown(view: RunView, run_info: dict, over: pd.DataFrame, fl: pd.Da
         f"- torch {r.torch}, triton {r.triton}, git {r.git_sha}",
         f"- command: `{run_info.get('argv', r.argv)}`",
         f"- sweep wall time: {wall}; {len(df)} points, {int((df.status == 'failed').sum())} failed, "
-        f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %, or a GPU slowdown or clock drop)",
+        f"{int(ok_points(df).noisy.sum())} noisy (IQR/median >= 10 %, host-bound steps, or a GPU slowdown or clock drop)",
         f"- timing: {u}; median of {_steps(df, r)} steps per point after {int(r.warmup)} warm-up steps",
         *active_counts_md(run_info),
         f"- intervals: {INTERVALS if samples is not None else 'none: ' + NO_SAMPLES + ' (decisions on medians alone)'}",
