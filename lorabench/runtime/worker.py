@@ -47,7 +47,7 @@ from lorabench.storage.tune_files import tuned_table
 
 # A prefill point's timed steps at most: a serving run's ``iters`` (thousands) is sized for its loop,
 # whose prefill points only price its mixed steps; 3000 steps of ~65 ms were 3 minutes a point.
-PREFILL_STEPS = 200
+PREFILL_STEPS = 100
 
 JOB_COLUMNS = [name for name, o in OPTIONS.items() if o.column]  # options every row copies from its job
 
