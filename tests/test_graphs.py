@@ -152,3 +152,12 @@ def test_a_collection_during_capture_finds_no_dead_graph():
     del dead
     d.capture()
     assert mismatches(d, seed=1) == []
+
+
+@requires_cuda
+def test_the_floors_probe_measures_both_bandwidths_and_a_kernels_cost():
+    from lorabench.runtime.probe import probe
+
+    p = probe(graph_kernels=32, copy_mib=64, replays=5)
+    assert set(p) == {"probe_copy_gbs", "probe_rmw_gbs", "probe_kernel_us"}
+    assert 50 < p["probe_copy_gbs"] < 20_000 and 50 < p["probe_rmw_gbs"] < 20_000 and 0 < p["probe_kernel_us"] < 100

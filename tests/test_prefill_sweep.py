@@ -134,6 +134,10 @@ def test_prefill_overhead_is_against_the_same_tokens_without_adapters_and_its_fl
     floor = (2e6 + 2048 * 1e5) / 4000e9 * 1e3 + 4 * 2 * 1.5e-3  # bytes over the bandwidth, one kernel per LoRA linear
     assert r.floor_ms == pytest.approx(floor) and r.x_floor == pytest.approx(2.048 / floor)
     assert np.isnan(pre.loc[("triton", 2048, 0)].floor_ms)  # no LoRA, no floor
+    faster = prefill_overhead(df.assign(probe_rmw_gbs=8000.0)).set_index(["kernels", "prefill_tokens", "n_active"])
+    assert faster.loc[("triton", 2048, 1)].floor_ms == pytest.approx((2e6 + 2048 * 1e5) / 8000e9 * 1e3 + 4 * 2 * 1.5e-3)
+    slower = prefill_overhead(df.assign(probe_rmw_gbs=1000.0)).set_index(["kernels", "prefill_tokens", "n_active"])
+    assert slower.loc[("triton", 2048, 1)].floor_ms == pytest.approx(floor)  # the faster of copy and add prices bytes
     rng = np.random.default_rng(0)
     samples = Resampler({int(p.point): p.step_ms_median * (1 + 0.001 * rng.standard_normal(50))
                          for p in df.itertuples()})

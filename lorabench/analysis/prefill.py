@@ -18,6 +18,7 @@ import pandas as pd
 
 from lorabench.analysis.intervals import interval_of
 from lorabench.analysis.points import CONFIG, ok_points
+from lorabench.analysis.roofline import bandwidth_gbs
 from lorabench.config.models import LORA_LINEARS_PER_LAYER
 from lorabench.config.plan import PREFILL
 
@@ -44,7 +45,7 @@ def prefill_overhead(df: pd.DataFrame) -> pd.DataFrame:
     if "lora_io_bytes_per_token" in pts and "probe_copy_gbs" in pts:
         moved = pts.n_active * pts.lora_bytes_per_slot + pts.prefill_tokens * pts.lora_io_bytes_per_token
         launches = (pts.n_active > 0) * LORA_LINEARS_PER_LAYER * pts.layers * pts.probe_kernel_us
-        pts["floor_ms"] = (moved / (pts.probe_copy_gbs * 1e9) * 1e3 + launches / 1e3).where(pts.n_active > 0)
+        pts["floor_ms"] = (moved / (bandwidth_gbs(pts) * 1e9) * 1e3 + launches / 1e3).where(pts.n_active > 0)
     pts["x_floor"] = pts.overhead_ms / pts.floor_ms
     return pts
 

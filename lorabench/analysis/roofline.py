@@ -18,6 +18,14 @@ from lorabench.analysis.points import lora_overhead
 from lorabench.config.models import LORA_LINEARS_PER_LAYER
 
 
+def bandwidth_gbs(pts: pd.DataFrame) -> pd.Series:
+    """The bandwidth a floor prices bytes at: the faster of the worker's copy and in-place add
+    (rows from before the add's probe: the copy's)."""
+    if "probe_rmw_gbs" not in pts:
+        return pts.probe_copy_gbs
+    return pts[["probe_copy_gbs", "probe_rmw_gbs"]].max(axis=1)
+
+
 def floors(df: pd.DataFrame) -> pd.DataFrame:
     """Fixed GPU points with n > 0 of configurations not found wrong: LoRA bytes read per step,
     the floor they and the minimum kernel count imply, the measured overhead, and overhead /
@@ -32,7 +40,8 @@ def floors(df: pd.DataFrame) -> pd.DataFrame:
         return pts
     pts["lora_mb"] = pts.n_active * pts.lora_bytes_per_slot / 1e6
     pts["min_kernels"] = LORA_LINEARS_PER_LAYER * pts.layers
-    pts["bytes_us"] = pts.lora_mb * 1e6 / (pts.probe_copy_gbs * 1e9) * 1e6
+    pts["bandwidth_gbs"] = bandwidth_gbs(pts)
+    pts["bytes_us"] = pts.lora_mb * 1e6 / (pts.bandwidth_gbs * 1e9) * 1e6
     pts["kernels_us"] = pts.min_kernels * pts.probe_kernel_us
     pts["floor_ms"] = (pts.bytes_us + pts.kernels_us) / 1e3
     pts["overhead_ms"] = pts.step_ms_median - pts.base_ms

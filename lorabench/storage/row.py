@@ -101,6 +101,7 @@ class Row:
     predicted_ms: float | None = column(
         "strategy auto, workload points: the cost model's expected step from the `--auto-from` run")
     probe_copy_gbs: float | None = column("the worker's device-to-device copy bandwidth, read + write, GB/s")
+    probe_rmw_gbs: float | None = column("the worker's in-place add bandwidth over float32, read + write, GB/s")
     probe_kernel_us: float | None = column("the worker's cost of one more tiny kernel in a CUDA graph, µs")
     tuned: str | None = column("`+tuned` rows: the `lorabench tune` folder whose configs they ran with")
     pdl: bool | None = column(

@@ -22,7 +22,7 @@ def prefill_md(pre: pd.DataFrame, u: str, plot: Path | None, samples=None) -> li
            "`requests` requests, n adapters among them), timed as the decode points are. overhead = the step - the "
            "same configuration's step of the same T tokens with no adapter (no LoRA kernels). floor = (n x LoRA "
            "bytes per slot + T x each LoRA linear's input read once and output read and written once) / the worker's "
-           "copy bandwidth + one kernel per LoRA linear: what LoRA beside the base GEMMs must move. `route`: "
+           "bandwidth (the faster of a copy and an in-place add) + one kernel per LoRA linear: what LoRA beside the base GEMMs must move. `route`: "
            "`piecewise` (the step replays its bucket's PIECEWISE graphs, attention eager between them) or `eager` "
            "(past --max-cudagraph-capture-size).", ""]
     if plot is not None:

@@ -11,13 +11,14 @@ def roofline_md(fl: pd.DataFrame, plot: Path | None) -> list[str]:
     """Per (kernels, max_loras, c, n), the fastest strategy's LoRA overhead against its floor."""
     if fl.empty:
         return []
-    gbs, us = fl.probe_copy_gbs.median(), fl.probe_kernel_us.median()
+    gbs, us = fl.bandwidth_gbs.median(), fl.probe_kernel_us.median()
     launches = "/".join(str(int(k)) for k in sorted(fl.min_kernels.unique()))  # LoRA linears per step
     best = fl.loc[fl.groupby(["kernels", "max_loras", "concurrency", "n_active"]).overhead_ms.idxmin()]
     best = in_order(best, by=("kernels", "max_loras", "concurrency", "n_active"))
     out = ["## Roofline: LoRA overhead vs its floor", "",
            f"floor = n x LoRA bytes per slot / bandwidth + one kernel per LoRA linear ({launches} per step) "
-           f"x the cost of one more kernel in a graph; measured by each worker: copy bandwidth {gbs:.0f} GB/s, "
+           f"x the cost of one more kernel in a graph; measured by each worker: bandwidth {gbs:.0f} GB/s (the faster of a "
+           f"copy and an in-place add, read + write), "
            f"{us:.2f} us per extra kernel (medians). overhead = step - the same configuration's n = 0 step; "
            "the fastest strategy per point.", ""]
     if plot is not None:
