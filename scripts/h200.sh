@@ -115,7 +115,8 @@ for stage in "$@"; do
         --json "$OUT/linear-bench-$SECONDS.json" 2>&1 | tee -a "$OUT/linear-bench.log" ;;
     shrink-grid) python3 scripts/shrink_grid.py --json "$OUT/shrink-grid.json" 2>&1 | tee -a "$OUT/shrink-grid.log" ;;
     mixed-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_mixed_attention.py tests/test_mixed_steps.py \
-                   tests/test_piecewise_graphs.py tests/test_prefill_sweep.py 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
+                   tests/test_piecewise_graphs.py tests/test_prefill_sweep.py 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" \
+                   || { log "mixed-tests failed: the stages after it would measure a broken step"; exit 1; } ;;
     kernel-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_check.py \
                     -k "${TESTS_K:-fused or agnostic}" 2>&1 | tail -n 15 | tee -a "$OUT/stages.log" ;;
     kernels-32|kernels-128)
