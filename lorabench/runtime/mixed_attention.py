@@ -105,10 +105,9 @@ def blocks_of(layout: "MixedLayout", device: torch.device, group: int) -> tuple[
 
 @dataclass(frozen=True)
 class _Plan:
-    """A layout's index tensors on one device, made once per layout (attention runs every layer)."""
+    """The torch path's own index tensors of a layout on one device (beside its ``StepIndex``),
+    made once per layout (attention runs every layer)."""
 
-    token_rows: torch.Tensor  # [T] each token's cache row
-    positions: torch.Tensor  # [T] each token's position in its request
     decode_tokens: torch.Tensor  # [P1] where the one-token pieces lie on the token axis
     decode_rows: torch.Tensor  # [P1] their cache rows
     decode_mask: torch.Tensor  # [P1, 1, 1, C]: the keys each sees (its context and itself)
@@ -117,14 +116,11 @@ class _Plan:
 
 @lru_cache(maxsize=16)
 def _plan(layout: "MixedLayout", device: torch.device) -> _Plan:
-    rows = torch.tensor(layout.rows, device=device)
     ones = [i for i, n in enumerate(layout.lengths) if n == 1]
     seen = [layout.contexts[i] + 1 for i in ones]
     keys = torch.arange(max(seen, default=1), device=device)
     mask = keys[None, :] < torch.tensor(seen, device=device, dtype=torch.long)[:, None]
     return _Plan(
-        token_rows=torch.repeat_interleave(rows, torch.tensor(layout.lengths, device=device)),
-        positions=layout.positions(device),
         decode_tokens=torch.tensor([layout.starts[i] for i in ones], device=device, dtype=torch.long),
         decode_rows=torch.tensor([layout.rows[i] for i in ones], device=device, dtype=torch.long),
         decode_mask=mask[:, None, None, :],
@@ -151,9 +147,9 @@ def attend(q, k, v, cache_k, cache_v, layout: MixedLayout) -> torch.Tensor:
     if k.shape[0] != t or v.shape[0] != t:
         raise ValueError(f"{t} queries, {k.shape[0]} keys for a layout of {layout.tokens} tokens")
     check_layout(layout, t, cache_k.shape)
-    plan = _plan(layout, q.device)
-    cache_k[plan.token_rows, :, plan.positions] = k
-    cache_v[plan.token_rows, :, plan.positions] = v
+    index, plan = index_of(layout, q.device), _plan(layout, q.device)
+    cache_k[index.token_rows, :, index.positions] = k
+    cache_v[index.token_rows, :, index.positions] = v
     out = torch.empty_like(q)
     group = heads // cache_k.shape[1]
     if len(plan.decode_tokens):

@@ -174,7 +174,7 @@ class Block(nn.Module):
         """Rotary q and k at each token's position (the layout's), then attention over each piece's
         cached context: two kernels (``fused``), or torch ops."""
         cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
-        check_layout(layout, t, self.cache_k.shape)
+        check_layout(layout, t, self.cache_k.shape)  # before the rotary tables are indexed at its positions
         index = index_of(layout, qkv.device)
         if fused:
             q = rope_and_cache(qkv, *rope, index.positions, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads,
