@@ -113,14 +113,14 @@ def test_the_varlen_kernel_matches_the_torch_attention(heads, kv_heads, d, piece
     rows, ctx_len = 6, 96
     layout = MixedLayout.of(step_of(*pieces), dict(enumerate((4, 0, 5, 2, 1))))
     t = layout.tokens
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
-    angles = torch.rand(ctx_len, d // 2, generator=g) * 6
-    caches = [torch.randn(rows, kv_heads, ctx_len, d, generator=g) for _ in range(2)]
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE)
+    angles = (torch.rand(ctx_len, d // 2, generator=g) * 6).to(DEVICE)
+    caches = [torch.randn(rows, kv_heads, ctx_len, d, generator=g).to(DEVICE) for _ in range(2)]
     ours = [c.clone() for c in caches]
-    index = index_of(layout, torch.device("cpu"))
+    index = index_of(layout, qkv.device)
     q = rope_and_cache(qkv, angles.cos(), angles.sin(), index.positions, *ours, heads, kv_heads, fused=True,
                        rows=index.token_rows)
-    table = blocks_of(layout, torch.device("cpu"), heads // kv_heads)[1]
+    table = blocks_of(layout, qkv.device, heads // kv_heads)[1]
     out = varlen_attention(q, *ours, table)
     qt, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     cos, sin = angles.cos()[index.positions], angles.sin()[index.positions]
