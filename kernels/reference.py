@@ -4,6 +4,7 @@ It reads only each token's slot, never the launch count or the sorted metadata, 
 what the batch *should* get whatever graph serves it. Math in float32.
 """
 
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
@@ -12,6 +13,28 @@ import torch
 from .meta import LoRAMeta
 
 NEEDS_ZEROED_SCRATCH = False
+
+
+class _ActiveSlots:
+    """The sorted slots a batch's tokens hold, read from the device once per batch: a step calls
+    ``lora_delta`` once per LoRA linear and layer (128 times in Llama's 32 layers) with the same
+    ``token_slot``, and each read is a host sync that stalls a GPU's queue. Kept for the last
+    tensor object seen, while its version counter (bumped by every in-place write) is unchanged."""
+
+    def __init__(self):
+        self.tensor, self.version, self.tokens, self.slots = None, -1, -1, None
+
+    def __call__(self, token_slot: torch.Tensor, tokens: int) -> torch.Tensor:
+        if (self.tensor is not None and self.tensor() is token_slot and self.version == token_slot._version
+                and self.tokens == tokens and self.slots.device == token_slot.device):
+            return self.slots
+        slot = token_slot[:tokens].long()
+        self.slots = torch.unique(slot[slot >= 0])  # sorted
+        self.tensor, self.version, self.tokens = weakref.ref(token_slot), token_slot._version, tokens
+        return self.slots
+
+
+_active_slots = _ActiveSlots()
 
 
 def lora_delta(
@@ -28,23 +51,37 @@ def lora_delta(
     x: [T, K] inputs; lora_a: [L, S·R, K], or [L, S·R/TP, K] for one rank of fully sharded LoRA
     (its share of each slice's rank; the other ranks' shares, all-gathered in a server, count as
     zero here); lora_b: [L, N, R]; slice_starts: (0, ..., N), S+1 ints; token_slot: [T] slot per
-    token (-1 = base model); scale: LoRA scaling (alpha / rank).
+    token (-1 = base model); scale: LoRA scaling (alpha / rank); h_dtype: round the shrink's
+    output to this dtype (None: keep float32).
+
+    The batch's n active slots' A and B side by side, every token through all of them, each
+    keeping its own slot's part: a few large matmuls instead of a few per slot (a per-token gather
+    of A and B would take T·(S·R·K + N·R) floats: 30 GB for a gate_up of 8192 prefill tokens;
+    this takes T·n·(S·R + R) floats, the other slots' products being exact zeros in the expand).
     """
+    tokens = x.shape[0]
     rank = lora_a.shape[1] // (len(slice_starts) - 1)  # A's rows per slice: R, or R / TP
-    slot = token_slot[: x.shape[0]].long()
-    delta = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32, device=x.device)
-    # One slot at a time: its tokens' rows through its own A and B (a per-token gather of A and B
-    # would take T·(S·R·K + N·R) floats: 30 GB for a gate_up of 8192 prefill tokens).
-    for s in torch.unique(slot).tolist():
-        if s < 0:
-            continue
-        rows = (slot == s).nonzero().squeeze(1)
-        h = scale * (x[rows].float() @ lora_a[s].float().T)  # [t, S·R]
-        if h_dtype is not None:
-            h = h.to(h_dtype).float()
-        for i in range(len(slice_starts) - 1):
-            n0, n1 = slice_starts[i], slice_starts[i + 1]
-            delta[rows, n0:n1] = h[:, i * rank : (i + 1) * rank] @ lora_b[s, n0:n1, :rank].float().T
+    delta = torch.zeros(tokens, lora_b.shape[1], dtype=torch.float32, device=x.device)
+    active = _active_slots(token_slot, tokens)
+    n = active.numel()
+    if n == 0:
+        return delta
+    slot = token_slot[:tokens].long()
+    served = slot >= 0
+    # each token's slot's place among the active ones (base tokens: 0, masked below)
+    where = torch.searchsorted(active, slot.clamp(min=0)).clamp(max=n - 1)
+    a = lora_a[active].float()  # [n, S·R, K]
+    h_all = (x.float() @ a.reshape(-1, a.shape[-1]).T).view(tokens, n, -1)  # [T, n, S·R]
+    h = h_all.gather(1, where.view(tokens, 1, 1).expand(tokens, 1, h_all.shape[-1])).squeeze(1)
+    h = scale * h * served[:, None]
+    if h_dtype is not None:
+        h = h.to(h_dtype).float()
+    b = lora_b[active].float()  # [n, N, R]
+    for i in range(len(slice_starts) - 1):
+        n0, n1 = slice_starts[i], slice_starts[i + 1]
+        spread = torch.zeros(tokens, n, rank, dtype=torch.float32, device=x.device)
+        spread.scatter_(1, where.view(tokens, 1, 1).expand(tokens, 1, rank), h[:, None, i * rank : (i + 1) * rank])
+        delta[:, n0:n1] = spread.view(tokens, n * rank) @ b[:, n0:n1, :rank].permute(0, 2, 1).reshape(n * rank, n1 - n0)
     return delta
 
 
