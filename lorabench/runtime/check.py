@@ -338,10 +338,10 @@ def check(d: Dispatcher, dtype: str, seed: int = 0, refs: References | None = No
         d.input_ids.copy_(saved_ids)
     # A failure is one beyond its own limit (rounding cannot explain it): WRONG whatever the
     # sensitivity of the other kind; a pass is a verdict only where a dropped update would show.
-    if sens < MIN_SENSITIVITY * tol:
-        correct = None
-    elif first is not None:
+    if first is not None:
         correct = False
+    elif sens < MIN_SENSITIVITY * tol:
+        correct = None
     else:
         correct = True if mixed_tol is None or sens >= MIN_MIXED_SENSITIVITY * mixed_tol else None
 
