@@ -24,7 +24,7 @@ def _save(fig, df, what, path: Path) -> Path:
     """Title the figure with what was measured where, write it."""
     r = ok_points(df).iloc[0]
     where = r.gpu_name if r.device == "cuda" else "CPU (not a GPU result)"
-    fig.suptitle(f"{what} - {r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
+    fig.suptitle(f"{what}\n{r.model} ({int(r.layers)} layers), rank {int(r['rank'])}, {r['dtype']}, {where}", fontsize=10)
     fig.tight_layout()
     save_png(fig, path)
     return path
@@ -221,7 +221,7 @@ def overhead_vs_tokens(df: pd.DataFrame, pre: pd.DataFrame, over: pd.DataFrame, 
     for ax, m in zip(axes[0], loras):
         for (k, s, n), g in pre[(pre.max_loras == m) & (pre.n_active > 0)].groupby(["kernels", "strategy", "n_active"]):
             g = g.sort_values("prefill_tokens")
-            (line,) = ax.plot(g.prefill_tokens, g.overhead_pct, marker="o", ms=3, label=f"{label(df, k, s)}, n={n}")
+            (line,) = ax.plot(g.prefill_tokens, g.overhead_pct, marker="o", ms=3, label=f"{label(df, k, s)}, n={int(n)}")
             d = decode[(decode.max_loras == m) & (decode.kernels == k) & (decode.strategy == s) & (decode.n_active == n)]
             if len(d):
                 ax.scatter(d.concurrency, d.overhead_pct, marker="x", s=30, color=line.get_color())
