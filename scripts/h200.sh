@@ -61,7 +61,8 @@
 #            (decode and prefill token counts, a grid of tilings at GB_GRID), and each linear's LoRA overhead, triton vs gemm
 #   gemm-sweep - sweeps/gemm.toml (GS_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/gemm/
 #   mixed-tests - the mixed steps' tests alone (attention with context in 16 bit, PIECEWISE graphs, prefill sweeps): a minute
-#   prefill-check - lorabench check of PIECEWISE graphs (lorabench's and vLLM's rules, max and pow2) on 2 layers of Llama-3.1-8B
+#   prefill-check - lorabench check of PIECEWISE graphs (lorabench's and vLLM's rules, max and pow2) on 2 layers of
+#            Llama-3.1-8B, fp16 (in bf16 a 2-layer update is too small for a pass to mean anything)
 #   prefill - sweeps/prefill.toml (PF_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably; on a warm machine the
 #            stage resumes the run a stopped call left), reported: results/prefill/
 #   serving - sweeps/serving.toml (SV_ARGS adds sweep options, STAGE_TIMEOUT stops it; resumed as prefill), reported: results/serving/
@@ -210,7 +211,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       tar czf "$OUT/gemm.tgz" results/gemm ;;
     prefill-check)  # the check alone of PIECEWISE graphs, lorabench's and vLLM's rules (default and specialised), 2 layers
       timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench check --kernels triton,vllm --strategy max,pow2 --max-loras 4 \
-        --model llama-3.1-8b --layers 2 --capture-sizes 1,2,4 --mixed-capture-sizes 4,8,16 --dtype bfloat16 \
+        --model llama-3.1-8b --layers 2 --capture-sizes 1,2,4 --mixed-capture-sizes 4,8,16 --dtype float16 \
         --out results/prefill 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     prefill)  # sweeps/prefill.toml: LoRA overhead at 128..8192 prompt tokens, lorabench's kernels and vLLM's: results/prefill/
       /usr/bin/time -f "prefill wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
