@@ -22,16 +22,16 @@ class _ActiveSlots:
     tensor object seen, while its version counter (bumped by every in-place write) is unchanged."""
 
     def __init__(self):
-        self.tensor, self.version, self.tokens, self.slots = None, -1, -1, None
+        self.entry = None  # (weak reference to the tensor, its version, tokens, slots): one value, so threads never mix two
 
     def __call__(self, token_slot: torch.Tensor, tokens: int) -> torch.Tensor:
-        if (self.tensor is not None and self.tensor() is token_slot and self.version == token_slot._version
-                and self.tokens == tokens and self.slots.device == token_slot.device):
-            return self.slots
+        entry = self.entry
+        if entry is not None and entry[0]() is token_slot and entry[1:3] == (token_slot._version, tokens):
+            return entry[3]
         slot = token_slot[:tokens].long()
-        self.slots = torch.unique(slot[slot >= 0])  # sorted
-        self.tensor, self.version, self.tokens = weakref.ref(token_slot), token_slot._version, tokens
-        return self.slots
+        slots = torch.unique(slot[slot >= 0])  # sorted
+        self.entry = (weakref.ref(token_slot), token_slot._version, tokens, slots)
+        return slots
 
 
 _active_slots = _ActiveSlots()
