@@ -11,7 +11,8 @@ Its replays are timed with CUDA events; the same graph without the LoRA kernels 
 measured alternately with it. Per-linear overhead = (with − without) / REPEAT, and the step
 estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pair and ``fused``
 kernel, each with PDL on and off (``LORABENCH_PDL``), their ``+tuned`` configs with --tuned, and
-``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present.
+``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present, and
+``triton/split-4``: the pair with the shrink's earlier fixed 4-way split above 64 tokens.
 The sweep (``lorabench sweep``) is what measures whole steps; this isolates one design choice.
 """
 
@@ -22,7 +23,7 @@ import random
 
 import numpy as np
 import torch
-from lorabench.kernels import fused_lora, triton_lora
+from lorabench.kernels import fused_lora, lora_configs, triton_lora
 
 from lorabench.config.batches import fixed_batch, parse_bench_points
 from lorabench.config.models import lora_linears, resolve
@@ -35,9 +36,23 @@ REPEAT, REPLAYS, RANK, LAYERS = 32, 40, 16, 32
 TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_kernels.py
 
 
+def split_4(fn):
+    """``fn`` with the shrink's earlier split above decode sizes: K in 4 parts (at most one
+    128-wide block each), whatever the token tiles (``lora_configs.prefill_split``)."""
+    def apply(*args, **kw):
+        now = lora_configs.prefill_split
+        lora_configs.prefill_split = lambda tokens, k, n, block_m, block_n: min(4, 1 << (max(1, k // 128).bit_length() - 1))
+        try:
+            fn(*args, **kw)
+        finally:
+            lora_configs.prefill_split = now
+    return apply
+
+
 def variants(tuned: str | None) -> dict:
     """name -> (apply function, PDL on)."""
     v = {"triton": (triton_lora.lora_apply, True), "triton/no-pdl": (triton_lora.lora_apply, False),
+         "triton/split-4": (split_4(triton_lora.lora_apply), True),
          "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False)}
     try:
         from lorabench.kernels import _fused_v1

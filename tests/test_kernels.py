@@ -160,6 +160,31 @@ def test_default_shrink_split_fits_the_shape(tokens, launch):
             assert cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k or 2 * cfg.split_k * tiles > triton_lora.SHRINK_PROGRAMS
 
 
+@pytest.mark.parametrize("tokens", [65, 128, 512, 1616, 2048, 8192])
+def test_a_prefill_shrink_is_split_until_its_token_tiles_fill_the_gpu(tokens):
+    """Above decode sizes the split follows the token tiles, whatever the launch count: K is split
+    until the tiles make the program target, at least 4 ways, stopping only at 64, at one K block
+    per split, or at the target; every split has K to reduce."""
+    for k, n in [(64, 16), (4096, 16), (4096, 48), (14336, 16)]:
+        cfg = triton_lora.shrink_config(tokens, k, n, 16)
+        assert cfg == triton_lora.shrink_config(tokens, k, n, 1)
+        assert cfg.block_k * (cfg.split_k - 1) < k
+        tiles = triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        assert cfg.split_k * tiles <= max(triton_lora.SHRINK_PROGRAMS, 4 * tiles)
+        assert (cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k
+                or 2 * cfg.split_k * tiles > triton_lora.SHRINK_PROGRAMS or cfg.split_k == 4)
+
+
+@pytest.mark.parametrize("base_frac,max_loras", [(0.0, 1), (0.1, 3)], ids=["one-adapter", "mixed"])
+def test_a_prefill_shrink_at_its_default_split_matches_the_reference(base_frac, max_loras):
+    """130 tokens (3 token tiles) at the default prefill split (8 ways over K = 1024): one adapter
+    holding every token, and three adapters among base tokens."""
+    x, a, b, y, slots, starts = make_case(130, 1024, (48, 16), 16, max_loras, torch.float16, base_frac, 7)
+    assert triton_lora.shrink_config(130, 1024, 32, max_loras).split_k == 8
+    out, _, _ = run_backend("triton", x, a, b, y, slots, starts, max_loras, launch_count=max_loras)
+    check(out, y, x, a, b, slots, starts)
+
+
 @pytest.mark.parametrize("cfg", [
     fused_lora.FusedConfig(block_m=16, block_n=16, block_k=32, split_k=1),
     fused_lora.FusedConfig(block_m=16, block_n=32, block_k=16, split_k=3),  # parts of unequal length
