@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import pdl_enabled, pdl_launch, pdl_wait
+from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def add_rmsnorm(x, delta, weight, eps, fused=True, pdl=False):
     pdl = pdl and pdl_enabled(x.device)
     _add_rmsnorm_kernel[(t,)](
         x, delta if delta is not None else x, weight, res, out, hidden, eps,
-        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(hidden), USE_PDL=pdl, num_warps=8, **pdl_launch(pdl),
+        HAS_DELTA=delta is not None, BLOCK=next_pow2(hidden), USE_PDL=pdl, num_warps=8, **pdl_launch(pdl),
     )
     return out, res
 
@@ -172,7 +172,7 @@ def silu_mul(gate_up, fused=True, pdl=False):
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     pdl = pdl and pdl_enabled(gate_up.device)
-    _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, USE_PDL=pdl,
+    _silu_mul_kernel[(t, cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, USE_PDL=pdl,
                                                           num_warps=4, **pdl_launch(pdl))
     return out
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES
-from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait
 from .lora_configs import config_for
 from .meta import LoRAMeta
 from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles
@@ -84,7 +84,7 @@ RANK_STEP = 64  # the expand's widest rank tile: larger ranks loop over it (a 51
 
 def rank_block(rank: int) -> int:
     """The expand's rank tile: the rank rounded up to a power of two, 16 at least, 64 at most."""
-    return min(RANK_STEP, max(16, triton.next_power_of_2(rank)))
+    return min(RANK_STEP, max(16, next_pow2(rank)))
 
 
 def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, config=None):
@@ -97,7 +97,7 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     tokens = y.shape[0]
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
-    grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(widest, cfg.block_n), num_slices, launch_count)
+    grid = (cdiv(tokens, cfg.block_m) * cdiv(widest, cfg.block_n), num_slices, launch_count)
     pdl = pdl_enabled(y.device)
     ranked = meta.slot_rank is not None
     _expand_kernel[grid](
@@ -106,7 +106,7 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(rank), R_STEPS=triton.cdiv(rank, rank_block(rank)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(rank), R_STEPS=cdiv(rank, rank_block(rank)),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
         UPCAST=INTERPRET and y.dtype == torch.bfloat16, RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),

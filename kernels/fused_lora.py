@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES
-from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
 from .tiles import adapter_tile, expand_tile, own_rank, slice_bounds, sorted_tiles
@@ -196,10 +196,10 @@ def default_config(tokens: int, k: int, widest: int, rank: int, slices: int, lau
     kernel spills registers (about 1.3 KB per thread at rank 512 on sm_90): the shrink + expand
     pair, whose expand loops over the rank, is the one to use at large ranks."""
     block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = max(16, next_pow2(rank))
     block_k = min(256 if block_m <= 32 else 64, A_TILE // block_r)
     block_n = min(128, 2 * A_TILE // block_r)
-    split_k = 1 if tokens > 64 else max(1, min(16, triton.next_power_of_2(k // 1024)))
+    split_k = 1 if tokens > 64 else max(1, min(16, next_pow2(k // 1024)))
     return FusedConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                        num_warps=4 if block_r <= 64 else 8)
 
@@ -243,7 +243,7 @@ def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Te
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fused_lora: a launch larger than any before it is being captured; "
                                "run it once outside the capture first (that allocates its workspace)")
-        bufs.append(torch.zeros(triton.next_power_of_2(numel), dtype=dtype, device=device))
+        bufs.append(torch.zeros(next_pow2(numel), dtype=dtype, device=device))
     return bufs[-1]
 
 
@@ -265,12 +265,12 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         raise ValueError("fully sharded LoRA needs an all-gather between the shrink and the expand; "
                          "the fused kernel has none (use the triton kernels)")
     cfg = config or config_for(tokens, k, widest, rank, num_slices, launch_count)
-    n_tiles = triton.cdiv(widest, cfg.block_n)
+    n_tiles = cdiv(widest, cfg.block_n)
     split = cfg.split_k > 1
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = max(16, next_pow2(rank))
     sums = _workspace(y.device, torch.float32, tokens * num_slices * n_tiles * block_r if split else 1)
     counts = _workspace(y.device, torch.int32, tokens * num_slices * n_tiles if split else 1)
-    grid = (triton.cdiv(tokens, cfg.block_m) * cfg.split_k * n_tiles, num_slices, launch_count)
+    grid = (cdiv(tokens, cfg.block_m) * cfg.split_k * n_tiles, num_slices, launch_count)
     pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
         x, lora_a, lora_b, y, sums, counts, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,

@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import MAX_SLICES
-from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_gemm import gathered_dot
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
@@ -301,7 +301,7 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
                     ("h", h if lora else None), ("B", lora_b if lora else None)):
         if t is not None and t.stride(-1) != 1:  # the kernel steps its last axis by 1
             raise ValueError(f"the gemm kernel needs {name}'s last axis contiguous (stride {t.stride(-1)})")
-    width = triton.next_power_of_2(launch_count * slices * rank) if lora else 0  # the launched slot-rank columns
+    width = next_pow2(launch_count * slices * rank) if lora else 0  # the launched slot-rank columns
     key = (tokens, k, n, y.dtype, width, weight is not None)
     cfg = config or FITTED.get(key) or config_for(tokens, k, n)
     upcast = INTERPRET and y.dtype == torch.bfloat16
@@ -314,15 +314,15 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
     )
     flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
-                 LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), USE_PDL=pdl, UPCAST=upcast, RANKED=ranked,
+                 LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, UPCAST=upcast, RANKED=ranked,
                  **pdl_launch(pdl))
     while True:
-        grid = (triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        grid = (cdiv(tokens, cfg.block_m) * cdiv(n, cfg.block_n),)
         block_j = max(16, min(width, EPILOGUE_ELEMENTS // cfg.block_n))
         tile = cfg.block_m * cfg.block_n
         gather = cfg.gather and tile <= GATHER_TILE
         # the gathered epilogue's step: [BLOCK_M, BLOCK_N, R_STEP] of B, at most GATHER_ELEMENTS
-        r_step = min(triton.next_power_of_2(rank), max(1, GATHER_ELEMENTS // tile)) if gather else 1
+        r_step = min(next_pow2(rank), max(1, GATHER_ELEMENTS // tile)) if gather else 1
         try:
             _gemm_lora_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
                                     GROUP_M=cfg.group_m, PRELOAD=cfg.preload and not gather, GATHER=gather, R_STEP=r_step,

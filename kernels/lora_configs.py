@@ -3,7 +3,7 @@ the tuned table (``load_tuned``, ``config_for``) and the default tilings."""
 
 from dataclasses import dataclass
 
-import triton
+from .launch import cdiv, next_pow2
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,12 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     measured faster in the step at 32 slots than the tiling the isolated grid favoured (64 / 16 /
     2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, "How the kernels got there";
     scripts/shrink_grid.py)."""
-    block_m, block_n = _block_m(tokens), min(64, max(16, triton.next_power_of_2(n)))
+    block_m, block_n = _block_m(tokens), min(64, max(16, next_pow2(n)))
     if tokens > 64:
         return ShrinkConfig(block_m, block_n, 128, prefill_split(tokens, k, n, block_m, block_n))
-    tiles = launch * triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+    tiles = launch * cdiv(tokens, block_m) * cdiv(n, block_n)
     if tiles > FEW_TILES:
-        return ShrinkConfig(block_m, block_n, 128, min(32, triton.next_power_of_2(max(1, k // 256))))
+        return ShrinkConfig(block_m, block_n, 128, min(32, next_pow2(max(1, k // 256))))
     split_k = min(64, _pow2_floor(SHRINK_PROGRAMS // tiles), _pow2_floor(k // 64))
     return ShrinkConfig(block_m, block_n, 64, split_k, num_stages=3)
 
@@ -101,9 +101,9 @@ def prefill_split(tokens: int, k: int, n: int, block_m: int, block_n: int) -> in
     one adapter holding all 128 tokens works in 2 tiles x the split; at a fixed split of 4 that was
     8 programs on 132 SMs, each walking a quarter of K (LoRA at 128 prompt tokens measured 5.9x its
     byte floor on an H100, against 1.1x at 2048 tokens, where the tiles alone fill the GPU)."""
-    tiles = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+    tiles = cdiv(tokens, block_m) * cdiv(n, block_n)
     return min(64, _pow2_floor(k // 128), max(4, _pow2_floor(max(1, SHRINK_PROGRAMS // tiles))))
 
 
 def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
-    return ExpandConfig(_block_m(tokens), min(128, max(16, triton.next_power_of_2(n_max_slice))))
+    return ExpandConfig(_block_m(tokens), min(128, max(16, next_pow2(n_max_slice))))

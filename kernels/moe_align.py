@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET
+from .launch import INTERPRET, next_pow2
 
 
 def max_num_tokens_padded(numel: int, experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
@@ -222,8 +222,8 @@ def align_blocks(
         flat, token_lora_mapping if has_slots else dummy, lora_ids if has_slots else dummy,
         adapter_enabled if has_slots else dummy, sorted_ids, expert_ids, post_pad,
         numel, top_k, n_ids, width, blocks,
-        E=experts, E_P2=triton.next_power_of_2(max(experts, 1)), BM=block_size,
-        CHUNK=16 if INTERPRET else 64, IDS_P2=triton.next_power_of_2(n_ids), HAS_SLOTS=has_slots,
+        E=experts, E_P2=next_pow2(max(experts, 1)), BM=block_size,
+        CHUNK=16 if INTERPRET else 64, IDS_P2=next_pow2(n_ids), HAS_SLOTS=has_slots,
         num_warps=4,
     )
     return sorted_ids, expert_ids, post_pad

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET
+from .launch import INTERPRET, cdiv, next_pow2
 
 BLOCK_M = 16  # entries per block of the grouped GEMM (and of lorabench's sorted-path expert LoRA)
 
@@ -88,7 +88,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, ids: torch.Tensor
         return
     t, experts = logits.shape
     _route_kernel[(t,)](logits, ids, weights, experts, logits.stride(0), TOP_K=top_k,
-                        K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(experts),
+                        K_P2=next_pow2(top_k), E_P2=next_pow2(experts),
                         RENORMALIZE=renormalize, num_warps=1)
 
 
@@ -146,7 +146,7 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, layout
     sorted_ids, expert_ids, post_pad = layout
     y = torch.empty((numel, n), dtype=x.dtype, device=x.device)
     block_n, block_k = (32, 32) if INTERPRET else (64, 128)
-    grid = (sorted_ids.shape[-1] // BLOCK_M + (sorted_ids.shape[-1] % BLOCK_M > 0), triton.cdiv(n, block_n))
+    grid = (sorted_ids.shape[-1] // BLOCK_M + (sorted_ids.shape[-1] % BLOCK_M > 0), cdiv(n, block_n))
     _expert_gemm_kernel[grid](
         x, w, y, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
         n, k, numel, top_k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET
+from .launch import INTERPRET, cdiv, next_pow2
 from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, gathered_dot
 
@@ -330,9 +330,9 @@ def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, i
     programs cost Qwen3-30B-A3B's step 0.2 ms per column."""
     if programs is None:
         return n_tiles, 1
-    groups = max(1, min(n_tiles, triton.cdiv(programs, max(1, busy))))
-    n_loop = triton.cdiv(n_tiles, groups)
-    return triton.cdiv(n_tiles, n_loop), n_loop
+    groups = max(1, min(n_tiles, cdiv(programs, max(1, busy))))
+    n_loop = cdiv(n_tiles, groups)
+    return cdiv(n_tiles, n_loop), n_loop
 
 
 def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
@@ -350,17 +350,17 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     if numel == 0:
         return
     path_name = path_name or moe_path(tokens, top_k, experts, max_loras)
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = max(16, next_pow2(rank))
     routed = call.topk_weights
     common = dict(X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight)
     if path_name == PER_ENTRY:
         block_n = 32 if INTERPRET else 128
         if per_entry.a_elements < block_r or per_entry.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"{per_entry}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two")
-        block_k = max(16, min(triton.next_power_of_2(k), triton.next_power_of_2(per_entry.a_elements // block_r)))
-        n_tiles = triton.cdiv(ns, block_n)
-        n_loop = triton.cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
-        groups = triton.cdiv(n_tiles, n_loop)
+        block_k = max(16, min(next_pow2(k), next_pow2(per_entry.a_elements // block_r)))
+        n_tiles = cdiv(ns, block_n)
+        n_loop = cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
+        groups = cdiv(n_tiles, n_loop)
         _per_entry_kernel[(numel, slices * groups)](
             call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, routed, meta.token_slot, call.enabled,
             k, ns, rank, experts, numel, top_k, scale, *_strides(call),
@@ -372,7 +372,7 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
         raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
     sorted_ids, expert_ids, post_pad = call.layout
     padded = sorted_ids.shape[-1]
-    blocks = triton.cdiv(padded, BLOCK_M)
+    blocks = cdiv(padded, BLOCK_M)
     upcast = INTERPRET and call.x.dtype == torch.bfloat16
     x_s, a_s0, a_s1, a_s2, a_s3, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
@@ -385,7 +385,7 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
         BLOCK_R=block_r, UPCAST=upcast, num_warps=4,
     )
     block_n = 32 if INTERPRET else 64
-    groups, n_loop = expand_groups(triton.cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
+    groups, n_loop = expand_groups(cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
     _sorted_expand_kernel[(walkers, slices * groups, launch_count)](
         h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
         call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401
 from .meta import LoRAMeta
 from .tiles import own_rank
 
@@ -110,15 +110,15 @@ def _launch(producer, x, delta, weight, eps, out, res, lora_a, h, meta: LoRAMeta
         if t.stride(-1) != 1:
             raise ValueError(f"the producer shrink needs {name}'s last axis contiguous (stride {t.stride(-1)})")
     ranked = meta.slot_rank is not None
-    block_n = min(triton.next_power_of_2(n), max(16, 8192 // CHUNK))
+    block_n = min(next_pow2(n), max(16, 8192 // CHUNK))
     pdl = pdl and pdl_enabled(out.device)
-    _producer_shrink_kernel[(tokens, triton.cdiv(k, CHUNK))](
+    _producer_shrink_kernel[(tokens, cdiv(k, CHUNK))](
         x, delta if delta is not None else x, weight if weight is not None else x, res if res is not None else out, out,
         lora_a, h, meta.token_slot, meta.active_slots, meta.slot_rank if ranked else meta.active_slots,
         k, n, n // slices, rank, max(0, launch_count), eps, scale,
         lora_a.stride(0), lora_a.stride(1), h.stride(0),
-        PRODUCER=producer, HAS_DELTA=delta is not None, ROW=triton.next_power_of_2(k), CHUNK=CHUNK, BLOCK_N=block_n,
-        LAUNCH_PAD=triton.next_power_of_2(max(1, launch_count)), USE_PDL=pdl, RANKED=ranked, num_warps=4,
+        PRODUCER=producer, HAS_DELTA=delta is not None, ROW=next_pow2(k), CHUNK=CHUNK, BLOCK_N=block_n,
+        LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, RANKED=ranked, num_warps=4,
         **pdl_launch(pdl),
     )
 

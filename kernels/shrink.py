@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, pdl_enabled, pdl_launch, pdl_wait
+from .launch import INTERPRET, cdiv, pdl_enabled, pdl_launch, pdl_wait
 from .lora_configs import config_for
 from .meta import LoRAMeta
 from .tiles import adapter_tile, own_rank, sorted_tiles
@@ -105,7 +105,7 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     rows_per_slice = n // slices
     rank = rank or rows_per_slice
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
-    grid = (cfg.split_k * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1, launch_count)
+    grid = (cfg.split_k * cdiv(tokens, cfg.block_m) * cdiv(n, cfg.block_n), 1, launch_count)
     pdl = pdl_enabled(x.device)
     ranked = meta.slot_rank is not None
     _shrink_kernel[grid](

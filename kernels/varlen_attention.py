@@ -17,6 +17,7 @@ piece's cache row up to its last token's position with an online softmax.
 import torch
 import triton
 import triton.language as tl
+from .launch import next_pow2
 
 # Query rows a program takes (tokens x query heads per KV head): 128, or 64 without grouped heads,
 # where 128 rows spilled registers in sm_90 compiles (the compile test checks each shape for spills).
@@ -26,7 +27,7 @@ BLOCK_N = 32  # keys per iteration: 64 spilled at 128 rows under 4 warps, and at
 
 def block_tokens(group: int) -> int:
     """Tokens a block holds when each KV head serves ``group`` query heads (at least 1)."""
-    g = triton.next_power_of_2(group)
+    g = next_pow2(group)
     return ROWS_MHA if g == 1 else max(1, ROWS // g)
 
 
@@ -116,8 +117,8 @@ def varlen_attention(q, cache_k, cache_v, block_table, out=None):
         q, cache_k, cache_v, out, block_table,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         out.stride(0), out.stride(1), (d ** -0.5) * 1.4426950408889634,
-        G=group, G_PAD=triton.next_power_of_2(group), D=d, D_PAD=triton.next_power_of_2(d),
+        G=group, G_PAD=next_pow2(group), D=d, D_PAD=next_pow2(d),
         BLOCK_T=per_block, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if per_block * triton.next_power_of_2(group) >= 128 else 4,
+        num_warps=8 if per_block * next_pow2(group) >= 128 else 4,
     )
     return out
