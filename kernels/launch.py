@@ -20,7 +20,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host. Triton's own (``triton.cdiv``, ``triton.next_power_of_2``) are
-    constexpr functions since 3.4, ~4 µs a host call: a LoRA launch computed a dozen of them."""
+    constexpr functions since 3.5, ~4 µs a host call: a LoRA launch computed a dozen of them."""
     return -(-a // b)
 
 
