@@ -14,6 +14,7 @@ from lorabench.config.models import ModelConfig
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.mixed_attention import MixedLayout
 from lorabench.runtime.model import LlamaLoRA, LoRAStep
+from lorabench.runtime.piecewise_graphs import PiecewiseStep
 
 CFG = ModelConfig("m", 2, 128, 4, 2, 256, 97)
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -82,6 +83,28 @@ def test_a_layout_for_other_tokens_gets_one_line():
     layout = MixedLayout.of(Step((Piece(0, -1, 3, 0, True, True),)), {0: 0})
     with pytest.raises(ValueError, match="2 tokens for a layout of 3"):
         m(torch.tensor([1, 2], device=DEVICE), None, None, layout)
+
+
+def test_pieces_write_attention_into_their_buffer_as_the_torch_path_does():
+    """A PIECEWISE step's pieces (run eagerly) with the fused ops, whose attention kernel writes
+    the pieces' static buffer itself, against the torch ops, which copy into it."""
+    m = model()
+    for r in range(3):
+        run(m, [(r, 5, 0)], PROMPT[:5], {r: [0, -1, 2][r]})
+    fused = copy.deepcopy(m)
+    fused.fused = True
+    step = Step(tuple(Piece(r, a, n, 5, True, True) for r, a, n in [(0, 0, 1), (1, -1, 3), (2, 2, 4)]))
+    layout = MixedLayout.of(step, {r: r for r in range(3)})
+    buf = MetaBuffer(8, 3, DEVICE)
+    buf.load(buf.pack(step.token_adapters)[0])
+    lora = LoRAStep(get_backend("torch"), buf.meta, 3, 0.5)
+    ids = torch.arange(30, 38, device=DEVICE)
+    outs = []
+    for mm in (fused, m):
+        attn = torch.full((16, CFG.heads * CFG.head_dim), float("nan"), device=DEVICE)
+        outs.append(PiecewiseStep(mm, ids, attn, lambda: lora).run_eager(layout))
+        assert not attn[:8].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
 
 
 def test_the_gpu_paths_two_kernels_give_the_torch_paths_step():

@@ -144,17 +144,22 @@ class Block(nn.Module):
             qkv = qk_rmsnorm_full(qkv, self.q_norm, self.k_norm, cfg.norm_eps)
         return qkv, x
 
-    def attention(self, qkv, pos, rope, fused, pdl, layout: MixedLayout | None = None):
+    def attention(self, qkv, pos, rope, fused, pdl, layout: MixedLayout | None = None, out=None):
         """Attention [T, H D]. layout: a mixed step's pieces (``mixed_attention``); None: a decode
-        step, token t in cache row t attending to the whole cache (the benchmark's fixed context)."""
+        step, token t in cache row t attending to the whole cache (the benchmark's fixed context).
+        out: a mixed step's [T, H D] buffer to write into (the fused kernel writes it directly)."""
         cfg, t = self.cfg, qkv.shape[0]
         if layout is not None:
-            attn = self._mixed_attention(qkv, rope, layout, fused)
-        else:
-            q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
-            attn = F.scaled_dot_product_attention(
-                q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
-            )
+            attn = self._mixed_attention(qkv, rope, layout, fused, out)
+            if out is None:
+                return attn.reshape(t, cfg.heads * cfg.head_dim)
+            if attn.data_ptr() != out.data_ptr():
+                out.copy_(attn.reshape(t, cfg.heads * cfg.head_dim))
+            return out
+        q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
+        )
         return attn.reshape(t, cfg.heads * cfg.head_dim)
 
     def after_attention(self, attn, x, lora, scratch, fused, pdl, moe_state=None):
@@ -170,9 +175,10 @@ class Block(nn.Module):
             return x, self.down(act, lora, scratch[3], shrunk=True)
         return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
 
-    def _mixed_attention(self, qkv, rope, layout, fused):
+    def _mixed_attention(self, qkv, rope, layout, fused, out=None):
         """Rotary q and k at each token's position (the layout's), then attention over each piece's
-        cached context: two kernels (``fused``), or torch ops."""
+        cached context: two kernels (``fused``; the second writes into ``out`` [T, H D] when given),
+        or torch ops."""
         cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
         check_layout(layout, t, self.cache_k.shape)  # before the rotary tables are indexed at its positions
         index = index_of(layout, qkv.device)
@@ -180,7 +186,8 @@ class Block(nn.Module):
             q = rope_and_cache(qkv, *rope, index.positions, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads,
                                rows=index.token_rows)
             table = blocks_of(layout, qkv.device, cfg.heads // cfg.kv_heads)[1]
-            return varlen_attention(q, self.cache_k, self.cache_v, table)
+            return varlen_attention(q, self.cache_k, self.cache_v, table,
+                                    None if out is None else out.view(t, cfg.heads, d))
         q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
         cos, sin = rope[0][index.positions], rope[1][index.positions]
         q, k = rotate(q.reshape(t, cfg.heads, d), cos, sin), rotate(k.reshape(t, cfg.kv_heads, d), cos, sin)
@@ -273,9 +280,10 @@ class LlamaLoRA(nn.Module):
                                                 self._pdl(lora))
         return x, qkv
 
-    def attention(self, i: int, qkv, positions, lora: LoRAStep | None, layout: MixedLayout | None):
-        """Layer i's attention, between pieces i and i + 1."""
-        return self.layers[i].attention(qkv, positions, (self.rope_cos, self.rope_sin), self.fused, self._pdl(lora), layout)
+    def attention(self, i: int, qkv, positions, lora: LoRAStep | None, layout: MixedLayout | None, out=None):
+        """Layer i's attention, between pieces i and i + 1 (into ``out`` when given)."""
+        return self.layers[i].attention(qkv, positions, (self.rope_cos, self.rope_sin), self.fused, self._pdl(lora),
+                                        layout, out)
 
     def piece(self, i: int, attn, x, lora: LoRAStep | None):
         """Piece i >= 1: layer i-1 from its attention's output on, then layer i up to attention:

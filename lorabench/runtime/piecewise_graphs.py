@@ -84,4 +84,4 @@ class PiecewiseStep:
 
     def _attend(self, i: int, qkv: torch.Tensor, positions, lora, layout: MixedLayout) -> None:
         n = layout.tokens
-        self.attn[:n].copy_(self.model.attention(i, qkv[:n], positions, lora, layout))
+        self.model.attention(i, qkv[:n], positions, lora, layout, out=self.attn[:n])
