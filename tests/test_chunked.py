@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from lorabench.config.serving_latency import latencies
 from lorabench.config.chunked import Piece, serve
-from lorabench.stats import quantile_interval
+from lorabench.stats import MIN_SAMPLES, quantile_interval, quantile_interval_samples
 
 
 def source(*requests, then=None):
@@ -150,3 +150,10 @@ def test_quantile_intervals_cover_at_their_level():
     assert quantile_interval(np.ones(5), 0.5) is None
     with pytest.raises(ValueError):
         quantile_interval(np.ones(50), 1.0)
+
+
+@pytest.mark.parametrize("q,fewest", [(0.5, MIN_SAMPLES), (0.9, 36), (0.99, 368)])
+def test_the_fewest_samples_a_quantile_interval_needs(q, fewest):
+    assert quantile_interval_samples(q) == fewest
+    assert quantile_interval(np.arange(fewest, dtype=float), q) is not None
+    assert quantile_interval(np.arange(fewest - 1, dtype=float), q) is None

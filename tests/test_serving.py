@@ -113,7 +113,8 @@ def serving_row(max_loras, tokens_s, p99, low, high, point):
     return {"status": "ok", "mode": "serving", "workload": "zipf:1", "kernels": "triton", "max_loras": max_loras,
             "strategy": "max", "max_cudagraph_capture_size": 32, "point": point, "output_tokens_per_s": tokens_s,
             "ttft_ms_p99": p99, "ttft_ms_p99_low": low, "ttft_ms_p99_high": high, "itl_ms_p99": 12.0, "ttft_pending": 0,
-            "graph_mem_bytes": 2**30, "mixed_graph_mem_bytes": 2**29, "startup_s": 10.0, "mixed_capture_s": 2.0}
+            "graph_mem_bytes": 2**30, "mixed_graph_mem_bytes": 2**29, "startup_s": 10.0, "mixed_capture_s": 2.0,
+            "ttft_requests": 400 if low is not None else 20, "iters": 3000}
 
 
 def test_the_serving_choice_is_the_fastest_shown_within_the_target():
@@ -126,6 +127,8 @@ def test_the_serving_choice_is_the_fastest_shown_within_the_target():
     (c,) = choices(rows, 500.0)
     assert [s.against(500.0) for s in c.runs] == [MISSED, UNCLEAR, UNCLEAR, MET]  # most tokens/s first
     assert c.chosen.max_loras == 4 and "3 faster" in c.why
+    # the one without an interval: what it served, and a loop long enough for one (3000 x 368 / 20 steps)
+    assert "1 of them served 20 requests, a p99 interval needs 368: --iters 56000" in c.why
     assert c.chosen.graph_mem_bytes == 1.5 * 2**30 and c.chosen.startup_s == 12.0  # FULL and PIECEWISE together
     assert choices(rows)[0].chosen.max_loras == 32  # no target: the most tokens/s
     (none,) = choices(rows, 100.0)

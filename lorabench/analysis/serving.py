@@ -11,9 +11,12 @@ above, and is *unclear* when the interval spans it or the run had too few reques
 their first token at the end are marked: their percentiles read low.
 """
 
+import math
 from dataclasses import dataclass
 
 import pandas as pd
+
+from lorabench.stats import quantile_interval_samples
 
 MET, MISSED, UNCLEAR = "met", "missed", "unclear"
 
@@ -35,6 +38,13 @@ class ServingRun:
     ttft_pending: int
     graph_mem_bytes: float | None  # FULL and PIECEWISE graphs together
     startup_s: float | None  # build, compile and both captures
+    ttft_requests: int = 0  # the requests its TTFT percentiles count
+    iters: int = 0  # the loop's timed steps
+
+    @property
+    def too_few_requests(self) -> bool:
+        """Its TTFT p99 has no interval because the loop served too few requests for one."""
+        return self.ttft_p99_ms is not None and self.ttft_p99_low is None
 
     def against(self, target_ms: float | None) -> str | None:
         """MET, MISSED or UNCLEAR against ``target_ms`` (None: no target)."""
@@ -76,7 +86,8 @@ def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingC
             k, int(r.max_loras), r.strategy, int(r.max_cudagraph_capture_size), int(r.point), float(r.output_tokens_per_s),
             _value(r.ttft_ms_p99), _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high), _value(r.itl_ms_p99),
             int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),
-            _sum(r.startup_s, r.mixed_capture_s)) for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
+            _sum(r.startup_s, r.mixed_capture_s), int(_value(r.ttft_requests) or 0), int(r.iters))
+            for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
         if target_ms is None:
             out.append(ServingChoice(w, k, None, runs, runs[0], "the most output tokens/s (no TTFT target)"))
             continue
@@ -85,15 +96,30 @@ def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingC
             chosen = met[0]
             faster = [s for s in runs if s.output_tokens_per_s > chosen.output_tokens_per_s]
             why = (f"the most output tokens/s whose TTFT p99 is within {target_ms:g} ms (its 95 % interval below it)"
-                   + (f"; {len(faster)} faster configuration(s) miss it or are not shown to meet it" if faster else ""))
+                   + (f"; {len(faster)} faster configuration(s) miss it or are not shown to meet it" if faster else "")
+                   + few_requests(faster))
             out.append(ServingChoice(w, k, target_ms, runs, chosen, why))
             continue
         unclear = [s for s in runs if s.against(target_ms) == UNCLEAR]
         why = (f"none is shown to meet TTFT p99 <= {target_ms:g} ms"
                + (f"; {len(unclear)} not shown either way (interval spans it, or too few requests for one)"
-                  if unclear else ""))
+                  if unclear else "") + few_requests(unclear))
         out.append(ServingChoice(w, k, target_ms, runs, None, why))
     return out
+
+
+def few_requests(runs) -> str:
+    """What the runs among ``runs`` whose TTFT p99 lacks an interval for want of requests would
+    need: the requests, and the steps a loop at their rate takes to serve them ('' if none)."""
+    few = [s for s in runs if s.too_few_requests and s.ttft_requests > 0]
+    if not few:
+        return ""
+    need = quantile_interval_samples(0.99)
+    steps = max(math.ceil(s.iters * need / s.ttft_requests) for s in few)
+    lo, hi = min(s.ttft_requests for s in few), max(s.ttft_requests for s in few)
+    served = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return (f"; {len(few)} of them served {served} requests, a p99 interval needs {need}: "
+            f"--iters {math.ceil(steps / 1000) * 1000} or more would serve them")
 
 
 def _sum(a, b) -> float | None:

@@ -6,6 +6,7 @@ import pandas as pd
 from lorabench.analysis.serving_price import FIGURES
 from lorabench.commands.report.labels import in_order
 from lorabench.commands.tables import markdown_table
+from lorabench.stats import quantile_interval_samples
 
 
 def _with_interval(r, name: str) -> str | None:
@@ -40,7 +41,7 @@ def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> lis
            "in the timed steps at least the longest TTFT seen before their end, those still waiting among them above "
            "every timed one (a percentile that falls among them is beyond the run); `pending`: every request still "
            f"waiting at the end. Percentiles in {u}, with distribution-free 95 % intervals where there are enough requests "
-           "(p90: 36, p99: 368).", ""]
+           f"(p90: {quantile_interval_samples(0.9)}, p99: {quantile_interval_samples(0.99)}).", ""]
     for w, g in runs.groupby("workload", sort=False):
         g = in_order(g, by=("kernels", "max_loras", "strategy"))
         rows = [[r.kernels, int(r.max_loras), r.strategy, r.output_tokens_per_s, r.tokens_per_s,
