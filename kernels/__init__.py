@@ -53,6 +53,16 @@ RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM allows as --max-lora
 MAX_RANK = 512
 DTYPES = ("float16", "bfloat16", "float32")  # torch dtype names the kernels take
 MAX_SLICES = 3
+# The plain-torch reference (``reference.lora_delta``) runs a LoRA linear's active slots side by side
+# in a few matmuls while that holds at most this many float32 values, else one slot at a time.
+REFERENCE_SIDE_BY_SIDE_FLOATS = 2**26
+
+
+def reference_side_by_side_floats(tokens: int, k: int, n: int, rows: int, rank: int, active: int) -> int:
+    """The float32 values the reference's side-by-side path holds for one LoRA linear of input K,
+    output N, A's ``rows`` (S·R) and B's ``rank`` columns, over ``tokens`` tokens of ``active``
+    slots: the slots' A and B, each token's h through all of them, and the expand's spread h."""
+    return active * (rows * k + n * rank) + tokens * active * (rows + rank)
 
 
 @dataclass(frozen=True)

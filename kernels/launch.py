@@ -21,12 +21,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host. Triton's own (``triton.cdiv``, ``triton.next_power_of_2``) are
     constexpr functions since 3.5, ~4 µs a host call: a LoRA launch computed a dozen of them."""
-    return -(-a // b)
+    return -(-int(a) // int(b))
 
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (0 for n <= 0, as ``triton.next_power_of_2``), on the host."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+from . import REFERENCE_SIDE_BY_SIDE_FLOATS, reference_side_by_side_floats
 from .meta import LoRAMeta
 
 NEEDS_ZEROED_SCRATCH = False
@@ -19,16 +20,21 @@ class _ActiveSlots:
     """The sorted slots a batch's tokens hold, read from the device once per batch: a step calls
     ``lora_delta`` once per LoRA linear and layer (128 times in Llama's 32 layers) with the same
     ``token_slot``, and each read is a host sync that stalls a GPU's queue. Kept for the last
-    tensor object seen, while its version counter (bumped by every in-place write) is unchanged."""
+    tensor object seen, while its version counter (bumped by every in-place torch write) is
+    unchanged: a write that bypasses it (``.data``, numpy, a kernel or a graph replay writing the
+    buffer) must not happen between two calls on the same tensor; lorabench's ``MetaBuffer.load``
+    writes with ``copy_``. Inference-mode tensors have no version counter: not cached."""
 
     def __init__(self):
         self.entry = None  # (weak reference to the tensor, its version, tokens, slots): one value, so threads never mix two
 
     def __call__(self, token_slot: torch.Tensor, tokens: int) -> torch.Tensor:
+        slot = token_slot[:tokens].long()
+        if token_slot.is_inference():
+            return torch.unique(slot[slot >= 0])
         entry = self.entry
         if entry is not None and entry[0]() is token_slot and entry[1:3] == (token_slot._version, tokens):
             return entry[3]
-        slot = token_slot[:tokens].long()
         slots = torch.unique(slot[slot >= 0])  # sorted
         self.entry = (weakref.ref(token_slot), token_slot._version, tokens, slots)
         return slots
@@ -57,7 +63,10 @@ def lora_delta(
     The batch's n active slots' A and B side by side, every token through all of them, each
     keeping its own slot's part: a few large matmuls instead of a few per slot (a per-token gather
     of A and B would take T·(S·R·K + N·R) floats: 30 GB for a gate_up of 8192 prefill tokens;
-    this takes T·n·(S·R + R) floats, the other slots' products being exact zeros in the expand).
+    this takes n·(S·R·K + N·R) + T·n·(S·R + R), the other slots' products being exact zeros in
+    the expand). Past ``REFERENCE_SIDE_BY_SIDE_FLOATS`` of those (many slots at a high rank and
+    many tokens) it goes slot by slot. Adapters must be finite: side by side, a NaN in one slot's
+    B reaches every token (0 · NaN). token_slot must hold at least T entries.
     """
     tokens = x.shape[0]
     rank = lora_a.shape[1] // (len(slice_starts) - 1)  # A's rows per slice: R, or R / TP
@@ -67,6 +76,9 @@ def lora_delta(
     if n == 0:
         return delta
     slot = token_slot[:tokens].long()
+    floats = reference_side_by_side_floats(tokens, x.shape[1], lora_b.shape[1], lora_a.shape[1], rank, n)
+    if floats > REFERENCE_SIDE_BY_SIDE_FLOATS:
+        return _slot_by_slot(delta, x, lora_a, lora_b, slice_starts, slot, active, rank, scale, h_dtype)
     served = slot >= 0
     # each token's slot's place among the active ones (base tokens: 0, masked below)
     where = torch.searchsorted(active, slot.clamp(min=0)).clamp(max=n - 1)
@@ -82,6 +94,19 @@ def lora_delta(
         spread = torch.zeros(tokens, n, rank, dtype=torch.float32, device=x.device)
         spread.scatter_(1, where.view(tokens, 1, 1).expand(tokens, 1, rank), h[:, None, i * rank : (i + 1) * rank])
         delta[:, n0:n1] = spread.view(tokens, n * rank) @ b[:, n0:n1, :rank].permute(0, 2, 1).reshape(n * rank, n1 - n0)
+    return delta
+
+
+def _slot_by_slot(delta, x, lora_a, lora_b, slice_starts, slot, active, rank, scale, h_dtype):
+    """``lora_delta`` one active slot at a time (memory bounded by one slot's tokens and weights)."""
+    for s in active.tolist():
+        rows = (slot == s).nonzero().squeeze(1)
+        h = scale * (x[rows].float() @ lora_a[s].float().T)  # [t, S·R]
+        if h_dtype is not None:
+            h = h.to(h_dtype).float()
+        for i in range(len(slice_starts) - 1):
+            n0, n1 = slice_starts[i], slice_starts[i + 1]
+            delta[rows, n0:n1] = h[:, i * rank : (i + 1) * rank] @ lora_b[s, n0:n1, :rank].float().T
     return delta
 
 

@@ -74,12 +74,12 @@ trap - TERM INT
 last=$shards; [ -n "$solo" ] || last=$((shards - 1))
 for ((i = 0; i <= last; i++)); do
   summary=$(tail -n 1 "$log.$i")
-  grep -qE "(passed|failed|error).* in [0-9.]+s" <<<"$summary" || summary="cut short: no summary line"
+  grep -qE "(passed|failed|skipped|deselected|error).* in [0-9.]+s" <<<"$summary" || summary="cut short: no summary line"
   echo "shard $i: $summary"
   passed=$((passed + $(count passed "$summary"))); failed=$((failed + $(count failed "$summary")))
   skipped=$((skipped + $(count skipped "$summary"))); errors=$((errors + $(count error "$summary")))
 done
 gather
 grep -E "^(FAILED|ERROR) " "$log" | head -n 40
-echo "gpu tests: $passed passed, $failed failed, $skipped skipped, $errors errors (${gpu:-no GPU found}; $shards shards)"
+echo "gpu tests: $passed passed, $failed failed, $skipped skipped, $errors errors (${gpu:-no GPU found}; $shards shards${solo:+ + the compile test})"
 exit "$rc"

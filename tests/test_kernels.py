@@ -64,6 +64,29 @@ def check(out, y, x, a, b, slots, starts, scale=0.5):
         assert (out[~base].float() - y[~base].float()).abs().max() > 1e-2
 
 
+def test_the_reference_side_by_side_equals_slot_by_slot(monkeypatch):
+    """The reference's two paths (the active slots side by side, or past its memory limit one at a
+    time) give the same update: base tokens zero, B wider than the slices, A of R / 2 rows per slice
+    (a fully sharded rank), the shrink rounded to the dtype or not; inference-mode slots too."""
+    from lorabench.kernels import reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 64, generator=g).to(DEVICE)
+    a, b = torch.randn(5, 2 * 4, 64, generator=g).to(DEVICE), torch.randn(5, 40, 8, generator=g).to(DEVICE)
+    slots = torch.tensor([random.Random(i).randrange(-1, 5) for i in range(40)], device=DEVICE)
+    for h_dtype in (None, torch.bfloat16):
+        side = reference.lora_delta(x, a, b, (0, 16, 36), slots, 0.5, h_dtype)
+        with monkeypatch.context() as m:
+            m.setattr(reference, "REFERENCE_SIDE_BY_SIDE_FLOATS", 0)
+            alone = reference.lora_delta(x, a, b, (0, 16, 36), slots, 0.5, h_dtype)
+        torch.testing.assert_close(side, alone, rtol=1e-5, atol=1e-5)
+        assert (side[slots[:37] < 0] == 0).all() and (side[:, 36:] == 0).all() and side.abs().max() > 0.1
+    with torch.inference_mode():
+        frozen = slots.clone()
+    torch.testing.assert_close(reference.lora_delta(x, a, b, (0, 16, 36), frozen, 0.5),
+                               reference.lora_delta(x, a, b, (0, 16, 36), slots, 0.5))
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rank", RANKS + (5, 100))  # every rank vLLM allows, and two it does not (the kernels take any)

@@ -19,7 +19,7 @@ from lorabench.config.models import (
     moe_layer,
     moe_lora_shapes,
 )
-from lorabench.kernels import MAX_SLICES
+from lorabench.kernels import MAX_SLICES, REFERENCE_SIDE_BY_SIDE_FLOATS, reference_side_by_side_floats
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 GiB, MiB, KiB = 2**30, 2**20, 2**10
@@ -165,9 +165,20 @@ def estimate(s: Shape, graphs: int, cuda: bool) -> MemoryEstimate:
     if s.vllm:  # its per-slice copies of the dense LoRA linears; expert LoRA is handed over as views
         adapters += adapters - s.max_loras * expert_lora_bytes_per_slot(s.cfg, s.rank, s.dtype)
     linears = _linears(s)
-    # The check's reference, one slot at a time in float32: its tokens' inputs, their h, the update of
-    # every token and a slice's product, and the slot's A and B.
-    gathers = 4 * max(t * (k + 2 * n + slices * s.rank) + slices * s.rank * k + n * s.rank for k, n, slices in linears)
+    # The check's reference in float32 (kernels/reference.py): every token's input, h and update, a
+    # slice's product, and either the active slots side by side (their A and B, each token's h through
+    # all of them: reference_side_by_side_floats, their A and B also gathered in the model's dtype)
+    # or, past its limit, one slot's A and B.
+    active = min(s.max_loras, t)
+
+    def reference_bytes(k, n, slices):
+        rows, alone = slices * s.rank, 4 * t * (k + 2 * n + slices * s.rank)
+        side = reference_side_by_side_floats(t, k, n, rows, s.rank, active)
+        if side <= REFERENCE_SIDE_BY_SIDE_FLOATS:
+            return alone + 4 * side + b * active * (rows * k + n * s.rank)
+        return alone + 4 * (rows * k + n * s.rank)
+
+    gathers = max(reference_bytes(k, n, slices) for k, n, slices in linears)
     # Each random weight is drawn in float32 and scaled (two float32 copies) before its cast.
     largest = max([cfg.vocab * cfg.hidden, s.rows * cfg.kv_heads * s.context_len * cfg.head_dim]
                   + [n * k for k, n, _ in linears]
