@@ -10,11 +10,12 @@
 # backend's tests skip), runs pytest, and ends with one line:
 # "gpu tests: N passed, N failed, N skipped, N errors (GPU name)". Exit status: pytest's.
 # LOG=path keeps pytest's whole output (default: gpu-tests.log).
-# SHARDS=N runs the test files in N pytest processes at once on the same GPU (files dealt out
-# largest first, round robin; each shard's output in LOG.<i>), and adds up their counts: the
-# suite's tests share no state across files, and a GPU has room for several. Each shard's torch
-# gets its share of the host's cores (OMP_NUM_THREADS), so that the shards' CPU sweeps do not
-# oversubscribe them (torch's CPU ops take every core by default).
+# SHARDS=N runs the test files in N pytest processes at once on the same GPU: the suite's tests
+# share no state across files, and a GPU has room for several. With pytest-xdist (in the test
+# extra) N workers take one file at a time as they free up (--dist loadfile); without it the
+# files are dealt out largest first, round robin (each shard's output in LOG.<i>), and their counts
+# added up. Each process's torch gets its share of the host's cores (OMP_NUM_THREADS), so that
+# their CPU sweeps do not oversubscribe them (torch's CPU ops take every core by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -46,12 +47,19 @@ if [ "$shards" -le 1 ]; then
   echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found})"
   exit "$rc"
 fi
-# The sm_90 compile test is two processes of Triton compiles on the CPU: a shard of its own, started
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))}
+if python3 -c "import xdist" 2>/dev/null; then  # fixed shards left some idle for minutes while one ran on
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$shards" --dist loadfile tests "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  summary=$(tail -n 1 "$log")
+  echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found}; $shards workers)"
+  exit "$rc"
+fi
+# Without xdist: fixed shards. The sm_90 compile test is two processes of Triton compiles on the CPU: a shard of its own, started
 # first, so that it never ends a GPU shard's run (with pytest arguments, which may deselect it, it is dealt out)
 solo=tests/test_compile_sm90.py
 [ $# -eq 0 ] || solo=
 mapfile -t files < <(ls -S tests/test_*.py | grep -vx "${solo:-none}")
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))}
 pids=()
 # The shards' logs end up in LOG alone (one file to bring back), even when a time limit stops the run:
 # a shard cut short has no summary line, and the counts below say so.
