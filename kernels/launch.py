@@ -29,6 +29,11 @@ def next_pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
 
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= n (1 for n <= 1), on the host."""
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
 @functools.cache
 def _sm90_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

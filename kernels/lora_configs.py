@@ -3,7 +3,7 @@ the tuned table (``load_tuned``, ``config_for``) and the default tilings."""
 
 from dataclasses import dataclass
 
-from .launch import cdiv, next_pow2
+from .launch import cdiv, next_pow2, pow2_floor
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,6 @@ SHRINK_PROGRAMS = 512  # ~4 per SM on a 132-SM H200: enough programs in flight t
 FEW_TILES = 8  # launched slots x token tiles x output tiles up to which a shrink is split to SHRINK_PROGRAMS
 
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
 def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     """Default shrink tiling. A decode-sized shrink is a GEMV over A: with few launched slots it
     is as fast as the A reads in flight, so K is split (64-wide blocks, 3 stages) until the launch
@@ -90,7 +86,7 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     tiles = launch * cdiv(tokens, block_m) * cdiv(n, block_n)
     if tiles > FEW_TILES:
         return ShrinkConfig(block_m, block_n, 128, min(32, next_pow2(max(1, k // 256))))
-    split_k = min(64, _pow2_floor(SHRINK_PROGRAMS // tiles), _pow2_floor(k // 64))
+    split_k = min(64, pow2_floor(SHRINK_PROGRAMS // tiles), pow2_floor(k // 64))
     return ShrinkConfig(block_m, block_n, 64, split_k, num_stages=3)
 
 
@@ -102,7 +98,7 @@ def prefill_split(tokens: int, k: int, n: int, block_m: int, block_n: int) -> in
     8 programs on 132 SMs, each walking a quarter of K (LoRA at 128 prompt tokens measured 5.9x its
     byte floor on an H100, against 1.1x at 2048 tokens, where the tiles alone fill the GPU)."""
     tiles = cdiv(tokens, block_m) * cdiv(n, block_n)
-    return min(64, _pow2_floor(k // 128), max(4, _pow2_floor(max(1, SHRINK_PROGRAMS // tiles))))
+    return min(64, pow2_floor(k // 128), max(4, pow2_floor(SHRINK_PROGRAMS // tiles)))
 
 
 def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:

@@ -24,6 +24,7 @@ import random
 import numpy as np
 import torch
 from lorabench.kernels import fused_lora, lora_configs, triton_lora
+from lorabench.kernels.launch import pow2_floor
 
 from lorabench.config.batches import fixed_batch, parse_bench_points
 from lorabench.config.models import lora_linears, resolve
@@ -41,7 +42,7 @@ def split_4(fn):
     128-wide block each), whatever the token tiles (``lora_configs.prefill_split``)."""
     def apply(*args, **kw):
         now = lora_configs.prefill_split
-        lora_configs.prefill_split = lambda tokens, k, n, block_m, block_n: min(4, 1 << (max(1, k // 128).bit_length() - 1))
+        lora_configs.prefill_split = lambda tokens, k, n, block_m, block_n: min(4, pow2_floor(k // 128))
         try:
             fn(*args, **kw)
         finally:
