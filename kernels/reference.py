@@ -29,15 +29,20 @@ class _ActiveSlots:
         self.entry = None  # (weak reference to the tensor, its version, tokens, slots): one value, so threads never mix two
 
     def __call__(self, token_slot: torch.Tensor, tokens: int) -> torch.Tensor:
-        slot = token_slot[:tokens].long()
         if token_slot.is_inference():
-            return torch.unique(slot[slot >= 0])
+            return _slots_in(token_slot, tokens)
         entry = self.entry
         if entry is not None and entry[0]() is token_slot and entry[1:3] == (token_slot._version, tokens):
             return entry[3]
-        slots = torch.unique(slot[slot >= 0])  # sorted
+        slots = _slots_in(token_slot, tokens)
         self.entry = (weakref.ref(token_slot), token_slot._version, tokens, slots)
         return slots
+
+
+def _slots_in(token_slot: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The distinct slots >= 0 of the first ``tokens`` entries, sorted (a host sync)."""
+    slot = token_slot[:tokens]
+    return torch.unique(slot[slot >= 0].long())
 
 
 _active_slots = _ActiveSlots()

@@ -150,12 +150,7 @@ class Block(nn.Module):
         out: a mixed step's [T, H D] buffer to write into (the fused kernel writes it directly)."""
         cfg, t = self.cfg, qkv.shape[0]
         if layout is not None:
-            attn = self._mixed_attention(qkv, rope, layout, fused, out)
-            if out is None:
-                return attn.reshape(t, cfg.heads * cfg.head_dim)
-            if attn.data_ptr() != out.data_ptr():
-                out.copy_(attn.reshape(t, cfg.heads * cfg.head_dim))
-            return out
+            return self._mixed_attention(qkv, rope, layout, fused, out).reshape(t, cfg.heads * cfg.head_dim)
         q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
@@ -177,21 +172,22 @@ class Block(nn.Module):
 
     def _mixed_attention(self, qkv, rope, layout, fused, out=None):
         """Rotary q and k at each token's position (the layout's), then attention over each piece's
-        cached context: two kernels (``fused``; the second writes into ``out`` [T, H D] when given),
-        or torch ops."""
+        cached context: two kernels (``fused``), or torch ops. [T, H, D], written into ``out`` [T, H D]
+        when given (by the second kernel itself)."""
         cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
         check_layout(layout, t, self.cache_k.shape)  # before the rotary tables are indexed at its positions
         index = index_of(layout, qkv.device)
+        out = None if out is None else out.view(t, cfg.heads, d)
         if fused:
             q = rope_and_cache(qkv, *rope, index.positions, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads,
                                rows=index.token_rows)
             table = blocks_of(layout, qkv.device, cfg.heads // cfg.kv_heads)[1]
-            return varlen_attention(q, self.cache_k, self.cache_v, table,
-                                    None if out is None else out.view(t, cfg.heads, d))
+            return varlen_attention(q, self.cache_k, self.cache_v, table, out)
         q, k, v = qkv.split([cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
         cos, sin = rope[0][index.positions], rope[1][index.positions]
         q, k = rotate(q.reshape(t, cfg.heads, d), cos, sin), rotate(k.reshape(t, cfg.kv_heads, d), cos, sin)
-        return attend(q, k, v.reshape(t, cfg.kv_heads, d), self.cache_k, self.cache_v, layout)
+        attn = attend(q, k, v.reshape(t, cfg.kv_heads, d), self.cache_k, self.cache_v, layout)
+        return attn if out is None else out.copy_(attn)
 
     def _norm_then(self, linear, x, delta, norm, lora, scratch, fused, pdl):
         """(linear(rmsnorm(x + delta)), x + delta): the norm computes the linear's shrink too where it can."""
