@@ -356,15 +356,26 @@ def samples_needed(n: int, half_width: float, target_half_width: float) -> int:
 def quantile_interval_samples(q: float, level: float = LEVEL) -> int:
     """The fewest samples for which ``quantile_interval`` gives the ``q`` quantile an interval
     (at 95 %: p90 36, p99 368)."""
-    from scipy import stats as _sps  # here alone: see the module's docstring
-
     _check_level(level)
     if not 0 < q < 1:
         raise ValueError(f"quantile {q}: it must lie strictly between 0 and 1")
-    tail, n = (1 - level) / 2, MIN_SAMPLES
-    while int(_sps.binom.ppf(tail, n, q)) < 1 or int(_sps.binom.ppf(1 - tail, n, q)) > n - 1:
+    n = MIN_SAMPLES
+    while _order_statistics(n, q, level) is None:
         n += 1
     return n
+
+
+def _order_statistics(n: int, q: float, level: float) -> tuple[int, int] | None:
+    """The 0-based order statistics (lo, hi) of n samples that bound the ``q`` quantile at
+    ``level`` (``quantile_interval``), or None where they would reach past the samples."""
+    from scipy import stats as _sps  # here alone: see the module's docstring
+
+    tail = (1 - level) / 2
+    # B, the samples below the quantile, is Binomial(n, q); x_(i) is 0-based. x_(lo) lies above the
+    # quantile only if B <= lo, x_(hi) below it only if B >= hi + 1: each has probability <= tail.
+    lo = int(_sps.binom.ppf(tail, n, q)) - 1
+    hi = int(_sps.binom.ppf(1 - tail, n, q))
+    return None if lo < 0 or hi > n - 1 else (lo, hi)
 
 
 def quantile_interval(x: np.ndarray, q: float, level: float = LEVEL) -> Interval | None:
@@ -373,20 +384,12 @@ def quantile_interval(x: np.ndarray, q: float, level: float = LEVEL) -> Interval
     statistics [x_(l), x_(u)] at that law's (1 - level)/2 and (1 + level)/2 points cover it with
     probability >= level. None when n is too small for it (the interval would reach past the
     smallest or largest sample: p90 needs 36 samples at 95 %, p99 368)."""
-    from scipy import stats as _sps  # here alone: see the module's docstring
-
     _check_level(level)
     if not 0 < q < 1:
         raise ValueError(f"quantile {q}: it must lie strictly between 0 and 1")
     a = np.sort(_samples(x))
     n = len(a)
-    if n < MIN_SAMPLES:
+    bounds = None if n < MIN_SAMPLES else _order_statistics(n, q, level)
+    if bounds is None:
         return None
-    tail = (1 - level) / 2
-    # B, the samples below the quantile, is Binomial(n, q); x_(i) is 0-based. x_(lo) lies above the
-    # quantile only if B <= lo, x_(hi) below it only if B >= hi + 1: each has probability <= tail.
-    lo = int(_sps.binom.ppf(tail, n, q)) - 1
-    hi = int(_sps.binom.ppf(1 - tail, n, q))
-    if lo < 0 or hi > n - 1:
-        return None
-    return Interval(float(np.quantile(a, q)), float(a[lo]), float(a[hi]), level)
+    return Interval(float(np.quantile(a, q)), float(a[bounds[0]]), float(a[bounds[1]]), level)
