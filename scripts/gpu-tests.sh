@@ -49,7 +49,10 @@ if [ "$shards" -le 1 ]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))}
 if python3 -c "import xdist" 2>/dev/null; then  # fixed shards left some idle for minutes while one ran on
-  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$shards" --dist loadfile tests "$@" 2>&1 | tee "$log"
+  # Workers take files in the order given: the sm_90 compile test (minutes of Triton compiles) first, then the
+  # largest files, so that no long file starts last and ends the run alone (a 600 s limit once cut it there).
+  mapfile -t files < <(ls tests/test_compile_sm90.py; ls -S tests/test_*.py | grep -vx tests/test_compile_sm90.py)
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$shards" --dist loadfile "${files[@]}" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   summary=$(tail -n 1 "$log")
   echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found}; $shards workers)"
