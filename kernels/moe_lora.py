@@ -45,7 +45,7 @@ PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slic
 class ExpertCall(NamedTuple):
     """One projection's expert LoRA in one MoE layer, as the model hands it to a backend."""
 
-    y: torch.Tensor  # [T·top_k, S·N_s] per-entry output, updated in place
+    y: torch.Tensor | None  # [T·top_k, S·N_s] per-entry output, updated in place (None: expert_gemm_lora makes it)
     x: torch.Tensor  # [T, K] (w13: per token) or [T·top_k, K] (w2: per entry)
     lora_a: torch.Tensor  # [S, L, E, R, K]
     lora_b: torch.Tensor  # [S, L, E, N_s, R]

@@ -3,6 +3,7 @@
     python scripts/moe_lora_bench.py [--model qwen3-30b-a3b] [--max-loras 4]
                                      [--points 1:1,2:1,4:1,4:4,8:1,8:4,16:4,32:4,64:1,64:4] [--json OUT.json]
                                      [--expand-programs 512,2048] [--block-programs 64] [--base-tokens 1]
+                                     [--with-gemm]
 
 A point ``tokens:active:launch`` gives lorabench's kernels ``launch`` adapter columns (``max``'s
 graphs launch max_loras) instead of the active count.
@@ -16,6 +17,13 @@ rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default gr
 (max_loras + 1) and with ``--specialize-active-lora``'s. Each variant's output is checked against
 the plain-torch reference on the first layer before it is timed. The sweep (``lorabench sweep``)
 measures whole steps; this isolates the expert-LoRA kernels and the path threshold.
+
+``--with-gemm``: every variant runs after the grouped GEMM that makes its y (w13's, then w2's, the
+routing weights in), and two more join them: ``gemm alone`` (the GEMMs, no LoRA) and ``lorabench
+in-gemm`` (the ``gemm`` backend's op: the GEMM with the expert LoRA inside it, one launch). A
+variant's cost of expert LoRA is then its time minus ``gemm alone``'s, the only fair comparison for
+an op that has no GEMM-free form. The layers share one set of base weights (a whole model's would
+not fit beside the adapters on one GPU); each has its own routing, LoRA and outputs.
 """
 
 import argparse
@@ -29,7 +37,8 @@ from lorabench.config.batches import fixed_batch, parse_bench_points
 from lorabench.config.models import moe_layer, resolve
 from lorabench.kernels import reference
 from lorabench.kernels.moe_align import align_blocks
-from lorabench.kernels.moe_gemm import BLOCK_M
+from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm
+from lorabench.kernels.moe_gemm_lora import IN_GEMM, expert_gemm_lora
 from lorabench.kernels.moe_lora import (PER_ENTRY, SORTED, ExpertCall, PerEntryTiling, SortedTiling, moe_lora_apply,
                                         moe_path)
 from lorabench.runtime.graphs import capture_graph
@@ -119,6 +128,49 @@ def check(apply, calls, meta) -> float:
     return worst
 
 
+def base_weights(cfg, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, hidden] and w2 [E, hidden, I], bf16, shared by every layer (``--with-gemm``)."""
+    e, h, inter = cfg.moe.experts, cfg.hidden, cfg.moe.intermediate
+    w13 = torch.randn(e, 2 * inter, h, device=DEVICE, generator=gen) * h**-0.5
+    return w13.to(torch.bfloat16), (torch.randn(e, h, inter, device=DEVICE, generator=gen) * inter**-0.5).to(torch.bfloat16)
+
+
+def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, launch: int) -> dict:
+    """Each variant as ``project(call) -> y``: the grouped GEMM of the call's projection, then the
+    variant's update of its output; and ``gemm alone`` and ``lorabench in-gemm``."""
+    def gemm(call):
+        w = weights[call.mul_weight]
+        return expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if call.mul_weight else None,
+                           x_per_entry=call.x_per_entry)
+
+    def then(apply):
+        def project(call):
+            y = gemm(call)
+            apply(call._replace(y=y))
+            return y
+        return project
+
+    out = {"gemm alone": (gemm, "-")}
+    out.update({name: (then(apply), path) for name, (apply, path) in chosen.items()})
+    out["lorabench in-gemm"] = (lambda c: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0), IN_GEMM)
+    return out
+
+
+def check_projection(project, gemm, calls, meta) -> float:
+    """``check`` for ``with_gemm``'s variants: the first layer's outputs less the GEMM's against the
+    reference's update (0 for ``gemm alone``)."""
+    worst = 0.0
+    for call in calls[0]:
+        base = gemm(call)
+        want = call._replace(y=base.float())
+        reference.moe_lora_apply(want, meta, 1, 1.0)
+        ref = want.y - base.float()
+        got = project(call).float() - base.float()
+        if project is not gemm:
+            worst = max(worst, ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item())
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -138,6 +190,9 @@ def main() -> None:
     ap.add_argument("--per-entry", default="",
                     help="comma-separated A_ELEMENTS:WARPS: the per-entry path also with its K loop in steps of "
                          "A_ELEMENTS elements of A and WARPS warps a program (variant 'per-entry aA wW')")
+    ap.add_argument("--with-gemm", action="store_true",
+                    help="each variant after the grouped GEMM that makes its y, beside 'gemm alone' and 'lorabench "
+                         "in-gemm' (the expert LoRA inside the GEMM)")
     args = ap.parse_args()
     per_entry = []
     for item in filter(None, args.per_entry.split(",")):
@@ -171,13 +226,19 @@ def main() -> None:
         ap.error(str(err))
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU: no timings'}, {cfg.name}: expert LoRA of every MoE layer (w13 + w2, rank {RANK}, bf16), "
           f"max_loras {args.max_loras}; ms per step, median of {REPLAYS} graph replays [p10, p90]")
+    weights = base_weights(cfg, torch.Generator(device=DEVICE).manual_seed(0)) if args.with_gemm else None
     rows = []
     for tokens, active, launch in points:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens * 100 + active)
         calls = layer_calls(cfg, tokens, args.max_loras, gen)
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
         chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch, per_entry)
-        errs = {name: check(apply, calls, meta) for name, (apply, _) in chosen.items()}  # before any capture's
+        if args.with_gemm:
+            chosen = with_gemm(chosen, weights, meta, launch or active)
+            gemm = chosen["gemm alone"][0]
+            errs = {name: check_projection(apply, gemm, calls, meta) for name, (apply, _) in chosen.items()}
+        else:
+            errs = {name: check(apply, calls, meta) for name, (apply, _) in chosen.items()}  # before any capture's
         graphs = {}  # warm-up adds its update to y, which would then grow from one variant's check to the next
         for name, (apply, path) in chosen.items():
             err = errs[name]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import (base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_lora, producer_shrink, shrink,
+from lorabench.kernels import (base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_gemm_lora, moe_lora,
+                               producer_shrink, shrink,
                                triton_lora, varlen_attention)
 
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -112,7 +113,8 @@ def record_launches():
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel"),
                          (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
                          (moe_lora, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
-                         (moe_lora, "_sorted_expand_kernel"), (gemm_lora, "_gemm_lora_kernel"),
+                         (moe_lora, "_sorted_expand_kernel"), (moe_gemm_lora, "_expert_gemm_lora_kernel"),
+                         (gemm_lora, "_gemm_lora_kernel"),
                          (producer_shrink, "_producer_shrink_kernel"), (varlen_attention, "_varlen_attention_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
@@ -226,7 +228,7 @@ def gemm_fits_by_stepping_down() -> str | None:
 def launch_moe(dtype, tokens):
     """The MoE launchers at Qwen3-30B-A3B's and Mixtral-8x7B's shapes (tensors allocated, never
     touched): routing, the alignment (the base MoE's and vLLM's per slot), the grouped GEMMs, and
-    the expert LoRA of w13 and w2 on the per-entry path (its K loop in steps of several sizes), the
+    the expert LoRA of w13 and w2 inside the grouped GEMM (ranks 16 and 128: one and four steps of its rank walk), on the per-entry path (its K loop in steps of several sizes), the
     sorted path, and the sorted path with its expand grouped (several output tiles per program)."""
     loras, rank = 4, 16
     meta = MetaBuffer(tokens, loras, "cpu").meta
@@ -239,7 +241,8 @@ def launch_moe(dtype, tokens):
                                torch.empty(loras + 1, dtype=torch.int32), torch.empty(loras, dtype=torch.int32))
         x, act = torch.empty(tokens, hidden, dtype=dtype), torch.empty(numel, inter, dtype=dtype)
         moe_gemm.expert_gemm(x, torch.empty(experts, 2 * inter, hidden, dtype=dtype), ids, layout)
-        moe_gemm.expert_gemm(act, torch.empty(experts, hidden, inter, dtype=dtype), ids, layout, weights, x_per_entry=True)
+        w13_base, w2_base = torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter, dtype=dtype)
+        moe_gemm.expert_gemm(act, w2_base, ids, layout, weights, x_per_entry=True)
         enabled = torch.empty(loras, dtype=torch.int32)
         w13 = moe_lora.ExpertCall(torch.empty(numel, 2 * inter, dtype=dtype), x,
                                   torch.empty(2, loras, experts, rank, hidden, dtype=dtype),
@@ -247,7 +250,11 @@ def launch_moe(dtype, tokens):
         w2 = moe_lora.ExpertCall(torch.empty(numel, hidden, dtype=dtype), act,
                                  torch.empty(1, loras, experts, rank, inter, dtype=dtype),
                                  torch.empty(1, loras, experts, hidden, rank, dtype=dtype), ids, weights, True, layout, enabled)
-        for call in (w13, w2):
+        for call, base in ((w13, w13_base), (w2, w2_base)):
+            moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0)  # the gemm backend's
+            wide = call._replace(lora_a=call.lora_a.new_empty(*call.lora_a.shape[:3], 128, call.lora_a.shape[4]),
+                                 lora_b=call.lora_b.new_empty(*call.lora_b.shape[:4], 128))
+            moe_gemm_lora.expert_gemm_lora(call.x, base, wide, meta, loras, 1.0)  # rank 128: four steps of its rank walk
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY)
             for a_elements, warps in ((16384, 8), (32768, 8), (32768, 16)):  # moe_lora_bench's --per-entry
                 moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY,

@@ -32,6 +32,19 @@ def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped
     assert {(r["tokens"], r["active"], r["launch"], r["base_tokens"]) for r in rows} == {(2, 1, 4, 1), (12, 2, 2, 1)}
 
 
+@pytest.mark.e2e
+def test_the_expert_lora_bench_with_the_gemm_checks_the_lora_inside_it_against_the_gemm_alone(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run("scripts/moe_lora_bench.py", "--model", "tiny-moe", "--points", "2:1:4,12:2", "--base-tokens", "1",
+               "--with-gemm", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    by_name = {(r["tokens"], r["variant"]): r for r in rows}
+    assert {"gemm alone", "lorabench", "lorabench in-gemm"} <= {name for _, name in by_name}
+    assert by_name[(2, "lorabench in-gemm")]["path"] == "in-gemm" and by_name[(2, "gemm alone")]["rel_err"] == 0
+    assert all(r["correct"] for r in rows) and all(0 < r["rel_err"] for r in rows if r["variant"] != "gemm alone")
+
+
 @pytest.mark.parametrize("args,what", [(["--points", "1:2:1"], "point"), (["--points", "1:1:9"], "point"),
                                        (["--points", "one"], "point"), (["--points", "2:0"], "point"),
                                        (["--points", "2:3"], "point"), (["--base-tokens", "-1"], "--base-tokens"),

@@ -76,6 +76,20 @@ class MoEMLP(nn.Module):
     def lora_bytes_per_slot(self) -> int:
         return sum(w[:, 0].nbytes for w in (self.w13_a, self.w13_b, self.w2_a, self.w2_b))
 
+    @staticmethod
+    def _project(x, w, lora_a, lora_b, ids, weights, w2: bool, layout, lora, enabled, fused: bool) -> torch.Tensor:
+        """One grouped projection's per-entry output with its expert LoRA: w13 (x per token) or w2
+        (x per entry, the routing weights multiplied in). A backend with ``expert_gemm_lora`` (``gemm``)
+        runs both in one kernel; the others add ``moe_lora_apply``'s update to the GEMM's output."""
+        call = ExpertCall(None, x, lora_a, lora_b, ids, weights, w2, layout, enabled)
+        in_gemm = getattr(lora.backend, "expert_gemm_lora", None) if lora is not None else None
+        if in_gemm is not None:
+            return in_gemm(x, w, call, lora.meta, lora.launch_count, lora.scale)
+        y = expert_gemm(x, w, ids, layout, routed=weights if w2 else None, x_per_entry=w2, fused=fused)
+        if lora is not None:
+            lora.backend.moe_lora_apply(call._replace(y=y), lora.meta, lora.launch_count, lora.scale)
+        return y
+
     def forward(self, h, lora, scratch, enabled: torch.Tensor, reuse_routing: bool, fused: bool, pdl: bool):
         """h: the normed residual stream [T, hidden]; returns the MLP's output [T, hidden]."""
         t, moe = h.shape[0], self.moe
@@ -83,15 +97,9 @@ class MoEMLP(nn.Module):
         if not reuse_routing:
             route(F.linear(h, self.router), moe.top_k, moe.renormalize, ids, weights, fused)
         layout = base_layout(ids, moe.experts, fused)
-        gate_up = expert_gemm(h, self.w13, ids, layout, fused=fused)  # [T·top_k, 2I], per entry
-        if lora is not None:
-            call = ExpertCall(gate_up, h, self.w13_a, self.w13_b, ids, weights, False, layout, enabled)
-            lora.backend.moe_lora_apply(call, lora.meta, lora.launch_count, lora.scale)
-        act = silu_mul(gate_up, fused)
-        down = expert_gemm(act, self.w2, ids, layout, routed=weights, x_per_entry=True, fused=fused)
-        if lora is not None:
-            call = ExpertCall(down, act, self.w2_a, self.w2_b, ids, weights, True, layout, enabled)
-            lora.backend.moe_lora_apply(call, lora.meta, lora.launch_count, lora.scale)
+        gate_up = self._project(h, self.w13, self.w13_a, self.w13_b, ids, weights, False, layout, lora, enabled, fused)
+        act = silu_mul(gate_up, fused)  # [T·top_k, I], per entry
+        down = self._project(act, self.w2, self.w2_a, self.w2_b, ids, weights, True, layout, lora, enabled, fused)
         out = down.view(t, moe.top_k, -1).sum(dim=1)
         if self.shared_gate_up is not None:
             shared = self.shared_down(silu_mul(self.shared_gate_up(h, lora, scratch[2]), fused, pdl), lora, scratch[3])

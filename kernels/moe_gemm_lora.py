@@ -1,0 +1,149 @@
+"""Expert LoRA inside the expert GEMM: ``y = x·W[e]ᵀ + scale · B[slot, e]·(A[slot, e]·x)`` in one launch.
+
+The ``gemm`` backend's MoE op. ``moe_lora`` adds expert LoRA to the grouped GEMM's output with
+one or two launches of its own per projection, each reading and writing y again; here the grouped
+GEMM's program (one block of ``BLOCK_M`` entries of one expert, one tile of ``BLOCK_N`` outputs)
+adds it before y is written: after its K loop over W[e] it walks the launched slots (the launch
+count bounds the walk, as it bounds the other kernels' grids), and for each slot that holds
+entries of its block computes their h over K (A[s, slot, e], read from L2 by the block's other
+output tiles) and adds h·B[s, slot, e]ᵀ over its tile, then multiplies in the routing weights
+(w2) and stores y once, rounded once. No launch, no pass over y and no h in memory: what expert
+LoRA adds is its A and B bytes and a dot per tile.
+
+Each program recomputes its block's h, one per output tile: cheap where a block's entries are few
+(decode) and its A sits in L2, the more costly the more tiles (Mixtral's w13: 448 tiles of 64).
+An output tile never straddles two slices (gate and up): the slice width must be a multiple of
+the tile's, else the op falls back to the GEMM and ``moe_lora.moe_lora_apply`` after it.
+
+Layouts as ``moe_gemm.expert_gemm`` and ``moe_lora`` (``ExpertCall``): A ``[S, L, E, R, K]``,
+B ``[S, L, E, N_s, R]``, the base MoE's blocks; a base-model token (slot -1), a slot without
+expert LoRA (``enabled`` 0) and a slot past the launch count get no LoRA.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import INTERPRET, cdiv, next_pow2
+from .meta import LoRAMeta
+from .moe_gemm import BLOCK_M, expert_gemm, gathered_dot
+from .moe_lora import ExpertCall, moe_lora_apply
+
+IN_GEMM = "in-gemm"  # the path name rows record (``moe_lora``'s are per-entry and sorted)
+MAX_BLOCK_R = 32  # rank columns per step of the LoRA walk (sm_90 compiles: 64 spills registers, 32 does not)
+BLOCK_KA = 64  # the LoRA K loop's step over A (128 spilled at rank 16)
+
+
+@triton.jit
+def _expert_gemm_lora_kernel(
+    x_ptr,  # [T, K] tokens, or [T·top_k, K] entries (X_PER_ENTRY)
+    w_ptr,  # [E, N, K] the experts' weights
+    y_ptr,  # [T·top_k, N] out, one row per entry
+    a_ptr,  # [S, L, E, R, K] expert LoRA A
+    b_ptr,  # [S, L, E, NS, R] expert LoRA B
+    sorted_ptr,  # [P] entries grouped per expert in blocks of BLOCK_M, pad value numel
+    expert_ids_ptr,  # [P / BLOCK_M] each block's expert
+    post_pad_ptr,  # [1] padded entries: blocks past it are idle
+    routed_ptr,  # [T·top_k] routing weights (MUL_WEIGHT only)
+    token_slot_ptr,  # [T] each token's slot, -1 base
+    active_ptr,  # [>= launch_count] the batch's active slots, -1 past them
+    enabled_ptr,  # [L] non-zero where the slot's adapter has expert LoRA
+    N, K, NS, R, numel, top_k, launch_count, scale,
+    stride_xm, stride_we, stride_wn, stride_ym,
+    stride_as, stride_al, stride_ae, stride_ar,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    X_PER_ENTRY: tl.constexpr,  # x has a row per entry (w2's input), not per token (w13's)
+    MUL_WEIGHT: tl.constexpr,  # multiply each row (base and LoRA) by its routing weight (w2)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # divides NS: a tile lies in one slice
+    BLOCK_K: tl.constexpr,  # the base K loop's step
+    BLOCK_KA: tl.constexpr,  # the LoRA K loop's step (over A)
+    BLOCK_R: tl.constexpr,  # rank columns per step of the walk, >= 16 for tl.dot
+    UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = entry < numel
+    rows = entry if X_PER_ENTRY else entry // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = gathered_dot(x_ptr, rows, valid, stride_xm, w_ptr + expert * stride_we, offs_n, n_mask, stride_wn, K,
+                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    s = (pid_n * BLOCK_N) // NS  # the tile's slice
+    offs_ns = offs_n - s * NS
+    slot_of = tl.load(token_slot_ptr + entry // top_k, mask=valid, other=-1)
+    for z in range(0, launch_count):
+        slot = tl.load(active_ptr + z)
+        if slot >= 0:
+            if tl.load(enabled_ptr + slot) != 0:
+                mine = valid & (slot_of == slot)
+                if tl.max(mine.to(tl.int32), axis=0) > 0:
+                    a_base = a_ptr + s * stride_as + slot.to(tl.int64) * stride_al + expert * stride_ae
+                    b_base = b_ptr + s * stride_bs + slot.to(tl.int64) * stride_bl + expert * stride_be
+                    for r0 in range(0, R, BLOCK_R):
+                        offs_r = r0 + tl.arange(0, BLOCK_R)
+                        r_mask = offs_r < R
+                        h = gathered_dot(x_ptr, rows, mine, stride_xm, a_base, offs_r, r_mask, stride_ar, K,
+                                         BLOCK_M, BLOCK_R, BLOCK_KA, UPCAST)
+                        h = (h * scale).to(y_ptr.dtype.element_ty)  # rounded like a shrink's output
+                        b = tl.load(b_base + offs_ns[None, :] * stride_bn + offs_r[:, None],
+                                    mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+                        if UPCAST:
+                            h = h.to(tl.float32)
+                            b = b.to(tl.float32)
+                        acc += tl.dot(h, b)
+    if MUL_WEIGHT:
+        acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+def tile_n(ns: int, slices: int) -> int | None:
+    """The output tile's width: the widest of 64, 32, 16 (32 under the interpreter) that a slice's
+    width is a multiple of (any, for one slice); None where none is: the op then falls back."""
+    widths = (32, 16) if INTERPRET else (64, 32, 16)
+    return next((w for w in widths if slices == 1 or ns % w == 0), None)
+
+
+def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_count: int,
+                     scale: float) -> torch.Tensor:
+    """The projection's per-entry output with its expert LoRA: ``expert_gemm(x, w, ...)`` plus
+    ``moe_lora_apply``'s update, in one launch. ``call.y`` is ignored (None is fine): the output
+    is a new [T·top_k, N] tensor in x's dtype. Falls back to those two ops where a slice's width
+    is no multiple of a tile's, and to the GEMM alone at launch count 0."""
+    routed = call.topk_weights if call.mul_weight else None
+    if launch_count <= 0:
+        return expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
+    slices, _, experts, rank, k = call.lora_a.shape
+    ns = call.lora_b.shape[3]
+    n = w.shape[1]
+    block_n = tile_n(ns, slices)
+    if slices * ns != n or block_n is None:
+        y = expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
+        moe_lora_apply(call._replace(y=y), meta, launch_count, scale)
+        return y
+    if x.stride(-1) != 1 or call.lora_a.stride(-1) != 1 or call.lora_b.stride(-1) != 1:
+        raise ValueError("expert LoRA in the GEMM needs x, A and B contiguous in their last dimension")
+    tokens, top_k = call.topk_ids.shape
+    numel = tokens * top_k
+    y = torch.empty((numel, n), dtype=x.dtype, device=x.device)
+    if numel == 0:
+        return y
+    sorted_ids, expert_ids, post_pad = call.layout
+    a, b = call.lora_a, call.lora_b
+    block_r = max(16, min(MAX_BLOCK_R, next_pow2(rank)))
+    grid = (cdiv(sorted_ids.shape[-1], BLOCK_M), cdiv(n, block_n))
+    _expert_gemm_lora_kernel[grid](
+        x, w, y, a, b, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
+        meta.token_slot, meta.active_slots, call.enabled,
+        n, k, ns, rank, numel, top_k, launch_count, scale,
+        x.stride(0), w.stride(0), w.stride(1), y.stride(0), *a.stride()[:4], *b.stride()[:4],
+        X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=32 if INTERPRET else 128, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r,
+        UPCAST=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, num_stages=3,
+    )
+    return y
