@@ -10,6 +10,7 @@
 # backend's tests skip), runs pytest, and ends with one line:
 # "gpu tests: N passed, N failed, N skipped, N errors (GPU name)". Exit status: pytest's.
 # LOG=path keeps pytest's whole output (default: gpu-tests.log).
+# PART=i/n runs the i-th of n parts of the test files (every n-th, largest first): the suite over n calls.
 # SHARDS=N runs the test files in N pytest processes at once on the same GPU: the suite's tests
 # share no state across files, and a GPU has room for several. With pytest-xdist (in the test
 # extra) N workers take one file at a time as they free up (--dist loadfile); without it the
@@ -40,29 +41,39 @@ if [ -d .vllm-bundle ]; then
   export PYTHONPATH=$site:$PWD/.vllm-bundle${PYTHONPATH:+:$PYTHONPATH}
 fi
 count() { grep -oE "[0-9]+ $1" <<<"$2" | grep -oE "[0-9]+" || echo 0; }
+# The test files, the sm_90 compile test (minutes of Triton compiles) first, then the largest first;
+# PART=i/n keeps every n-th of them from the i-th (1-based): the suite in n calls of a time-limited machine.
+mapfile -t files < <(ls tests/test_compile_sm90.py; ls -S tests/test_*.py | grep -vx tests/test_compile_sm90.py)
+part=${PART:-1/1}
+if ! [[ $part =~ ^([0-9]+)/([0-9]+)$ ]] || [ "${BASH_REMATCH[1]}" -lt 1 ] || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then
+  echo "PART=$part: i/n with 1 <= i <= n (e.g. PART=1/2)"; exit 2
+fi
+mine=()
+for ((j = BASH_REMATCH[1] - 1; j < ${#files[@]}; j += BASH_REMATCH[2])); do mine+=("${files[j]}"); done
+files=("${mine[@]}")
+[ "$part" = 1/1 ] || echo "part $part: ${#files[@]} test files"
 if [ "$shards" -le 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 tests "$@" 2>&1 | tee "$log"
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 "${files[@]}" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   summary=$(tail -n 1 "$log")
-  echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found})"
+  echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found}; part $part)"
   exit "$rc"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))}
 if python3 -c "import xdist" 2>/dev/null; then  # fixed shards left some idle for minutes while one ran on
-  # Workers take files in the order given: the sm_90 compile test (minutes of Triton compiles) first, then the
-  # largest files, so that no long file starts last and ends the run alone (a 600 s limit once cut it there).
-  mapfile -t files < <(ls tests/test_compile_sm90.py; ls -S tests/test_*.py | grep -vx tests/test_compile_sm90.py)
+  # Workers take files in the order given (the compile test, then the largest), so that no long file starts last
+  # and ends the run alone (a 600 s limit once cut it there).
   python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$shards" --dist loadfile "${files[@]}" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   summary=$(tail -n 1 "$log")
-  echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found}; $shards workers)"
+  echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found}; $shards workers; part $part)"
   exit "$rc"
 fi
 # Without xdist: fixed shards. The sm_90 compile test is two processes of Triton compiles on the CPU: a shard of its own, started
 # first, so that it never ends a GPU shard's run (with pytest arguments, which may deselect it, it is dealt out)
 solo=tests/test_compile_sm90.py
-[ $# -eq 0 ] || solo=
-mapfile -t files < <(ls -S tests/test_*.py | grep -vx "${solo:-none}")
+[ $# -eq 0 ] && [ "${files[0]}" = "$solo" ] || solo=
+[ -z "$solo" ] || files=("${files[@]:1}")
 pids=()
 # The shards' logs end up in LOG alone (one file to bring back), even when a time limit stops the run:
 # a shard cut short has no summary line, and the counts below say so.
@@ -92,5 +103,5 @@ for ((i = 0; i <= last; i++)); do
 done
 gather
 grep -E "^(FAILED|ERROR) " "$log" | head -n 40
-echo "gpu tests: $passed passed, $failed failed, $skipped skipped, $errors errors (${gpu:-no GPU found}; $shards shards${solo:+ + the compile test})"
+echo "gpu tests: $passed passed, $failed failed, $skipped skipped, $errors errors (${gpu:-no GPU found}; $shards shards${solo:+ + the compile test}; part $part)"
 exit "$rc"

@@ -2,7 +2,8 @@
 # The GPU runs behind BENCHMARKS.md, stage by stage, on a GPU machine without a package index (an
 # H200 for the committed figures); logs and a tarball of the runs under $OUT (default /tmp/out).
 # Usage there:  LORABENCH_GIT_SHA=<sha> scripts/h200.sh card slots report
-#   tests  - the test suite on the GPU (scripts/gpu-tests.sh: kernels in fp16/bf16, real CUDA graphs)
+#   tests  - the test suite on the GPU (scripts/gpu-tests.sh: kernels in fp16/bf16, real CUDA graphs; SHARDS=N workers,
+#            PART=i/n the i-th of n parts, for a suite longer than one call)
 #   smoke  - sweeps/smoke.toml (2 layers), to see the whole path run
 #   card   - sweeps/card.toml at llama-2-7b (32 layers), wall time recorded; repeatable
 #   wide, slots, backends - sweeps/wide.toml, sweeps/slots.toml, sweeps/backends.toml
