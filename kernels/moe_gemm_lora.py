@@ -12,6 +12,9 @@ LoRA adds is its A and B bytes and a dot per tile.
 
 Each program recomputes its block's h, one per output tile: cheap where a block's entries are few
 (decode) and its A sits in L2, the more costly the more tiles (Mixtral's w13: 448 tiles of 64).
+``shrink_first`` computes every entry's h once instead, with the sorted path's shrink
+(``moe_lora.sorted_shrink``, one launch more), and the GEMM's programs read it: for blocks of many
+entries and wide outputs. ``scripts/moe_lora_bench.py --with-gemm`` times both.
 An output tile never straddles two slices (gate and up): the slice width must be a multiple of
 the tile's, else the op falls back to the GEMM and ``moe_lora.moe_lora_apply`` after it.
 
@@ -27,7 +30,7 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, next_pow2
 from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, expert_gemm, gathered_dot
-from .moe_lora import ExpertCall, moe_lora_apply
+from .moe_lora import ExpertCall, moe_lora_apply, sorted_shrink
 
 IN_GEMM = "in-gemm"  # the path name rows record (``moe_lora``'s are per-entry and sorted)
 MAX_BLOCK_R = 32  # rank columns per step of the LoRA walk (sm_90 compiles: 64 spills registers, 32 does not)
@@ -48,8 +51,9 @@ def _expert_gemm_lora_kernel(
     token_slot_ptr,  # [T] each token's slot, -1 base
     active_ptr,  # [>= launch_count] the batch's active slots, -1 past them
     enabled_ptr,  # [L] non-zero where the slot's adapter has expert LoRA
+    h_ptr,  # [S, P, R] the entries' h from the sorted shrink, scale applied (H_GIVEN only)
     N, K, NS, R, numel, top_k, launch_count, scale,
-    stride_xm, stride_we, stride_wn, stride_ym,
+    stride_xm, stride_we, stride_wn, stride_ym, stride_hs, stride_hp,
     stride_as, stride_al, stride_ae, stride_ar,
     stride_bs, stride_bl, stride_be, stride_bn,
     X_PER_ENTRY: tl.constexpr,  # x has a row per entry (w2's input), not per token (w13's)
@@ -59,6 +63,7 @@ def _expert_gemm_lora_kernel(
     BLOCK_K: tl.constexpr,  # the base K loop's step
     BLOCK_KA: tl.constexpr,  # the LoRA K loop's step (over A)
     BLOCK_R: tl.constexpr,  # rank columns per step of the walk, >= 16 for tl.dot
+    H_GIVEN: tl.constexpr,  # h read from h_ptr instead of computed over K in every output tile
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
     pid_m = tl.program_id(0)
@@ -87,9 +92,14 @@ def _expert_gemm_lora_kernel(
                     for r0 in range(0, R, BLOCK_R):
                         offs_r = r0 + tl.arange(0, BLOCK_R)
                         r_mask = offs_r < R
-                        h = gathered_dot(x_ptr, rows, mine, stride_xm, a_base, offs_r, r_mask, stride_ar, K,
-                                         BLOCK_M, BLOCK_R, BLOCK_KA, UPCAST)
-                        h = (h * scale).to(y_ptr.dtype.element_ty)  # rounded like a shrink's output
+                        if H_GIVEN:
+                            offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                            h = tl.load(h_ptr + s * stride_hs + offs_p[:, None] * stride_hp + offs_r[None, :],
+                                        mask=mine[:, None] & r_mask[None, :], other=0.0)
+                        else:
+                            h = gathered_dot(x_ptr, rows, mine, stride_xm, a_base, offs_r, r_mask, stride_ar, K,
+                                             BLOCK_M, BLOCK_R, BLOCK_KA, UPCAST)
+                            h = (h * scale).to(y_ptr.dtype.element_ty)  # rounded like a shrink's output
                         b = tl.load(b_base + offs_ns[None, :] * stride_bn + offs_r[:, None],
                                     mask=n_mask[None, :] & r_mask[:, None], other=0.0)
                         if UPCAST:
@@ -110,11 +120,13 @@ def tile_n(ns: int, slices: int) -> int | None:
 
 
 def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_count: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, shrink_first: bool = False) -> torch.Tensor:
     """The projection's per-entry output with its expert LoRA: ``expert_gemm(x, w, ...)`` plus
     ``moe_lora_apply``'s update, in one launch. ``call.y`` is ignored (None is fine): the output
     is a new [T·top_k, N] tensor in x's dtype. Falls back to those two ops where a slice's width
-    is no multiple of a tile's, and to the GEMM alone at launch count 0."""
+    is no multiple of a tile's, and to the GEMM alone at launch count 0. ``shrink_first``: the
+    sorted path's shrink computes every entry's h once first (a launch more), and the GEMM reads
+    it instead of recomputing it in each output tile: for blocks of many entries and wide outputs."""
     routed = call.topk_weights if call.mul_weight else None
     if launch_count <= 0:
         return expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
@@ -136,14 +148,16 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
     sorted_ids, expert_ids, post_pad = call.layout
     a, b = call.lora_a, call.lora_b
     block_r = max(16, min(MAX_BLOCK_R, next_pow2(rank)))
+    h = sorted_shrink(call, meta, launch_count, scale) if shrink_first else y
+    hs = h.stride()[:2] if shrink_first else (0, 0)
     grid = (cdiv(sorted_ids.shape[-1], BLOCK_M), cdiv(n, block_n))
     _expert_gemm_lora_kernel[grid](
         x, w, y, a, b, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
-        meta.token_slot, meta.active_slots, call.enabled,
+        meta.token_slot, meta.active_slots, call.enabled, h,
         n, k, ns, rank, numel, top_k, launch_count, scale,
-        x.stride(0), w.stride(0), w.stride(1), y.stride(0), *a.stride()[:4], *b.stride()[:4],
+        x.stride(0), w.stride(0), w.stride(1), y.stride(0), *hs, *a.stride()[:4], *b.stride()[:4],
         X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=32 if INTERPRET else 128, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r,
+        BLOCK_K=32 if INTERPRET else 128, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r, H_GIVEN=shrink_first,
         UPCAST=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, num_stages=3,
     )
     return y

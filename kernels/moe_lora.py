@@ -335,6 +335,33 @@ def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, i
     return cdiv(n_tiles, n_loop), n_loop
 
 
+def sorted_shrink(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
+                  tiling: SortedTiling = SortedTiling()) -> torch.Tensor:
+    """The sorted path's shrink alone: h [S, P, R] in y's dtype (x's where y is None), row p the
+    update's rank-R piece of the base layout's entry at padded position p, scale applied, for the
+    entries of the first ``launch_count`` active slots with expert LoRA; other rows are not
+    written (garbage: a reader masks them by slot, as the expand does)."""
+    if tiling.block_programs is not None and tiling.block_programs < 1:
+        raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
+    slices, _, _, rank, k = call.lora_a.shape
+    tokens, top_k = call.topk_ids.shape
+    block_r = max(16, next_pow2(rank))
+    sorted_ids, expert_ids, post_pad = call.layout
+    blocks = cdiv(sorted_ids.shape[-1], BLOCK_M)
+    dtype = (call.y if call.y is not None else call.x).dtype
+    h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=dtype, device=call.x.device)
+    walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
+    x_s, a_s0, a_s1, a_s2, a_s3 = call.x.stride(0), *call.lora_a.stride()[:4]
+    _sorted_shrink_kernel[(walkers, slices, launch_count)](
+        call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
+        k, rank, tokens * top_k, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
+        BLOCK_PROGRAMS=tiling.block_programs or 0, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M,
+        BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64), BLOCK_R=block_r,
+        UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4,
+    )
+    return h
+
+
 def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
                    path_name: str | None = None, tiling: SortedTiling = SortedTiling(),
                    per_entry: PerEntryTiling = PerEntryTiling()) -> None:
@@ -368,22 +395,13 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
             num_warps=per_entry.num_warps, **common,
         )
         return
-    if tiling.block_programs is not None and tiling.block_programs < 1:
-        raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
+    h = sorted_shrink(call, meta, launch_count, scale, tiling)
     sorted_ids, expert_ids, post_pad = call.layout
-    padded = sorted_ids.shape[-1]
-    blocks = cdiv(padded, BLOCK_M)
+    blocks = cdiv(sorted_ids.shape[-1], BLOCK_M)
     upcast = INTERPRET and call.x.dtype == torch.bfloat16
-    x_s, a_s0, a_s1, a_s2, a_s3, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
-    h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=call.y.dtype, device=call.y.device)
+    *_, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
     walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
     stride = tiling.block_programs or 0  # the kernels' BLOCK_PROGRAMS: 0 = one program per block
-    _sorted_shrink_kernel[(walkers, slices, launch_count)](
-        call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
-        k, rank, numel, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
-        BLOCK_PROGRAMS=stride, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M, BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64),
-        BLOCK_R=block_r, UPCAST=upcast, num_warps=4,
-    )
     block_n = 32 if INTERPRET else 64
     groups, n_loop = expand_groups(cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
     _sorted_expand_kernel[(walkers, slices * groups, launch_count)](

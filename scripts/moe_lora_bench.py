@@ -20,7 +20,8 @@ measures whole steps; this isolates the expert-LoRA kernels and the path thresho
 
 ``--with-gemm``: every variant runs after the grouped GEMM that makes its y (w13's, then w2's, the
 routing weights in), and two more join them: ``gemm alone`` (the GEMMs, no LoRA) and ``lorabench
-in-gemm`` (the ``gemm`` backend's op: the GEMM with the expert LoRA inside it, one launch). A
+in-gemm`` (the ``gemm`` backend's op: the GEMM with the expert LoRA inside it, one launch; and
+``shrink-first``, the sorted shrink before it, so that its output tiles read h, not recompute it). A
 variant's cost of expert LoRA is then its time minus ``gemm alone``'s, the only fair comparison for
 an op that has no GEMM-free form. The layers share one set of base weights (a whole model's would
 not fit beside the adapters on one GPU); each has its own routing, LoRA and outputs.
@@ -153,6 +154,8 @@ def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, la
     out = {"gemm alone": (gemm, "-")}
     out.update({name: (then(apply), path) for name, (apply, path) in chosen.items()})
     out["lorabench in-gemm"] = (lambda c: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0), IN_GEMM)
+    out["lorabench in-gemm shrink-first"] = (
+        lambda c: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0, shrink_first=True), IN_GEMM)
     return out
 
 

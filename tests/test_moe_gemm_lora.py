@@ -32,12 +32,16 @@ def unfused(call, w, meta, launch_count, scale):
     return out.y
 
 
+SHRINK = pytest.mark.parametrize("shrink_first", [False, True], ids=["h-per-tile", "shrink-first"])
+
+
+@SHRINK
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_active_count(dtype, w2):
+def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_active_count(dtype, w2, shrink_first):
     for seed, slots in enumerate(([0], [-1], [3, -1, 0, 3, 1], [1, 2, -1, -1, 0, 3], [2, 2, 2], [1, 0, 3] * 4)):
         call, meta, n, w = case(slots, dtype, w2, seed)
-        got = expert_gemm_lora(call.x, w, call._replace(y=None), meta, n, 0.5)
+        got = expert_gemm_lora(call.x, w, call._replace(y=None), meta, n, 0.5, shrink_first)
         want = unfused(call, w, meta, n, 0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
         base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None,
@@ -47,26 +51,28 @@ def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_
         torch.testing.assert_close(got[untouched].float(), base[untouched].float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@SHRINK
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 @pytest.mark.parametrize("rank", [8, 80])
-def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, monkeypatch):
+def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, shrink_first, monkeypatch):
     """Rank 8 (below tl.dot's 16: masked), rank 80 (three steps of 32 of the rank walk, the last partial)."""
     from lorabench.kernels import moe_gemm_lora
 
     monkeypatch.setattr(moe_gemm_lora, "MAX_BLOCK_R", 32)
     call, meta, n, w = case([0, -1, 3, 1], DTYPES[0], w2, 21, rank=rank)
-    got = expert_gemm_lora(call.x, w, call, meta, n, 1.0)
+    got = expert_gemm_lora(call.x, w, call, meta, n, 1.0, shrink_first)
     torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 1.0).float(), atol=TOL[DTYPES[0]] * 4,
                                rtol=TOL[DTYPES[0]])
 
 
+@SHRINK
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-def test_a_short_launch_count_drops_the_slots_past_it(w2):
+def test_a_short_launch_count_drops_the_slots_past_it(w2, shrink_first):
     """The launch count bounds the walk over the active slots, as the other kernels' grids: slots
     past it get the base GEMM alone."""
     slots = [0, 1, 3, -1]  # active slots 0, 1, 3
     call, meta, n, w = case(slots, torch.float32, w2, 3)
-    got = expert_gemm_lora(call.x, w, call, meta, 1, 1.0)
+    got = expert_gemm_lora(call.x, w, call, meta, 1, 1.0, shrink_first)
     want = unfused(call, w, meta, n, 1.0)
     base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None, x_per_entry=w2)
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
