@@ -50,7 +50,7 @@ from . import MAX_SLICES
 from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_gemm import gathered_dot
-from .moe_gemm_lora import IN_GEMM, expert_gemm_lora  # noqa: F401 (expert LoRA inside the expert GEMM)
+from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA inside the expert GEMM, its rule)
 from .moe_lora import moe_lora_apply  # noqa: F401 (expert LoRA where a slice's width fits no tile)
 from . import lora_configs
 from .shrink import lora_shrink
@@ -383,8 +383,3 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
     _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None, pdl_enabled(x.device))
 
-
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    """Expert LoRA runs inside the expert GEMM at every batch (``moe_gemm_lora``)."""
-    del tokens, top_k, experts, max_loras
-    return IN_GEMM

@@ -32,7 +32,9 @@ from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, expert_gemm, gathered_dot
 from .moe_lora import ExpertCall, moe_lora_apply, sorted_shrink
 
-IN_GEMM = "in-gemm"  # the path name rows record (``moe_lora``'s are per-entry and sorted)
+IN_GEMM = "in-gemm"  # the path names rows record (``moe_lora``'s are per-entry and sorted): h per output tile,
+IN_GEMM_SHRUNK = "in-gemm+shrink"  # and the sorted shrink first
+SHRINK_FIRST_ENTRIES_PER_EXPERT = 1  # the gemm backend's rule: shrink first past this many routed entries per expert
 MAX_BLOCK_R = 32  # rank columns per step of the LoRA walk (sm_90 compiles: 64 spills registers, 32 does not)
 BLOCK_KA = 64  # the LoRA K loop's step over A (128 spilled at rank 16)
 
@@ -66,8 +68,8 @@ def _expert_gemm_lora_kernel(
     H_GIVEN: tl.constexpr,  # h read from h_ptr instead of computed over K in every output tile
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # consecutive programs share a block (and its A, x rows and h), not an output tile
+    pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -119,14 +121,25 @@ def tile_n(ns: int, slices: int) -> int | None:
     return next((w for w in widths if slices == 1 or ns % w == 0), None)
 
 
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
+    """The gemm backend's rule: h per output tile while the routed entries are at most one per
+    expert (a block then holds about one entry, so one slot: its h costs R·K of A per tile), the
+    shrink first above (blocks of several entries and slots would recompute h for each slot in
+    every tile: d·R/BLOCK_N more bytes than the GEMM's own). A guess until timed
+    (``scripts/moe_lora_bench.py --with-gemm``)."""
+    del max_loras
+    return IN_GEMM_SHRUNK if tokens * top_k > SHRINK_FIRST_ENTRIES_PER_EXPERT * experts else IN_GEMM
+
+
 def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_count: int,
-                     scale: float, shrink_first: bool = False) -> torch.Tensor:
+                     scale: float, shrink_first: bool | None = None) -> torch.Tensor:
     """The projection's per-entry output with its expert LoRA: ``expert_gemm(x, w, ...)`` plus
     ``moe_lora_apply``'s update, in one launch. ``call.y`` is ignored (None is fine): the output
     is a new [T·top_k, N] tensor in x's dtype. Falls back to those two ops where a slice's width
     is no multiple of a tile's, and to the GEMM alone at launch count 0. ``shrink_first``: the
     sorted path's shrink computes every entry's h once first (a launch more), and the GEMM reads
-    it instead of recomputing it in each output tile: for blocks of many entries and wide outputs."""
+    it instead of recomputing it in each output tile: for blocks of many entries and wide outputs
+    (None: as ``moe_path`` says)."""
     routed = call.topk_weights if call.mul_weight else None
     if launch_count <= 0:
         return expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
@@ -142,6 +155,8 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
         raise ValueError("expert LoRA in the GEMM needs x, A and B contiguous in their last dimension")
     tokens, top_k = call.topk_ids.shape
     numel = tokens * top_k
+    if shrink_first is None:
+        shrink_first = moe_path(tokens, top_k, experts, call.lora_a.shape[1]) == IN_GEMM_SHRUNK
     y = torch.empty((numel, n), dtype=x.dtype, device=x.device)
     if numel == 0:
         return y
@@ -150,7 +165,7 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
     block_r = max(16, min(MAX_BLOCK_R, next_pow2(rank)))
     h = sorted_shrink(call, meta, launch_count, scale) if shrink_first else y
     hs = h.stride()[:2] if shrink_first else (0, 0)
-    grid = (cdiv(sorted_ids.shape[-1], BLOCK_M), cdiv(n, block_n))
+    grid = (cdiv(n, block_n), cdiv(sorted_ids.shape[-1], BLOCK_M))
     _expert_gemm_lora_kernel[grid](
         x, w, y, a, b, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
         meta.token_slot, meta.active_slots, call.enabled, h,

@@ -20,8 +20,9 @@ measures whole steps; this isolates the expert-LoRA kernels and the path thresho
 
 ``--with-gemm``: every variant runs after the grouped GEMM that makes its y (w13's, then w2's, the
 routing weights in), and two more join them: ``gemm alone`` (the GEMMs, no LoRA) and ``lorabench
-in-gemm`` (the ``gemm`` backend's op: the GEMM with the expert LoRA inside it, one launch; and
-``shrink-first``, the sorted shrink before it, so that its output tiles read h, not recompute it). A
+in-gemm`` (the ``gemm`` backend's op, by its rule: the GEMM with the expert LoRA inside it, one
+launch, ``per-tile``: each output tile computing its h; ``shrink-first``: the sorted shrink before
+it, so that its output tiles read h instead). A
 variant's cost of expert LoRA is then its time minus ``gemm alone``'s, the only fair comparison for
 an op that has no GEMM-free form. The layers share one set of base weights (a whole model's would
 not fit beside the adapters on one GPU); each has its own routing, LoRA and outputs.
@@ -39,7 +40,8 @@ from lorabench.config.models import moe_layer, resolve
 from lorabench.kernels import reference
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm
-from lorabench.kernels.moe_gemm_lora import IN_GEMM, expert_gemm_lora
+from lorabench.kernels.moe_gemm_lora import IN_GEMM, IN_GEMM_SHRUNK, expert_gemm_lora
+from lorabench.kernels.moe_gemm_lora import moe_path as gemm_path
 from lorabench.kernels.moe_lora import (PER_ENTRY, SORTED, ExpertCall, PerEntryTiling, SortedTiling, moe_lora_apply,
                                         moe_path)
 from lorabench.runtime.graphs import capture_graph
@@ -136,9 +138,10 @@ def base_weights(cfg, gen) -> tuple[torch.Tensor, torch.Tensor]:
     return w13.to(torch.bfloat16), (torch.randn(e, h, inter, device=DEVICE, generator=gen) * inter**-0.5).to(torch.bfloat16)
 
 
-def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, launch: int) -> dict:
+def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, launch: int, rule: str) -> dict:
     """Each variant as ``project(call) -> y``: the grouped GEMM of the call's projection, then the
-    variant's update of its output; and ``gemm alone`` and ``lorabench in-gemm``."""
+    variant's update of its output; and ``gemm alone`` and the expert LoRA inside the GEMM, by the
+    gemm backend's rule (its path ``rule``) and with h per tile and shrunk first."""
     def gemm(call):
         w = weights[call.mul_weight]
         return expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if call.mul_weight else None,
@@ -153,9 +156,9 @@ def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, la
 
     out = {"gemm alone": (gemm, "-")}
     out.update({name: (then(apply), path) for name, (apply, path) in chosen.items()})
-    out["lorabench in-gemm"] = (lambda c: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0), IN_GEMM)
-    out["lorabench in-gemm shrink-first"] = (
-        lambda c: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0, shrink_first=True), IN_GEMM)
+    for name, shrink_first, path in (("lorabench in-gemm", None, rule), ("lorabench in-gemm per-tile", False, IN_GEMM),
+                                     ("lorabench in-gemm shrink-first", True, IN_GEMM_SHRUNK)):
+        out[name] = (lambda c, f=shrink_first: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0, f), path)
     return out
 
 
@@ -237,7 +240,8 @@ def main() -> None:
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
         chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch, per_entry)
         if args.with_gemm:
-            chosen = with_gemm(chosen, weights, meta, launch or active)
+            rule = gemm_path(tokens, cfg.moe.top_k, cfg.moe.experts, args.max_loras)
+            chosen = with_gemm(chosen, weights, meta, launch or active, rule)
             gemm = chosen["gemm alone"][0]
             errs = {name: check_projection(apply, gemm, calls, meta) for name, (apply, _) in chosen.items()}
         else:

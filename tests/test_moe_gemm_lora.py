@@ -9,7 +9,7 @@ from test_moe_kernels import DTYPES, TOL, expert_case
 
 from lorabench.kernels import get_backend, reference
 from lorabench.kernels.moe_gemm import expert_gemm
-from lorabench.kernels.moe_gemm_lora import IN_GEMM, expert_gemm_lora, tile_n
+from lorabench.kernels.moe_gemm_lora import IN_GEMM, IN_GEMM_SHRUNK, expert_gemm_lora, tile_n
 
 
 def case(slots, dtype, w2, seed, **kw):
@@ -53,12 +53,28 @@ def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_
 
 @SHRINK
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-@pytest.mark.parametrize("rank", [8, 80])
-def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, shrink_first, monkeypatch):
-    """Rank 8 (below tl.dot's 16: masked), rank 80 (three steps of 32 of the rank walk, the last partial)."""
-    from lorabench.kernels import moe_gemm_lora
+def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, shrink_first):
+    """37 tokens over 2 experts (full blocks, an expert over several, the last padded), slices of
+    96 (several output tiles each), K = 200 (several steps of either K loop on a GPU too), 8 slots
+    with slots 4-7 active and slot 6 without expert LoRA, base tokens mixed in."""
+    slots = [4, 5, 6, 7, -1, 0, 3] * 5 + [7, -1]
+    call, meta, n, w = case(slots, DTYPES[-1], w2, 29, experts=2, max_loras=8, n_out=96, k_in=200)
+    enabled = torch.tensor([1, 1, 1, 1, 1, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+    call = call._replace(enabled=enabled)
+    got = expert_gemm_lora(call.x, w, call, meta, n, 0.5, shrink_first)
+    tol = TOL[DTYPES[-1]]
+    torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 0.5).float(), atol=tol * 4, rtol=tol)
+    rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
+    base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None, x_per_entry=w2)
+    torch.testing.assert_close(got[(rows < 0) | (rows == 6)].float(), base[(rows < 0) | (rows == 6)].float(),
+                               atol=tol, rtol=tol)
 
-    monkeypatch.setattr(moe_gemm_lora, "MAX_BLOCK_R", 32)
+
+@SHRINK
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("rank", [8, 80])
+def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, shrink_first):
+    """Rank 8 (below tl.dot's 16: masked), rank 80 (three steps of 32 of the rank walk, the last partial)."""
     call, meta, n, w = case([0, -1, 3, 1], DTYPES[0], w2, 21, rank=rank)
     got = expert_gemm_lora(call.x, w, call, meta, n, 1.0, shrink_first)
     torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 1.0).float(), atol=TOL[DTYPES[0]] * 4,
@@ -96,7 +112,8 @@ def test_no_launch_is_the_base_gemm_and_an_odd_slice_width_falls_back():
 def test_the_gemm_backend_takes_it_and_names_its_path():
     gemm = get_backend("gemm")
     assert gemm.expert_gemm_lora is expert_gemm_lora
-    assert gemm.moe_path(64, 2, 8, 16) == gemm.moe_path(1, 8, 128, 4) == IN_GEMM
+    assert gemm.moe_path(1, 8, 128, 4) == gemm.moe_path(16, 8, 128, 4) == IN_GEMM  # at most an entry per expert
+    assert gemm.moe_path(17, 8, 128, 4) == gemm.moe_path(5, 2, 8, 16) == IN_GEMM_SHRUNK  # Mixtral: from 5 tokens
     assert not hasattr(get_backend("triton"), "expert_gemm_lora")
 
 

@@ -59,11 +59,11 @@ def test_the_grouped_gemm_matches_torch_with_and_without_routing_weights(dtype, 
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
 
 
-def expert_case(tokens, slots, dtype, w2, gen, experts=6, top_k=2, rank=16, max_loras=4, n_out=None):
+def expert_case(tokens, slots, dtype, w2, gen, experts=6, top_k=2, rank=16, max_loras=4, n_out=None, k_in=None):
     """One projection's ExpertCall (w13: 2 slices, x per token; w2: 1 slice, x per entry, weights)."""
     ids, weights = routing(tokens, experts, top_k, gen)
     k, n, s = (24, 40, 1) if w2 else (40, 24, 2)
-    n = n_out or n
+    n, k = n_out or n, k_in or k
     x = torch.randn(tokens * top_k if w2 else tokens, k, generator=gen).to(DEVICE, dtype)
     a = (torch.randn(s, max_loras, experts, rank, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
     b = (torch.randn(s, max_loras, experts, n, rank, generator=gen) * rank**-0.5).to(DEVICE, dtype)

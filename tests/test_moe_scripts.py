@@ -40,8 +40,10 @@ def test_the_expert_lora_bench_with_the_gemm_checks_the_lora_inside_it_against_t
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
     by_name = {(r["tokens"], r["variant"]): r for r in rows}
-    assert {"gemm alone", "lorabench", "lorabench in-gemm", "lorabench in-gemm shrink-first"} <= {n for _, n in by_name}
+    assert {"gemm alone", "lorabench", "lorabench in-gemm", "lorabench in-gemm per-tile",
+            "lorabench in-gemm shrink-first"} <= {n for _, n in by_name}
     assert by_name[(2, "lorabench in-gemm")]["path"] == "in-gemm" and by_name[(2, "gemm alone")]["rel_err"] == 0
+    assert by_name[(12, "lorabench in-gemm")]["path"] == "in-gemm+shrink"  # 24 entries over 16 experts
     assert all(r["correct"] for r in rows) and all(0 < r["rel_err"] for r in rows if r["variant"] != "gemm alone")
 
 

@@ -206,8 +206,9 @@ class Row:
     expert_lora_bytes_per_slot: int | None = column("the part of `lora_bytes_per_slot` on the experts (vLLM's "
                                                     "w13 and w2 A and B of every expert)")
     moe_lora_path: str | None = column("the expert-LoRA path the bucket's graph runs: `per-entry` (its grid ignores "
-                                       "the active count), `sorted` (it follows it) or `in-gemm` (inside the expert "
-                                       "GEMM, its walk over the slots bounded by the launch count), the backend's rule")
+                                       "the active count), `sorted` (it follows it), `in-gemm` (inside the expert "
+                                       "GEMM, its walk over the slots bounded by the launch count) or `in-gemm+shrink` "
+                                       "(the same after the sorted shrink), the backend's rule")
     prefill_tokens: int | None = column("prefill points: the step's prompt tokens (chunks of at most `context_len` "
                                         "from `concurrency` requests, `n_active` adapters among them; `mode` `prefill`)")
     max_num_batched_tokens: int | None = column("vLLM's `--max-num-batched-tokens`: the most tokens a step holds")

@@ -26,8 +26,8 @@ def moe_md(over: pd.DataFrame, u: str) -> list[str]:
            "Each bucket's graph runs the expert LoRA on the backend's path for its tokens: `per-entry` (one program "
            "per routed (token, expert) entry; its grid ignores the active count, so specialising changes only the "
            "attention LoRA there), `sorted` (entries grouped by (adapter, expert); one program column per captured "
-           "adapter slot, so specialising shrinks it) or `in-gemm` (inside the expert GEMM, walking the captured slots: "
-           f"specialising shortens the walk). LoRA overhead at n = 1 over the same set's n = 0 step ({u}, "
+           "adapter slot, so specialising shrinks it) or `in-gemm` / `in-gemm+shrink` (inside the expert GEMM, walking the "
+           f"captured slots: specialising shortens the walk). LoRA overhead at n = 1 over the same set's n = 0 step ({u}, "
            "median), and each set's n = 1 step against max's.", ""]
     moot = []
     for (k, m), g in sorted(one.groupby(["kernels", "max_loras"]), key=lambda kv: (label_order(kv[0][0]), kv[0][1])):
