@@ -10,6 +10,9 @@ output tiles) and adds h·B[s, slot, e]ᵀ over its tile, then multiplies in the
 (w2) and stores y once, rounded once. No launch, no pass over y and no h in memory: what expert
 LoRA adds is its A and B bytes and a dot per tile.
 
+A block whose adapter entries all belong to one launched slot (at decode, nearly every block:
+few entries per expert) computes h inside the GEMM's K loop, from the x tiles the GEMM loads
+anyway, A's tiles streaming beside W's; other blocks walk their slots after the K loop.
 Each program recomputes its block's h, one per output tile: cheap where a block's entries are few
 (decode) and its A sits in L2, the more costly the more tiles (Mixtral's w13: 448 tiles of 64).
 ``shrink_first`` computes every entry's h once instead, with the sorted path's shrink
@@ -37,6 +40,7 @@ IN_GEMM_SHRUNK = "in-gemm+shrink"  # and the sorted shrink first
 SHRINK_FIRST_ENTRIES_PER_EXPERT = 1  # the gemm backend's rule: shrink first past this many routed entries per expert
 MAX_BLOCK_R = 32  # rank columns per step of the LoRA walk (sm_90 compiles: 64 spills registers, 32 does not)
 BLOCK_KA = 64  # the LoRA K loop's step over A (128 spilled at rank 16)
+BLOCK_K = 64  # the GEMM's K step here (the plain grouped GEMM's is 128: here 128 spilled 250-750 bytes a thread)
 
 
 @triton.jit
@@ -66,6 +70,7 @@ def _expert_gemm_lora_kernel(
     BLOCK_KA: tl.constexpr,  # the LoRA K loop's step (over A)
     BLOCK_R: tl.constexpr,  # rank columns per step of the walk, >= 16 for tl.dot
     H_GIVEN: tl.constexpr,  # h read from h_ptr instead of computed over K in every output tile
+    ONE_PASS: tl.constexpr,  # a block whose adapter entries are one launched slot's computes h in the GEMM's K loop
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
 ):
     pid_n = tl.program_id(0)  # consecutive programs share a block (and its A, x rows and h), not an output tile
@@ -78,11 +83,94 @@ def _expert_gemm_lora_kernel(
     rows = entry if X_PER_ENTRY else entry // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    acc = gathered_dot(x_ptr, rows, valid, stride_xm, w_ptr + expert * stride_we, offs_n, n_mask, stride_wn, K,
-                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     s = (pid_n * BLOCK_N) // NS  # the tile's slice
     offs_ns = offs_n - s * NS
     slot_of = tl.load(token_slot_ptr + entry // top_k, mask=valid, other=-1)
+    one = _one_slot(slot_of, valid, R, launch_count, active_ptr, enabled_ptr, BLOCK_R, ONE_PASS and not H_GIVEN)
+    if one >= 0:  # the block's adapter entries are one launched slot's: h in the same K loop as the GEMM
+        acc = _one_pass(x_ptr, w_ptr, a_ptr, b_ptr, y_ptr, rows, valid, slot_of == one, one.to(tl.int64), expert, s,
+                        offs_n, n_mask, offs_ns, K, R, scale, stride_xm, stride_we, stride_wn, stride_as, stride_al,
+                        stride_ae, stride_ar, stride_bs, stride_bl, stride_be, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, UPCAST)
+    else:
+        acc = gathered_dot(x_ptr, rows, valid, stride_xm, w_ptr + expert * stride_we, offs_n, n_mask, stride_wn, K,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        acc = _walk(acc, x_ptr, a_ptr, b_ptr, y_ptr, h_ptr, rows, valid, slot_of, expert, s, pid_m, offs_n, n_mask,
+                    offs_ns, K, R, launch_count, scale, active_ptr, enabled_ptr, stride_xm, stride_hs, stride_hp,
+                    stride_as, stride_al, stride_ae, stride_ar, stride_bs, stride_bl, stride_be, stride_bn,
+                    BLOCK_M, BLOCK_KA, BLOCK_R, H_GIVEN, UPCAST)
+    if MUL_WEIGHT:
+        acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _one_slot(slot_of, valid, R, launch_count, active_ptr, enabled_ptr, BLOCK_R: tl.constexpr, ENABLED: tl.constexpr):
+    """The block's one adapter slot where all its adapter entries are one slot's, that slot is
+    among the launched ones with expert LoRA and its rank fits one step; else -1."""
+    one = tl.full([], -1, tl.int32)
+    if ENABLED:
+        adapter = valid & (slot_of >= 0)
+        lo = tl.min(tl.where(adapter, slot_of, 2**30), axis=0)
+        hi = tl.max(tl.where(adapter, slot_of, -1), axis=0)
+        if (hi >= 0) & (lo == hi) & (R <= BLOCK_R):
+            launched = 0
+            for z in range(0, launch_count):
+                launched += (tl.load(active_ptr + z) == hi).to(tl.int32)
+            if launched > 0:
+                if tl.load(enabled_ptr + hi) != 0:
+                    one = hi.to(tl.int32)
+    return one
+
+
+@triton.jit
+def _one_pass(x_ptr, w_ptr, a_ptr, b_ptr, y_ptr, rows, valid, mine, slot, expert, s, offs_n, n_mask, offs_ns, K, R, scale,
+              stride_xm, stride_we, stride_wn, stride_as, stride_al, stride_ae, stride_ar,
+              stride_bs, stride_bl, stride_be, stride_bn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """The GEMM's K loop with h = A[s, slot, e]·x accumulated from the same x tiles, then h·Bᵀ
+    added for ``mine`` (the slot's entries; other rows of h are zeroed): x read once, A's loads in
+    the GEMM's pipeline."""
+    w_base = w_ptr + expert * stride_we
+    a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+            a = a.to(tl.float32)
+        acc += tl.dot(x, w)
+        h += tl.dot(x, a)
+    h = (tl.where(mine[:, None], h, 0.0) * scale).to(y_ptr.dtype.element_ty)  # rounded like a shrink's output
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    b = tl.load(b_base + offs_ns[None, :] * stride_bn + offs_r[:, None], mask=n_mask[None, :] & r_mask[:, None],
+                other=0.0)
+    if UPCAST:
+        h = h.to(tl.float32)
+        b = b.to(tl.float32)
+    return acc + tl.dot(h, b)
+
+
+@triton.jit
+def _walk(acc, x_ptr, a_ptr, b_ptr, y_ptr, h_ptr, rows, valid, slot_of, expert, s, pid_m, offs_n, n_mask, offs_ns,
+          K, R, launch_count, scale, active_ptr, enabled_ptr, stride_xm, stride_hs, stride_hp,
+          stride_as, stride_al, stride_ae, stride_ar, stride_bs, stride_bl, stride_be, stride_bn,
+          BLOCK_M: tl.constexpr, BLOCK_KA: tl.constexpr, BLOCK_R: tl.constexpr, H_GIVEN: tl.constexpr,
+          UPCAST: tl.constexpr):
+    """``acc`` plus the LoRA of every launched slot with entries in the block, each slot's h over K
+    (or read, ``H_GIVEN``) in rank steps of BLOCK_R."""
     for z in range(0, launch_count):
         slot = tl.load(active_ptr + z)
         if slot >= 0:
@@ -108,10 +196,7 @@ def _expert_gemm_lora_kernel(
                             h = h.to(tl.float32)
                             b = b.to(tl.float32)
                         acc += tl.dot(h, b)
-    if MUL_WEIGHT:
-        acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_mask[None, :])
+    return acc
 
 
 def tile_n(ns: int, slices: int) -> int | None:
@@ -132,14 +217,16 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
 
 
 def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_count: int,
-                     scale: float, shrink_first: bool | None = None) -> torch.Tensor:
+                     scale: float, shrink_first: bool | None = None, one_pass: bool = True) -> torch.Tensor:
     """The projection's per-entry output with its expert LoRA: ``expert_gemm(x, w, ...)`` plus
     ``moe_lora_apply``'s update, in one launch. ``call.y`` is ignored (None is fine): the output
     is a new [T·top_k, N] tensor in x's dtype. Falls back to those two ops where a slice's width
     is no multiple of a tile's, and to the GEMM alone at launch count 0. ``shrink_first``: the
     sorted path's shrink computes every entry's h once first (a launch more), and the GEMM reads
     it instead of recomputing it in each output tile: for blocks of many entries and wide outputs
-    (None: as ``moe_path`` says)."""
+    (None: as ``moe_path`` says). ``one_pass``: a block whose adapter entries are all one launched
+    slot's (at decode, most blocks) computes h in the GEMM's own K loop, from the x tiles it loads
+    anyway; False: every block walks its slots after the K loop."""
     routed = call.topk_weights if call.mul_weight else None
     if launch_count <= 0:
         return expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
@@ -172,7 +259,7 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
         n, k, ns, rank, numel, top_k, launch_count, scale,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0), *hs, *a.stride()[:4], *b.stride()[:4],
         X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=32 if INTERPRET else 128, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r, H_GIVEN=shrink_first,
+        BLOCK_K=32 if INTERPRET else BLOCK_K, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r, H_GIVEN=shrink_first, ONE_PASS=one_pass,
         UPCAST=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, num_stages=3,
     )
     return y

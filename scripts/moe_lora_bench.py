@@ -21,8 +21,9 @@ measures whole steps; this isolates the expert-LoRA kernels and the path thresho
 ``--with-gemm``: every variant runs after the grouped GEMM that makes its y (w13's, then w2's, the
 routing weights in), and two more join them: ``gemm alone`` (the GEMMs, no LoRA) and ``lorabench
 in-gemm`` (the ``gemm`` backend's op, by its rule: the GEMM with the expert LoRA inside it, one
-launch, ``per-tile``: each output tile computing its h; ``shrink-first``: the sorted shrink before
-it, so that its output tiles read h instead). A
+launch, ``per-tile``: each output tile computing its h, in the GEMM's K loop where its block holds
+one slot's entries; ``two-pass``: after the K loop always; ``shrink-first``: the sorted shrink
+before it, so that its output tiles read h instead). A
 variant's cost of expert LoRA is then its time minus ``gemm alone``'s, the only fair comparison for
 an op that has no GEMM-free form. The layers share one set of base weights (a whole model's would
 not fit beside the adapters on one GPU); each has its own routing, LoRA and outputs.
@@ -156,9 +157,11 @@ def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, la
 
     out = {"gemm alone": (gemm, "-")}
     out.update({name: (then(apply), path) for name, (apply, path) in chosen.items()})
-    for name, shrink_first, path in (("lorabench in-gemm", None, rule), ("lorabench in-gemm per-tile", False, IN_GEMM),
-                                     ("lorabench in-gemm shrink-first", True, IN_GEMM_SHRUNK)):
-        out[name] = (lambda c, f=shrink_first: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0, f), path)
+    for name, shrink_first, one_pass, path in (
+            ("lorabench in-gemm", None, True, rule), ("lorabench in-gemm per-tile", False, True, IN_GEMM),
+            ("lorabench in-gemm two-pass", False, False, IN_GEMM), ("lorabench in-gemm shrink-first", True, True, IN_GEMM_SHRUNK)):
+        out[name] = (lambda c, f=shrink_first, o=one_pass: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0,
+                                                                            f, o), path)
     return out
 
 

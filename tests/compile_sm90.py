@@ -253,6 +253,7 @@ def launch_moe(dtype, tokens):
         for call, base in ((w13, w13_base), (w2, w2_base)):
             moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0)  # the gemm backend's
             moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0, shrink_first=True)
+            moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0, shrink_first=False, one_pass=False)
             wide = call._replace(lora_a=call.lora_a.new_empty(*call.lora_a.shape[:3], 128, call.lora_a.shape[4]),
                                  lora_b=call.lora_b.new_empty(*call.lora_b.shape[:4], 128))
             moe_gemm_lora.expert_gemm_lora(call.x, base, wide, meta, loras, 1.0)  # rank 128: four steps of its rank walk

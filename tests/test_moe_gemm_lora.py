@@ -32,16 +32,19 @@ def unfused(call, w, meta, launch_count, scale):
     return out.y
 
 
-SHRINK = pytest.mark.parametrize("shrink_first", [False, True], ids=["h-per-tile", "shrink-first"])
+# (shrink_first, one_pass): h in the GEMM's K loop where a block holds one slot's entries, else per tile
+# after it; every block per tile after it; the sorted shrink first.
+SHRINK = pytest.mark.parametrize("mode", [(False, True), (False, False), (True, True)],
+                                 ids=["one-pass", "two-pass", "shrink-first"])
 
 
 @SHRINK
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_active_count(dtype, w2, shrink_first):
+def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_active_count(dtype, w2, mode):
     for seed, slots in enumerate(([0], [-1], [3, -1, 0, 3, 1], [1, 2, -1, -1, 0, 3], [2, 2, 2], [1, 0, 3] * 4)):
         call, meta, n, w = case(slots, dtype, w2, seed)
-        got = expert_gemm_lora(call.x, w, call._replace(y=None), meta, n, 0.5, shrink_first)
+        got = expert_gemm_lora(call.x, w, call._replace(y=None), meta, n, 0.5, *mode)
         want = unfused(call, w, meta, n, 0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
         base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None,
@@ -53,7 +56,7 @@ def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_
 
 @SHRINK
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, shrink_first):
+def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, mode):
     """37 tokens over 2 experts (full blocks, an expert over several, the last padded), slices of
     96 (several output tiles each), K = 200 (several steps of either K loop on a GPU too), 8 slots
     with slots 4-7 active and slot 6 without expert LoRA, base tokens mixed in."""
@@ -61,7 +64,7 @@ def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, shrink_first):
     call, meta, n, w = case(slots, DTYPES[-1], w2, 29, experts=2, max_loras=8, n_out=96, k_in=200)
     enabled = torch.tensor([1, 1, 1, 1, 1, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     call = call._replace(enabled=enabled)
-    got = expert_gemm_lora(call.x, w, call, meta, n, 0.5, shrink_first)
+    got = expert_gemm_lora(call.x, w, call, meta, n, 0.5, *mode)
     tol = TOL[DTYPES[-1]]
     torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 0.5).float(), atol=tol * 4, rtol=tol)
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
@@ -73,22 +76,22 @@ def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, shrink_first):
 @SHRINK
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 @pytest.mark.parametrize("rank", [8, 80])
-def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, shrink_first):
+def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, mode):
     """Rank 8 (below tl.dot's 16: masked), rank 80 (three steps of 32 of the rank walk, the last partial)."""
     call, meta, n, w = case([0, -1, 3, 1], DTYPES[0], w2, 21, rank=rank)
-    got = expert_gemm_lora(call.x, w, call, meta, n, 1.0, shrink_first)
+    got = expert_gemm_lora(call.x, w, call, meta, n, 1.0, *mode)
     torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 1.0).float(), atol=TOL[DTYPES[0]] * 4,
                                rtol=TOL[DTYPES[0]])
 
 
 @SHRINK
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-def test_a_short_launch_count_drops_the_slots_past_it(w2, shrink_first):
+def test_a_short_launch_count_drops_the_slots_past_it(w2, mode):
     """The launch count bounds the walk over the active slots, as the other kernels' grids: slots
     past it get the base GEMM alone."""
     slots = [0, 1, 3, -1]  # active slots 0, 1, 3
     call, meta, n, w = case(slots, torch.float32, w2, 3)
-    got = expert_gemm_lora(call.x, w, call, meta, 1, 1.0, shrink_first)
+    got = expert_gemm_lora(call.x, w, call, meta, 1, 1.0, *mode)
     want = unfused(call, w, meta, n, 1.0)
     base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None, x_per_entry=w2)
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)

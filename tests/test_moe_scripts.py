@@ -40,7 +40,7 @@ def test_the_expert_lora_bench_with_the_gemm_checks_the_lora_inside_it_against_t
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
     by_name = {(r["tokens"], r["variant"]): r for r in rows}
-    assert {"gemm alone", "lorabench", "lorabench in-gemm", "lorabench in-gemm per-tile",
+    assert {"gemm alone", "lorabench", "lorabench in-gemm", "lorabench in-gemm per-tile", "lorabench in-gemm two-pass",
             "lorabench in-gemm shrink-first"} <= {n for _, n in by_name}
     assert by_name[(2, "lorabench in-gemm")]["path"] == "in-gemm" and by_name[(2, "gemm alone")]["rel_err"] == 0
     assert by_name[(12, "lorabench in-gemm")]["path"] == "in-gemm+shrink"  # 24 entries over 16 experts
