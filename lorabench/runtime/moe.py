@@ -4,8 +4,9 @@ One step, as vLLM's Triton MoE runs it (``kernels.moe_gemm``): router GEMM, soft
 (renormalised as the config says), the entries grouped per expert in static blocks, the w13
 grouped GEMM, SiLU·mul, the w2 grouped GEMM with the routing weights, the sum over each token's
 top-k; a shared expert (Qwen2-MoE) runs beside it as a dense MLP with its own LoRA. Expert LoRA
-updates the per-entry w13 and w2 outputs in place through the backend's ``moe_lora_apply``, with
-vLLM's layout (``moe_lora_shapes``).
+updates the per-entry w13 and w2 outputs in place through the backend's ``moe_lora_apply``, or runs
+inside the grouped GEMM where the backend has ``expert_gemm_lora`` (``gemm``), with vLLM's layout
+(``moe_lora_shapes``).
 
 The routing of the last step is kept in static buffers (``topk_ids``, ``topk_weights``): a graph
 writes them, and ``reuse_routing`` replays it, so the check's reference runs each token through
