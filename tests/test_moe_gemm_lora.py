@@ -146,3 +146,18 @@ def test_the_check_passes_a_moe_model_whose_expert_lora_runs_inside_the_gemm(mon
     assert verdict.correct is True, verdict.detail
     assert verdict.graphs_checked == verdict.graphs_total
     assert {1, 2, 4} <= set(calls)  # every launch count's graphs ran the op
+
+
+@pytest.mark.parametrize("slots", [[0], [0, -1, 0]], ids=["one-slot", "one-slot-and-base"])
+def test_blocks_of_one_launched_slot_take_the_one_pass_branch(slots):
+    """Which branch a block took, probed: with its slot listed twice among the launched ones, the
+    walk after the K loop adds the slot's update twice, the one-pass branch once. Every block here
+    holds one slot's entries (and base tokens: 2 experts, each token routed to both)."""
+    call, meta, _, w = case(slots, torch.float32, False, 31, experts=2)
+    meta.active_slots[:2] = 0  # slot 0, twice
+    base = expert_gemm(call.x, w, call.topk_ids, call.layout)
+    once = unfused(call, w, meta, 1, 1.0)
+    tol = TOL[torch.float32]
+    torch.testing.assert_close(expert_gemm_lora(call.x, w, call, meta, 2, 1.0, False, True), once, atol=tol, rtol=tol)
+    twice = expert_gemm_lora(call.x, w, call, meta, 2, 1.0, False, False)
+    torch.testing.assert_close(twice, base + 2 * (once - base), atol=tol * 4, rtol=tol)
