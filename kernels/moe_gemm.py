@@ -93,6 +93,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, ids: torch.Tensor
 
 
 @triton.jit
+def block_entries(pid_m, sorted_ptr, expert_ids_ptr, numel, top_k, X_PER_ENTRY: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block ``pid_m`` of the grouped layout: its expert, its entries (padding = numel), which are
+    real, and the rows of x they read (the entry's own with ``X_PER_ENTRY``, else its token's)."""
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = entry < numel
+    rows = entry if X_PER_ENTRY else entry // top_k
+    return expert, entry, valid, rows
+
+
+@triton.jit
+def store_entries(acc, y_ptr, entry, valid, offs_n, n_mask, routed_ptr, stride_ym, MUL_WEIGHT: tl.constexpr):
+    """Write the block's output tile ``acc`` to its entries' rows of y, times each entry's routing
+    weight with ``MUL_WEIGHT``."""
+    if MUL_WEIGHT:
+        acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _expert_gemm_kernel(
     x_ptr,  # [T, K] tokens, or [T·top_k, K] entries (X_PER_ENTRY)
     w_ptr,  # [E, N, K] the experts' weights
@@ -114,19 +135,13 @@ def _expert_gemm_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = entry < numel
-    rows = entry if X_PER_ENTRY else entry // top_k
+    expert, entry, valid, rows = block_entries(pid_m, sorted_ptr, expert_ids_ptr, numel, top_k, X_PER_ENTRY, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_base = w_ptr + expert * stride_we
     acc = gathered_dot(x_ptr, rows, valid, stride_xm, w_base, offs_n, n_mask, stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K,
                        UPCAST)
-    if MUL_WEIGHT:
-        acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_mask[None, :])
+    store_entries(acc, y_ptr, entry, valid, offs_n, n_mask, routed_ptr, stride_ym, MUL_WEIGHT)
 
 
 def expert_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, layout, routed: torch.Tensor | None = None,

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .launch import INTERPRET, cdiv, next_pow2
 from .meta import LoRAMeta
-from .moe_gemm import BLOCK_M, expert_gemm, gathered_dot
+from .moe_gemm import BLOCK_M, block_entries, expert_gemm, gathered_dot, store_entries
 from .moe_lora import ExpertCall, moe_lora_apply, sorted_shrink
 
 IN_GEMM = "in-gemm"  # the path names rows record (``moe_lora``'s are per-entry and sorted): h per output tile,
@@ -77,10 +77,7 @@ def _expert_gemm_lora_kernel(
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = entry < numel
-    rows = entry if X_PER_ENTRY else entry // top_k
+    expert, entry, valid, rows = block_entries(pid_m, sorted_ptr, expert_ids_ptr, numel, top_k, X_PER_ENTRY, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     s = (pid_n * BLOCK_N) // NS  # the tile's slice
@@ -99,10 +96,7 @@ def _expert_gemm_lora_kernel(
                     offs_ns, K, R, launch_count, scale, active_ptr, enabled_ptr, stride_xm, stride_hs, stride_hp,
                     stride_as, stride_al, stride_ae, stride_ar, stride_bs, stride_bl, stride_be, stride_bn,
                     BLOCK_M, BLOCK_KA, BLOCK_R, H_GIVEN, UPCAST)
-    if MUL_WEIGHT:
-        acc *= tl.load(routed_ptr + entry, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + entry[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_mask[None, :])
+    store_entries(acc, y_ptr, entry, valid, offs_n, n_mask, routed_ptr, stride_ym, MUL_WEIGHT)
 
 
 @triton.jit
@@ -228,15 +222,13 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
     slot's (at decode, most blocks) computes h in the GEMM's own K loop, from the x tiles it loads
     anyway; False: every block walks its slots after the K loop."""
     routed = call.topk_weights if call.mul_weight else None
-    if launch_count <= 0:
-        return expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
     slices, _, experts, rank, k = call.lora_a.shape
     ns = call.lora_b.shape[3]
     n = w.shape[1]
     block_n = tile_n(ns, slices)
-    if slices * ns != n or block_n is None:
+    if launch_count <= 0 or slices * ns != n or block_n is None:
         y = expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
-        moe_lora_apply(call._replace(y=y), meta, launch_count, scale)
+        moe_lora_apply(call._replace(y=y), meta, launch_count, scale)  # nothing at launch count 0
         return y
     if x.stride(-1) != 1 or call.lora_a.stride(-1) != 1 or call.lora_b.stride(-1) != 1:
         raise ValueError("expert LoRA in the GEMM needs x, A and B contiguous in their last dimension")

@@ -320,6 +320,10 @@ class SortedTiling(NamedTuple):
     block_programs: int | None = None  # programs over the expert blocks, each walking every block_programs-th
     # block that holds entries; None: one per block of the static worst case, most of them empty at small batches
 
+    def walkers(self, blocks: int) -> int:
+        """The programs over ``blocks`` expert blocks (the grids' first axis)."""
+        return min(blocks, self.block_programs) if self.block_programs else blocks
+
 
 def expand_groups(n_tiles: int, busy: int, programs: int | None) -> tuple[int, int]:
     """The sorted expand's (program columns per slice, output tiles each walks). ``programs``
@@ -350,9 +354,8 @@ def sorted_shrink(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: fl
     blocks = cdiv(sorted_ids.shape[-1], BLOCK_M)
     dtype = (call.y if call.y is not None else call.x).dtype
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=dtype, device=call.x.device)
-    walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
     x_s, a_s0, a_s1, a_s2, a_s3 = call.x.stride(0), *call.lora_a.stride()[:4]
-    _sorted_shrink_kernel[(walkers, slices, launch_count)](
+    _sorted_shrink_kernel[(tiling.walkers(blocks), slices, launch_count)](
         call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
         k, rank, tokens * top_k, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
         BLOCK_PROGRAMS=tiling.block_programs or 0, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M,
@@ -395,18 +398,14 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
             num_warps=per_entry.num_warps, **common,
         )
         return
-    h = sorted_shrink(call, meta, launch_count, scale, tiling)
+    h = sorted_shrink(call, meta, launch_count, scale, tiling)  # [S, blocks · BLOCK_M, R]
     sorted_ids, expert_ids, post_pad = call.layout
-    blocks = cdiv(sorted_ids.shape[-1], BLOCK_M)
-    upcast = INTERPRET and call.x.dtype == torch.bfloat16
     *_, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
-    walkers = min(blocks, tiling.block_programs) if tiling.block_programs else blocks
-    stride = tiling.block_programs or 0  # the kernels' BLOCK_PROGRAMS: 0 = one program per block
     block_n = 32 if INTERPRET else 64
     groups, n_loop = expand_groups(cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
-    _sorted_expand_kernel[(walkers, slices * groups, launch_count)](
+    _sorted_expand_kernel[(tiling.walkers(h.shape[1] // BLOCK_M), slices * groups, launch_count)](
         h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
         call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
-        BLOCK_PROGRAMS=stride, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
-        UPCAST=upcast, num_warps=4,
+        BLOCK_PROGRAMS=tiling.block_programs or 0, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4,
     )
