@@ -21,7 +21,7 @@ entries and wide outputs. ``scripts/moe_lora_bench.py --with-gemm`` times both.
 An output tile never straddles two slices (gate and up): the slice width must be a multiple of
 the tile's, else the op falls back to the GEMM and ``moe_lora.moe_lora_apply`` after it.
 
-Layouts as ``moe_gemm.expert_gemm`` and ``moe_lora`` (``ExpertCall``): A ``[S, L, E, R, K]``,
+Layouts as ``moe_gemm.expert_gemm`` and ``moe_lora`` (``expert_call.ExpertCall``): A ``[S, L, E, R, K]``,
 B ``[S, L, E, N_s, R]``, the base MoE's blocks; a base-model token (slot -1), a slot without
 expert LoRA (``enabled`` 0) and a slot past the launch count get no LoRA.
 """
@@ -33,7 +33,8 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, next_pow2
 from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, block_entries, expert_gemm, gathered_dot, store_entries
-from .moe_lora import ExpertCall, moe_lora_apply, sorted_shrink
+from .expert_call import ExpertCall
+from .moe_lora import moe_lora_apply, sorted_shrink
 
 IN_GEMM = "in-gemm"  # the path names rows record (``moe_lora``'s are per-entry and sorted): h per output tile,
 IN_GEMM_SHRUNK = "in-gemm+shrink"  # and the sorted shrink first
@@ -210,9 +211,9 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     return IN_GEMM_SHRUNK if tokens * top_k > SHRINK_FIRST_ENTRIES_PER_EXPERT * experts else IN_GEMM
 
 
-def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_count: int,
-                     scale: float, shrink_first: bool | None = None, one_pass: bool = True) -> torch.Tensor:
-    """The projection's per-entry output with its expert LoRA: ``expert_gemm(x, w, ...)`` plus
+def expert_gemm_lora(w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: float,
+                     shrink_first: bool | None = None, one_pass: bool = True) -> torch.Tensor:
+    """The projection's per-entry output with its expert LoRA: ``expert_gemm(call.x, w, ...)`` plus
     ``moe_lora_apply``'s update, in one launch. ``call.y`` is ignored (None is fine): the output
     is a new [T·top_k, N] tensor in x's dtype. Falls back to those two ops where a slice's width
     is no multiple of a tile's, and to the GEMM alone at launch count 0. ``shrink_first``: the
@@ -221,6 +222,7 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
     (None: as ``moe_path`` says). ``one_pass``: a block whose adapter entries are all one launched
     slot's (at decode, most blocks) computes h in the GEMM's own K loop, from the x tiles it loads
     anyway; False: every block walks its slots after the K loop."""
+    x = call.x
     routed = call.topk_weights if call.mul_weight else None
     slices, _, experts, rank, k = call.lora_a.shape
     ns = call.lora_b.shape[3]
@@ -230,8 +232,6 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
         y = expert_gemm(x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=call.x_per_entry)
         moe_lora_apply(call._replace(y=y), meta, launch_count, scale)  # nothing at launch count 0
         return y
-    if x.stride(-1) != 1 or call.lora_a.stride(-1) != 1 or call.lora_b.stride(-1) != 1:
-        raise ValueError("expert LoRA in the GEMM needs x, A and B contiguous in their last dimension")
     tokens, top_k = call.topk_ids.shape
     numel = tokens * top_k
     if shrink_first is None:
@@ -240,16 +240,17 @@ def expert_gemm_lora(x: torch.Tensor, w: torch.Tensor, call: ExpertCall, meta: L
     if numel == 0:
         return y
     sorted_ids, expert_ids, post_pad = call.layout
-    a, b = call.lora_a, call.lora_b
+    x_s, *a_s = call.shrink_strides()
+    *b_s, y_s = call._replace(y=y).expand_strides()
     block_r = max(16, min(MAX_BLOCK_R, next_pow2(rank)))
     h = sorted_shrink(call, meta, launch_count, scale) if shrink_first else y
     hs = h.stride()[:2] if shrink_first else (0, 0)
     grid = (cdiv(n, block_n), cdiv(sorted_ids.shape[-1], BLOCK_M))
     _expert_gemm_lora_kernel[grid](
-        x, w, y, a, b, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
+        x, w, y, call.lora_a, call.lora_b, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
         meta.token_slot, meta.active_slots, call.enabled, h,
         n, k, ns, rank, numel, top_k, launch_count, scale,
-        x.stride(0), w.stride(0), w.stride(1), y.stride(0), *hs, *a.stride()[:4], *b.stride()[:4],
+        x_s, w.stride(0), w.stride(1), y_s, *hs, *a_s, *b_s,
         X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=32 if INTERPRET else BLOCK_K, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r, H_GIVEN=shrink_first, ONE_PASS=one_pass,
         UPCAST=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, num_stages=3,

@@ -5,14 +5,11 @@ For a projection with slices ``s`` (w13: gate and up; w2: one) and each routed e
 
     y[i, slice s] += scale · B[s, slot, e] @ (A[s, slot, e] @ x[row(i)])   (· routing weight, for w2)
 
-Weights as vLLM lays them out (``vllm/lora/layers/fused_moe.py``), slices stacked in front:
-``A [S, L, E, R, K]``, ``B [S, L, E, N_s, R]``. Two Triton paths:
+Layouts as ``expert_call.ExpertCall`` says. Two Triton paths:
 
-- **per-entry** (``per_entry_kernel``): one launch per projection, the shrink and the expand
-  fused: one program per routed entry and output tile, each recomputing its entry's h from A (a
-  few entries: A comes from L2); its grid does not depend on the adapters, so it serves every
-  adapter token at any launch count;
-- **sorted** (``sorted_shrink_kernel``, then ``sorted_expand_kernel``): programs over the base
+- **per-entry** (``moe_lora_per_entry``): one launch per projection, the shrink and the expand
+  fused, its grid independent of the adapters;
+- **sorted** (here: ``sorted_shrink_kernel``, then ``sorted_expand_kernel``): programs over the base
   MoE's own expert blocks (no second alignment) x ``launch_count`` adapter columns; column ``z``
   serves the block's entries of slot ``active_slots[z]``, so the grid follows the active count
   like the dense kernels. The shrink writes each entry's h once (A read once per block and slot),
@@ -32,32 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .expert_call import ExpertCall
 from .launch import INTERPRET, cdiv, next_pow2
 from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, gathered_dot
+from .moe_lora_per_entry import PerEntryTiling, per_entry_apply
 
 PER_ENTRY, SORTED = "per-entry", "sorted"
 PER_ENTRY_MAX_ENTRIES = 16  # lorabench's rule: at most this many routed entries take the per-entry path,
 PER_ENTRY_EXPERTS_PER_ENTRY = 8  # and only with at least this many experts per entry (see moe_path)
-PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
-
-
-class ExpertCall(NamedTuple):
-    """One projection's expert LoRA in one MoE layer, as the model hands it to a backend."""
-
-    y: torch.Tensor | None  # [T·top_k, S·N_s] per-entry output, updated in place (None: expert_gemm_lora makes it)
-    x: torch.Tensor  # [T, K] (w13: per token) or [T·top_k, K] (w2: per entry)
-    lora_a: torch.Tensor  # [S, L, E, R, K]
-    lora_b: torch.Tensor  # [S, L, E, N_s, R]
-    topk_ids: torch.Tensor  # [T, top_k] experts per token
-    topk_weights: torch.Tensor  # [T, top_k] float32 routing weights
-    mul_weight: bool  # w2: multiply each entry's update by its routing weight; w13: not
-    layout: tuple  # the base MoE's (sorted ids [1, P], expert ids [1, M], padded count [1]), blocks of BLOCK_M
-    enabled: torch.Tensor  # [L] int32, non-zero where the slot's adapter has expert LoRA
-
-    @property
-    def x_per_entry(self) -> bool:
-        return self.mul_weight  # w2: its input is the per-entry SiLU·mul output
 
 
 def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
@@ -70,66 +50,6 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     entries = tokens * top_k
     few = entries <= PER_ENTRY_MAX_ENTRIES and experts >= PER_ENTRY_EXPERTS_PER_ENTRY * entries
     return PER_ENTRY if few else SORTED
-
-
-@triton.jit
-def _per_entry_kernel(
-    x_ptr, a_ptr, b_ptr, y_ptr,
-    topk_ptr,  # [numel] each entry's expert
-    routed_ptr,  # [numel] routing weights (MUL_WEIGHT)
-    token_slot_ptr,  # [T] slot per token, -1 base
-    enabled_ptr,  # [L]
-    K, NS, R, E, numel, top_k, scale,
-    stride_xm,
-    stride_as, stride_al, stride_ae, stride_ar,
-    stride_bs, stride_bl, stride_be, stride_bn,
-    stride_ym,
-    GROUPS: tl.constexpr,  # program columns per slice
-    N_LOOP: tl.constexpr,  # output tiles each program walks, its h computed once
-    X_PER_ENTRY: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    entry = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    token = entry // top_k
-    slot = tl.load(token_slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    if tl.load(enabled_ptr + slot) == 0:
-        return
-    expert = tl.load(topk_ptr + entry).to(tl.int64)
-    if (expert < 0) | (expert >= E):
-        return
-    row = entry if X_PER_ENTRY else token
-    s = pid_n // GROUPS
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
-    h = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
-        h += tl.sum(a * x[None, :], axis=1)
-    h = (h * scale).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded like a shrink's output
-    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
-    weight = 1.0
-    if MUL_WEIGHT:
-        weight = tl.load(routed_ptr + entry)
-    for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
-        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < NS
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                    other=0.0).to(tl.float32)
-        delta = tl.sum(b * h[None, :], axis=1) * weight
-        out = y_ptr + entry * stride_ym + s * NS + offs_n
-        cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -293,21 +213,6 @@ def _sorted_expand_kernel(
                           stride_bn, stride_ym, GROUPS, N_LOOP, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
 
 
-def _strides(call: ExpertCall):
-    a, b = call.lora_a, call.lora_b
-    if a.stride(-1) != 1 or b.stride(-1) != 1 or call.x.stride(-1) != 1 or call.y.stride(-1) != 1:
-        raise ValueError("expert LoRA needs x, y, A and B contiguous in their last dimension")
-    return (call.x.stride(0), *a.stride()[:4], *b.stride()[:4], call.y.stride(0))
-
-
-class PerEntryTiling(NamedTuple):
-    """How the per-entry path's programs load A. ``scripts/moe_lora_bench.py`` times others
-    side by side (``--per-entry``)."""
-
-    a_elements: int = 8192  # A elements (BLOCK_K · BLOCK_R) a program loads per step of its K loop
-    num_warps: int = 4
-
-
 class SortedTiling(NamedTuple):
     """How the sorted path's programs cover its work. ``scripts/moe_lora_bench.py`` times the
     others side by side. The default groups the expand's tiles to about 512 programs per adapter
@@ -354,10 +259,9 @@ def sorted_shrink(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: fl
     blocks = cdiv(sorted_ids.shape[-1], BLOCK_M)
     dtype = (call.y if call.y is not None else call.x).dtype
     h = torch.empty(slices, blocks * BLOCK_M, rank, dtype=dtype, device=call.x.device)
-    x_s, a_s0, a_s1, a_s2, a_s3 = call.x.stride(0), *call.lora_a.stride()[:4]
     _sorted_shrink_kernel[(tiling.walkers(blocks), slices, launch_count)](
         call.x, call.lora_a, h, sorted_ids, expert_ids, post_pad, meta.token_slot, meta.active_slots, call.enabled,
-        k, rank, tokens * top_k, top_k, scale, x_s, a_s0, a_s1, a_s2, a_s3, h.stride(0), h.stride(1),
+        k, rank, tokens * top_k, top_k, scale, *call.shrink_strides(), h.stride(0), h.stride(1),
         BLOCK_PROGRAMS=tiling.block_programs or 0, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M,
         BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64), BLOCK_R=block_r,
         UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4,
@@ -380,32 +284,17 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     if numel == 0:
         return
     path_name = path_name or moe_path(tokens, top_k, experts, max_loras)
-    block_r = max(16, next_pow2(rank))
-    routed = call.topk_weights
-    common = dict(X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight)
     if path_name == PER_ENTRY:
-        block_n = 32 if INTERPRET else 128
-        if per_entry.a_elements < block_r or per_entry.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"{per_entry}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two")
-        block_k = max(16, min(next_pow2(k), next_pow2(per_entry.a_elements // block_r)))
-        n_tiles = cdiv(ns, block_n)
-        n_loop = cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
-        groups = cdiv(n_tiles, n_loop)
-        _per_entry_kernel[(numel, slices * groups)](
-            call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, routed, meta.token_slot, call.enabled,
-            k, ns, rank, experts, numel, top_k, scale, *_strides(call),
-            GROUPS=groups, N_LOOP=n_loop, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-            num_warps=per_entry.num_warps, **common,
-        )
+        per_entry_apply(call, meta, scale, per_entry)
         return
+    block_r = max(16, next_pow2(rank))
     h = sorted_shrink(call, meta, launch_count, scale, tiling)  # [S, blocks · BLOCK_M, R]
     sorted_ids, expert_ids, post_pad = call.layout
-    *_, b_s0, b_s1, b_s2, b_s3, y_s = _strides(call)
     block_n = 32 if INTERPRET else 64
     groups, n_loop = expand_groups(cdiv(ns, block_n), min(numel, experts) * slices, tiling.expand_programs)
     _sorted_expand_kernel[(tiling.walkers(h.shape[1] // BLOCK_M), slices * groups, launch_count)](
-        h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, routed, meta.token_slot, meta.active_slots,
-        call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), b_s0, b_s1, b_s2, b_s3, y_s,
+        h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, call.topk_weights, meta.token_slot, meta.active_slots,
+        call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), *call.expand_strides(),
         BLOCK_PROGRAMS=tiling.block_programs or 0, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4,
     )

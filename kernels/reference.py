@@ -127,7 +127,7 @@ def expert_lora_delta(call, token_slot: torch.Tensor, scale: float, h_dtype: tor
     """The expert LoRA update of every routed entry, float32 [T·top_k, S·N_s]: each entry of an
     adapter token (whose slot has expert LoRA, ``call.enabled``) gets its slot's A and B of the
     entry's expert, times its routing weight for w2 (``call.mul_weight``); zero rows otherwise.
-    ``call``: a ``kernels.moe_lora.ExpertCall``; ``h_dtype`` as in ``lora_delta``."""
+    ``call``: a ``kernels.expert_call.ExpertCall``; ``h_dtype`` as in ``lora_delta``."""
     tokens, top_k = call.topk_ids.shape
     slices, max_loras, experts = call.lora_a.shape[:3]
     entry = torch.arange(tokens * top_k, device=call.y.device)

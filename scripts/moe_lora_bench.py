@@ -43,8 +43,9 @@ from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm
 from lorabench.kernels.moe_gemm_lora import IN_GEMM, IN_GEMM_SHRUNK, expert_gemm_lora
 from lorabench.kernels.moe_gemm_lora import moe_path as gemm_path
-from lorabench.kernels.moe_lora import (PER_ENTRY, SORTED, ExpertCall, PerEntryTiling, SortedTiling, moe_lora_apply,
-                                        moe_path)
+from lorabench.kernels.expert_call import ExpertCall
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, SortedTiling, moe_lora_apply, moe_path
+from lorabench.kernels.moe_lora_per_entry import PerEntryTiling
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.timing import replay_ms
@@ -160,7 +161,7 @@ def with_gemm(chosen: dict, weights: tuple[torch.Tensor, torch.Tensor], meta, la
     for name, shrink_first, one_pass, path in (
             ("lorabench in-gemm", None, True, rule), ("lorabench in-gemm per-tile", False, True, IN_GEMM),
             ("lorabench in-gemm two-pass", False, False, IN_GEMM), ("lorabench in-gemm shrink-first", True, True, IN_GEMM_SHRUNK)):
-        out[name] = (lambda c, f=shrink_first, o=one_pass: expert_gemm_lora(c.x, weights[c.mul_weight], c, meta, launch, 1.0,
+        out[name] = (lambda c, f=shrink_first, o=one_pass: expert_gemm_lora(weights[c.mul_weight], c, meta, launch, 1.0,
                                                                             f, o), path)
     return out
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import (base_ops, expand, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_gemm_lora, moe_lora,
-                               producer_shrink, shrink,
+from lorabench.kernels import (base_ops, expand, expert_call, fused_lora, gemm_lora, launch, moe_align, moe_gemm, moe_gemm_lora,
+                               moe_lora, moe_lora_per_entry, producer_shrink, shrink,
                                triton_lora, varlen_attention)
 
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -112,7 +112,7 @@ def record_launches():
     for module, name in [(shrink, "_shrink_kernel"), (expand, "_expand_kernel"), (fused_lora, "_fused_kernel"),
                          (base_ops, "_add_rmsnorm_kernel"), (base_ops, "_rope_cache_kernel"), (base_ops, "_silu_mul_kernel"),
                          (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
-                         (moe_lora, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
+                         (moe_lora_per_entry, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
                          (moe_lora, "_sorted_expand_kernel"), (moe_gemm_lora, "_expert_gemm_lora_kernel"),
                          (gemm_lora, "_gemm_lora_kernel"),
                          (producer_shrink, "_producer_shrink_kernel"), (varlen_attention, "_varlen_attention_kernel")]:
@@ -244,23 +244,23 @@ def launch_moe(dtype, tokens):
         w13_base, w2_base = torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter, dtype=dtype)
         moe_gemm.expert_gemm(act, w2_base, ids, layout, weights, x_per_entry=True)
         enabled = torch.empty(loras, dtype=torch.int32)
-        w13 = moe_lora.ExpertCall(torch.empty(numel, 2 * inter, dtype=dtype), x,
-                                  torch.empty(2, loras, experts, rank, hidden, dtype=dtype),
-                                  torch.empty(2, loras, experts, inter, rank, dtype=dtype), ids, weights, False, layout, enabled)
-        w2 = moe_lora.ExpertCall(torch.empty(numel, hidden, dtype=dtype), act,
-                                 torch.empty(1, loras, experts, rank, inter, dtype=dtype),
-                                 torch.empty(1, loras, experts, hidden, rank, dtype=dtype), ids, weights, True, layout, enabled)
+        w13 = expert_call.ExpertCall(torch.empty(numel, 2 * inter, dtype=dtype), x,
+                                     torch.empty(2, loras, experts, rank, hidden, dtype=dtype),
+                                     torch.empty(2, loras, experts, inter, rank, dtype=dtype), ids, weights, False, layout, enabled)
+        w2 = expert_call.ExpertCall(torch.empty(numel, hidden, dtype=dtype), act,
+                                    torch.empty(1, loras, experts, rank, inter, dtype=dtype),
+                                    torch.empty(1, loras, experts, hidden, rank, dtype=dtype), ids, weights, True, layout, enabled)
         for call, base in ((w13, w13_base), (w2, w2_base)):
-            moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0)  # the gemm backend's
-            moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0, shrink_first=True)
-            moe_gemm_lora.expert_gemm_lora(call.x, base, call, meta, loras, 1.0, shrink_first=False, one_pass=False)
+            moe_gemm_lora.expert_gemm_lora(base, call, meta, loras, 1.0)  # the gemm backend's
+            moe_gemm_lora.expert_gemm_lora(base, call, meta, loras, 1.0, shrink_first=True)
+            moe_gemm_lora.expert_gemm_lora(base, call, meta, loras, 1.0, shrink_first=False, one_pass=False)
             wide = call._replace(lora_a=call.lora_a.new_empty(*call.lora_a.shape[:3], 128, call.lora_a.shape[4]),
                                  lora_b=call.lora_b.new_empty(*call.lora_b.shape[:4], 128))
-            moe_gemm_lora.expert_gemm_lora(call.x, base, wide, meta, loras, 1.0)  # rank 128: four steps of its rank walk
+            moe_gemm_lora.expert_gemm_lora(base, wide, meta, loras, 1.0)  # rank 128: four steps of its rank walk
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY)
             for a_elements, warps in ((16384, 8), (32768, 8), (32768, 16)):  # moe_lora_bench's --per-entry
                 moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY,
-                                        per_entry=moe_lora.PerEntryTiling(a_elements, warps))
+                                        per_entry=moe_lora_per_entry.PerEntryTiling(a_elements, warps))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED)
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(expand_programs=512))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(512, 64))

@@ -44,7 +44,7 @@ SHRINK = pytest.mark.parametrize("mode", [(False, True), (False, False), (True, 
 def test_the_gemm_with_expert_lora_matches_the_gemm_then_the_reference_at_every_active_count(dtype, w2, mode):
     for seed, slots in enumerate(([0], [-1], [3, -1, 0, 3, 1], [1, 2, -1, -1, 0, 3], [2, 2, 2], [1, 0, 3] * 4)):
         call, meta, n, w = case(slots, dtype, w2, seed)
-        got = expert_gemm_lora(call.x, w, call._replace(y=None), meta, n, 0.5, *mode)
+        got = expert_gemm_lora(w, call._replace(y=None), meta, n, 0.5, *mode)
         want = unfused(call, w, meta, n, 0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
         base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None,
@@ -64,7 +64,7 @@ def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, mode):
     call, meta, n, w = case(slots, DTYPES[-1], w2, 29, experts=2, max_loras=8, n_out=96, k_in=200)
     enabled = torch.tensor([1, 1, 1, 1, 1, 1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     call = call._replace(enabled=enabled)
-    got = expert_gemm_lora(call.x, w, call, meta, n, 0.5, *mode)
+    got = expert_gemm_lora(w, call, meta, n, 0.5, *mode)
     tol = TOL[DTYPES[-1]]
     torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 0.5).float(), atol=tol * 4, rtol=tol)
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
@@ -79,7 +79,7 @@ def test_full_blocks_wide_slices_long_k_and_high_slots_match(w2, mode):
 def test_ranks_below_and_past_one_step_of_the_walk_match(w2, rank, mode):
     """Rank 8 (below tl.dot's 16: masked), rank 80 (three steps of 32 of the rank walk, the last partial)."""
     call, meta, n, w = case([0, -1, 3, 1], DTYPES[0], w2, 21, rank=rank)
-    got = expert_gemm_lora(call.x, w, call, meta, n, 1.0, *mode)
+    got = expert_gemm_lora(w, call, meta, n, 1.0, *mode)
     torch.testing.assert_close(got.float(), unfused(call, w, meta, n, 1.0).float(), atol=TOL[DTYPES[0]] * 4,
                                rtol=TOL[DTYPES[0]])
 
@@ -91,7 +91,7 @@ def test_a_short_launch_count_drops_the_slots_past_it(w2, mode):
     past it get the base GEMM alone."""
     slots = [0, 1, 3, -1]  # active slots 0, 1, 3
     call, meta, n, w = case(slots, torch.float32, w2, 3)
-    got = expert_gemm_lora(call.x, w, call, meta, 1, 1.0, *mode)
+    got = expert_gemm_lora(w, call, meta, 1, 1.0, *mode)
     want = unfused(call, w, meta, n, 1.0)
     base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=call.topk_weights if w2 else None, x_per_entry=w2)
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
@@ -104,10 +104,10 @@ def test_a_short_launch_count_drops_the_slots_past_it(w2, mode):
 def test_no_launch_is_the_base_gemm_and_an_odd_slice_width_falls_back():
     call, meta, n, w = case([0, -1, 3], torch.float32, False, 5)
     base = expert_gemm(call.x, w, call.topk_ids, call.layout)
-    assert torch.equal(expert_gemm_lora(call.x, w, call, meta, 0, 1.0), base)
+    assert torch.equal(expert_gemm_lora(w, call, meta, 0, 1.0), base)
     call, meta, n, w = case([0, -1, 3], torch.float32, False, 5, n_out=20)  # 2 slices of 20: no tile width divides
     assert tile_n(20, 2) is None and tile_n(20, 1) is not None
-    got = expert_gemm_lora(call.x, w, call, meta, n, 1.0)  # the GEMM, then moe_lora_apply
+    got = expert_gemm_lora(w, call, meta, n, 1.0)  # the GEMM, then moe_lora_apply
     tol = TOL[torch.float32]
     torch.testing.assert_close(got, unfused(call, w, meta, n, 1.0), atol=tol * 4, rtol=tol)
 
@@ -134,7 +134,7 @@ def test_the_check_passes_a_moe_model_whose_expert_lora_runs_inside_the_gemm(mon
     from lorabench.runtime.model import LlamaLoRA
 
     calls = []
-    monkeypatch.setattr(gemm_lora, "expert_gemm_lora", lambda *a: calls.append(a[4]) or expert_gemm_lora(*a))
+    monkeypatch.setattr(gemm_lora, "expert_gemm_lora", lambda *a: calls.append(a[3]) or expert_gemm_lora(*a))
     dtype = torch.float16 if HAS_CUDA else torch.float32
     model = LlamaLoRA(shortened(resolve("tiny-moe"), 1), max_loras=4, rank=16, max_tokens=4, context_len=16,
                       dtype=dtype, device=DEVICE)
@@ -158,6 +158,6 @@ def test_blocks_of_one_launched_slot_take_the_one_pass_branch(slots):
     base = expert_gemm(call.x, w, call.topk_ids, call.layout)
     once = unfused(call, w, meta, 1, 1.0)
     tol = TOL[torch.float32]
-    torch.testing.assert_close(expert_gemm_lora(call.x, w, call, meta, 2, 1.0, False, True), once, atol=tol, rtol=tol)
-    twice = expert_gemm_lora(call.x, w, call, meta, 2, 1.0, False, False)
+    torch.testing.assert_close(expert_gemm_lora(w, call, meta, 2, 1.0, False, True), once, atol=tol, rtol=tol)
+    twice = expert_gemm_lora(w, call, meta, 2, 1.0, False, False)
     torch.testing.assert_close(twice, base + 2 * (once - base), atol=tol * 4, rtol=tol)

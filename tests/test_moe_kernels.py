@@ -9,10 +9,11 @@ from conftest import DEVICE
 from lorabench.kernels import get_backend, reference, torch_lora
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
-from lorabench.kernels.moe_lora import (PER_ENTRY, SORTED, ExpertCall, PerEntryTiling, SortedTiling, expand_groups,
-                                        moe_lora_apply)
+from lorabench.kernels.expert_call import ExpertCall
+from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, SortedTiling, expand_groups, moe_lora_apply
 from lorabench.kernels.moe_lora import moe_path as path
-from lorabench.kernels import moe_lora as moe_lora_module
+from lorabench.kernels import moe_lora as moe_lora_module, moe_lora_per_entry
+from lorabench.kernels.moe_lora_per_entry import PerEntryTiling
 from lorabench.runtime.lora_meta import MetaBuffer
 
 # Triton's dot takes fp32 operands as TF32 on the GPU (10-bit mantissa): fp32 checks loosen there.
@@ -100,7 +101,7 @@ def test_expert_lora_matches_the_reference_at_every_active_count_with_base_token
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2, monkeypatch):
     """Wide outputs (Mixtral's 14336) make each per-entry program walk several tiles with one h."""
-    monkeypatch.setattr(moe_lora_module, "PER_ENTRY_GROUPS", 1)
+    monkeypatch.setattr(moe_lora_per_entry, "PER_ENTRY_GROUPS", 1)
     gen = torch.Generator().manual_seed(13)
     slots = [0, -1, 3, 1]
     call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU

@@ -23,7 +23,7 @@ from lorabench.config.models import ModelConfig, moe_lora_shapes
 from lorabench.kernels.base_ops import silu_mul
 from lorabench.kernels.moe_align import align_blocks, moe_lora_align_block_size
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
-from lorabench.kernels.moe_lora import ExpertCall
+from lorabench.kernels.expert_call import ExpertCall
 
 
 def _randn(shape, std, dtype, device, gen):
@@ -85,7 +85,7 @@ class MoEMLP(nn.Module):
         call = ExpertCall(None, x, lora_a, lora_b, ids, weights, w2, layout, enabled)
         in_gemm = getattr(lora.backend, "expert_gemm_lora", None) if lora is not None else None
         if in_gemm is not None:
-            return in_gemm(x, w, call, lora.meta, lora.launch_count, lora.scale)
+            return in_gemm(w, call, lora.meta, lora.launch_count, lora.scale)
         y = expert_gemm(x, w, ids, layout, routed=weights if w2 else None, x_per_entry=w2, fused=fused)
         if lora is not None:
             lora.backend.moe_lora_apply(call._replace(y=y), lora.meta, lora.launch_count, lora.scale)

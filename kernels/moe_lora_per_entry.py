@@ -1,0 +1,111 @@
+"""Expert LoRA's per-entry path: the shrink and the expand fused, one launch per projection.
+
+One program per routed entry and group of output tiles, each recomputing its entry's h from A
+(a few entries: A comes from L2) and adding ``B[s, slot, e] @ h`` to its tiles of y. The grid does
+not depend on the adapters, so it serves every adapter token at any launch count (the launch
+count decides nothing here, as on vLLM's per-token path). ``moe_lora.moe_path`` decides when a
+step takes it: few routed entries spread over many experts.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .expert_call import ExpertCall
+from .launch import INTERPRET, cdiv, next_pow2
+from .meta import LoRAMeta
+
+PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
+
+
+class PerEntryTiling(NamedTuple):
+    """How the per-entry path's programs load A. ``scripts/moe_lora_bench.py`` times others
+    side by side (``--per-entry``)."""
+
+    a_elements: int = 8192  # A elements (BLOCK_K · BLOCK_R) a program loads per step of its K loop
+    num_warps: int = 4
+
+
+@triton.jit
+def _per_entry_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr,
+    topk_ptr,  # [numel] each entry's expert
+    routed_ptr,  # [numel] routing weights (MUL_WEIGHT)
+    token_slot_ptr,  # [T] slot per token, -1 base
+    enabled_ptr,  # [L]
+    K, NS, R, E, numel, top_k, scale,
+    stride_xm,
+    stride_as, stride_al, stride_ae, stride_ar,
+    stride_bs, stride_bl, stride_be, stride_bn,
+    stride_ym,
+    GROUPS: tl.constexpr,  # program columns per slice
+    N_LOOP: tl.constexpr,  # output tiles each program walks, its h computed once
+    X_PER_ENTRY: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    entry = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    token = entry // top_k
+    slot = tl.load(token_slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    if tl.load(enabled_ptr + slot) == 0:
+        return
+    expert = tl.load(topk_ptr + entry).to(tl.int64)
+    if (expert < 0) | (expert >= E):
+        return
+    row = entry if X_PER_ENTRY else token
+    s = pid_n // GROUPS
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    a_base = a_ptr + s * stride_as + slot * stride_al + expert * stride_ae
+    h = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        h += tl.sum(a * x[None, :], axis=1)
+    h = (h * scale).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded like a shrink's output
+    b_base = b_ptr + s * stride_bs + slot * stride_bl + expert * stride_be
+    weight = 1.0
+    if MUL_WEIGHT:
+        weight = tl.load(routed_ptr + entry)
+    for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
+        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NS
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                    other=0.0).to(tl.float32)
+        delta = tl.sum(b * h[None, :], axis=1) * weight
+        out = y_ptr + entry * stride_ym + s * NS + offs_n
+        cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerEntryTiling = PerEntryTiling()) -> None:
+    """``call.y += expert LoRA`` for every routed entry whose token's slot has expert LoRA."""
+    slices, _, experts, rank, k = call.lora_a.shape
+    ns = call.lora_b.shape[3]
+    tokens, top_k = call.topk_ids.shape
+    if tokens * top_k == 0:
+        return
+    block_r = max(16, next_pow2(rank))
+    block_n = 32 if INTERPRET else 128
+    if tiling.a_elements < block_r or tiling.num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two")
+    block_k = max(16, min(next_pow2(k), next_pow2(tiling.a_elements // block_r)))
+    n_tiles = cdiv(ns, block_n)
+    n_loop = cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
+    groups = cdiv(n_tiles, n_loop)
+    _per_entry_kernel[(tokens * top_k, slices * groups)](
+        call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, call.topk_weights, meta.token_slot, call.enabled,
+        k, ns, rank, experts, tokens * top_k, top_k, scale, *call.shrink_strides(), *call.expand_strides(),
+        GROUPS=groups, N_LOOP=n_loop, X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=tiling.num_warps,
+    )
