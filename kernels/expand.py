@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES
-from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait
+from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
 from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles
@@ -108,6 +108,6 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(rank), R_STEPS=cdiv(rank, rank_block(rank)),
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=INTERPRET and y.dtype == torch.bfloat16, RANKED=ranked,
+        UPCAST=upcast(y.dtype), RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

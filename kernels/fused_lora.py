@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_SLICES
-from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
+from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
 from .tiles import adapter_tile, expand_tile, own_rank, slice_bounds, sorted_tiles
@@ -196,7 +196,7 @@ def default_config(tokens: int, k: int, widest: int, rank: int, slices: int, lau
     kernel spills registers (about 1.3 KB per thread at rank 512 on sm_90): the shrink + expand
     pair, whose expand loops over the rank, is the one to use at large ranks."""
     block_m = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-    block_r = max(16, next_pow2(rank))
+    block_r = dot_width(rank)
     block_k = min(256 if block_m <= 32 else 64, A_TILE // block_r)
     block_n = min(128, 2 * A_TILE // block_r)
     split_k = 1 if tokens > 64 else max(1, min(16, next_pow2(k // 1024)))
@@ -267,7 +267,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     cfg = config or config_for(tokens, k, widest, rank, num_slices, launch_count)
     n_tiles = cdiv(widest, cfg.block_n)
     split = cfg.split_k > 1
-    block_r = max(16, next_pow2(rank))
+    block_r = dot_width(rank)
     sums = _workspace(y.device, torch.float32, tokens * num_slices * n_tiles * block_r if split else 1)
     counts = _workspace(y.device, torch.int32, tokens * num_slices * n_tiles if split else 1)
     grid = (cdiv(tokens, cfg.block_m) * cfg.split_k * n_tiles, num_slices, launch_count)
@@ -283,7 +283,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=INTERPRET and y.dtype == torch.bfloat16,  # bf16 dots upcast in the interpreter (see launch.INTERPRET)
+        UPCAST=upcast(y.dtype),  # bf16 dots upcast in the interpreter (see launch.INTERPRET)
         RANKED=meta.slot_rank is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

@@ -47,13 +47,13 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import MAX_SLICES
-from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401 (pdl_enabled: the worker's pdl column)
+from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_gemm import gathered_dot
 from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA inside the expert GEMM, its rule)
 from .moe_lora import moe_lora_apply  # noqa: F401 (expert LoRA where a slice's width fits no tile)
 from . import lora_configs
-from .shrink import lora_shrink
+from .shrink import shrink_into
 from .tiles import expand_tile
 
 EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_N): more spills registers (sm_90 compiles)
@@ -305,7 +305,7 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     width = next_pow2(launch_count * slices * rank) if lora else 0  # the launched slot-rank columns
     key = (tokens, k, n, y.dtype, width, weight is not None)
     cfg = config or FITTED.get(key) or config_for(tokens, k, n)
-    upcast = INTERPRET and y.dtype == torch.bfloat16
+    up = upcast(y.dtype)
     ranked = lora and meta.slot_rank is not None
     args = (
         x, weight if weight is not None else y, bias if bias is not None else y, y,
@@ -315,7 +315,7 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
     )
     flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
-                 LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, UPCAST=upcast, RANKED=ranked,
+                 LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, UPCAST=up, RANKED=ranked,
                  **pdl_launch(pdl))
     while True:
         grid = (cdiv(tokens, cfg.block_m) * cdiv(n, cfg.block_n),)
@@ -337,19 +337,6 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         return
 
 
-def _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch):
-    """The shrink into ``scratch`` (zeroed, [>= T, >= S·R] fp32; allocated when None): h."""
-    tokens = x.shape[0]
-    rank, slices = lora_b.shape[2], len(slice_starts) - 1
-    if scratch is None:
-        scratch = torch.zeros(tokens, slices * rank, dtype=torch.float32, device=x.device)
-    if scratch.shape[0] < tokens or scratch.shape[1] < slices * rank:
-        raise ValueError(f"scratch {tuple(scratch.shape)} is smaller than [{tokens}, {slices * rank}] (tokens, slices x rank)")
-    h = scratch[:tokens, :slices * rank]
-    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
-    return h
-
-
 def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,
                  config=None, shrunk=False):
     """``x·weightᵀ + bias`` with the LoRA of the first ``launch_count`` active slots added, as a new
@@ -362,7 +349,7 @@ def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, 
     if launch_count > 0 and shrunk:
         h = scratch[:x.shape[0], :(len(slice_starts) - 1) * lora_b.shape[2]]
     elif launch_count > 0:
-        h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
+        h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch)
     _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, max(0, launch_count), config, pdl_enabled(x.device))
     return y
 
@@ -380,6 +367,6 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     kernel's epilogue alone over y (no base GEMM). The model calls ``linear_apply`` instead."""
     if launch_count <= 0:
         return
-    h = _shrunk(x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
+    h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch)
     _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None, pdl_enabled(x.device))
 

@@ -18,6 +18,16 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def upcast(dtype: torch.dtype) -> bool:
+    """A kernel's UPCAST: dots in fp32, for bf16 operands under the interpreter only."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
+def dot_width(n: int) -> int:
+    """A dot operand's axis of n: the next power of two, at least 16 (``tl.dot``'s smallest)."""
+    return max(16, next_pow2(n))
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host. Triton's own (``triton.cdiv``, ``triton.next_power_of_2``) are
     constexpr functions since 3.5, ~4 µs a host call: a LoRA launch computed a dozen of them."""

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, next_pow2
+from .launch import INTERPRET, cdiv, next_pow2, upcast
 
 BLOCK_M = 16  # entries per block of the grouped GEMM (and of lorabench's sorted-path expert LoRA)
 
@@ -166,6 +166,6 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, layout
         x, w, y, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
         n, k, numel, top_k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         X_PER_ENTRY=x_per_entry, MUL_WEIGHT=routed is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, num_stages=3,
+        UPCAST=upcast(x.dtype), num_warps=4, num_stages=3,
     )
     return y

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, next_pow2
+from .launch import INTERPRET, cdiv, next_pow2, upcast
 from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, block_entries, expert_gemm, gathered_dot, store_entries
 from .expert_call import ExpertCall
@@ -253,6 +253,6 @@ def expert_gemm_lora(w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_c
         x_s, w.stride(0), w.stride(1), y_s, *hs, *a_s, *b_s,
         X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=32 if INTERPRET else BLOCK_K, BLOCK_KA=32 if INTERPRET else BLOCK_KA, BLOCK_R=block_r, H_GIVEN=shrink_first, ONE_PASS=one_pass,
-        UPCAST=INTERPRET and x.dtype == torch.bfloat16, num_warps=4, num_stages=3,
+        UPCAST=upcast(x.dtype), num_warps=4, num_stages=3,
     )
     return y

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .expert_call import ExpertCall
-from .launch import INTERPRET, cdiv, next_pow2
+from .launch import INTERPRET, cdiv, dot_width, upcast
 from .meta import LoRAMeta
 from .moe_gemm import BLOCK_M, gathered_dot
 from .moe_lora_per_entry import PerEntryTiling, per_entry_apply
@@ -254,7 +254,7 @@ def sorted_shrink(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: fl
         raise ValueError(f"block_programs must be at least 1, not {tiling.block_programs}")
     slices, _, _, rank, k = call.lora_a.shape
     tokens, top_k = call.topk_ids.shape
-    block_r = max(16, next_pow2(rank))
+    block_r = dot_width(rank)
     sorted_ids, expert_ids, post_pad = call.layout
     blocks = cdiv(sorted_ids.shape[-1], BLOCK_M)
     dtype = (call.y if call.y is not None else call.x).dtype
@@ -264,7 +264,7 @@ def sorted_shrink(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: fl
         k, rank, tokens * top_k, top_k, scale, *call.shrink_strides(), h.stride(0), h.stride(1),
         BLOCK_PROGRAMS=tiling.block_programs or 0, X_PER_ENTRY=call.x_per_entry, BLOCK_M=BLOCK_M,
         BLOCK_K=32 if INTERPRET else (128 if block_r <= 64 else 64), BLOCK_R=block_r,
-        UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4,
+        UPCAST=upcast(call.x.dtype), num_warps=4,
     )
     return h
 
@@ -287,7 +287,7 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     if path_name == PER_ENTRY:
         per_entry_apply(call, meta, scale, per_entry)
         return
-    block_r = max(16, next_pow2(rank))
+    block_r = dot_width(rank)
     h = sorted_shrink(call, meta, launch_count, scale, tiling)  # [S, blocks · BLOCK_M, R]
     sorted_ids, expert_ids, post_pad = call.layout
     block_n = 32 if INTERPRET else 64
@@ -296,5 +296,5 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
         h, call.lora_b, call.y, sorted_ids, expert_ids, post_pad, call.topk_weights, meta.token_slot, meta.active_slots,
         call.enabled, ns, rank, numel, top_k, h.stride(0), h.stride(1), *call.expand_strides(),
         BLOCK_PROGRAMS=tiling.block_programs or 0, GROUPS=groups, N_LOOP=n_loop, MUL_WEIGHT=call.mul_weight,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=INTERPRET and call.x.dtype == torch.bfloat16, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=upcast(call.x.dtype), num_warps=4,
     )

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .expert_call import ExpertCall
-from .launch import INTERPRET, cdiv, next_pow2
+from .launch import INTERPRET, cdiv, dot_width, next_pow2
 from .meta import LoRAMeta
 
 PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
@@ -95,7 +95,7 @@ def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerE
     tokens, top_k = call.topk_ids.shape
     if tokens * top_k == 0:
         return
-    block_r = max(16, next_pow2(rank))
+    block_r = dot_width(rank)
     block_n = 32 if INTERPRET else 128
     if tiling.a_elements < block_r or tiling.num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two")

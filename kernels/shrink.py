@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, pdl_enabled, pdl_launch, pdl_wait
+from .launch import cdiv, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
 from .tiles import adapter_tile, own_rank, sorted_tiles
@@ -117,6 +117,19 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
-        UPCAST=INTERPRET and x.dtype == torch.bfloat16, RANKED=ranked,
+        UPCAST=upcast(x.dtype), RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
+
+
+def shrink_into(x, lora_a, meta: LoRAMeta, launch_count: int, scale: float, slices: int, rank: int, scratch=None):
+    """``lora_shrink`` into the first [T, S·R] of ``scratch`` (float32, zero on entry: the shrink
+    splits K with atomics; a zeroed one is allocated when None, which graph capture forbids); h."""
+    tokens = x.shape[0]
+    if scratch is None:
+        scratch = torch.zeros(tokens, slices * rank, dtype=torch.float32, device=x.device)
+    if scratch.shape[0] < tokens or scratch.shape[1] < slices * rank:
+        raise ValueError(f"scratch {tuple(scratch.shape)} is smaller than [{tokens}, {slices * rank}] (tokens, slices x rank)")
+    h = scratch[:tokens, :slices * rank]
+    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
+    return h

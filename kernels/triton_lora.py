@@ -42,7 +42,7 @@ from .lora_configs import (  # noqa: F401
 )
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
-from .shrink import lora_shrink
+from .shrink import lora_shrink, shrink_into  # noqa: F401 (lora_shrink: the backend's public names)
 from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles  # noqa: F401
 
 # The shrink splits K with fp32 atomics, so its output buffer must start at zero.
@@ -62,12 +62,5 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     graph capture)."""
     if launch_count <= 0:
         return
-    tokens = x.shape[0]
-    if scratch is None:
-        scratch = torch.zeros(tokens, (len(slice_starts) - 1) * lora_b.shape[2], dtype=torch.float32, device=x.device)
-    rank, slices = lora_b.shape[2], len(slice_starts) - 1
-    if scratch.shape[0] < tokens or scratch.shape[1] < slices * rank:
-        raise ValueError(f"scratch {tuple(scratch.shape)} is smaller than [{tokens}, {slices * rank}] (tokens, slices x rank)")
-    h = scratch[:tokens, :slices * rank]
-    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
+    h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch)
     lora_expand(h, lora_b, y, slice_starts, meta, launch_count)

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from lorabench.analysis.intervals import Gain, interval_of, most_steps, points_read
-from lorabench.analysis.points import ok_points
+from lorabench.analysis.points import not_found_wrong, ok_points
 from lorabench.config.strategies import choose_launch
 from lorabench.stats import Resampler
 
@@ -143,9 +143,7 @@ class CostModel:
     def __init__(self, df: pd.DataFrame, kernels: str, max_loras: int):
         """df: the run's rows measured on the GPU compared on (``RunView.compared``); rows of
         configurations that failed their check are left out (one may look fast by skipping work)."""
-        ok = ok_points(df)
-        if "correct" in ok:
-            ok = ok[~ok.correct.eq(False)]
+        ok = not_found_wrong(ok_points(df))
         rows = ok[(ok.kernels == kernels) & (ok.max_loras == max_loras)]
         if rows.empty:
             raise ValueError(f"the run has no successful points for kernels {kernels}, max_loras {max_loras}")

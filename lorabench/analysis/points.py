@@ -31,6 +31,11 @@ def ok_points(df: pd.DataFrame) -> pd.DataFrame:
     return df[df.status == "ok"]
 
 
+def not_found_wrong(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of configurations the check did not find wrong: one that skips work may look fast."""
+    return df[~df.correct.eq(False)] if "correct" in df else df
+
+
 def verdicts(df: pd.DataFrame) -> pd.DataFrame:
     """Every configuration of the run, failed-only ones included, with its check verdict: the first
     non-null value over its rows, ok rows first. ``correct`` is True, False or None (not checked,

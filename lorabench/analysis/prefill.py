@@ -17,7 +17,7 @@ fraction of the traffic's time.
 import pandas as pd
 
 from lorabench.analysis.intervals import interval_of
-from lorabench.analysis.points import CONFIG, ok_points
+from lorabench.analysis.points import CONFIG, not_found_wrong, ok_points
 from lorabench.analysis.roofline import bandwidth_gbs
 from lorabench.config.models import LORA_LINEARS_PER_LAYER
 from lorabench.config.plan import PREFILL
@@ -29,10 +29,8 @@ def prefill_overhead(df: pd.DataFrame) -> pd.DataFrame:
     """Prefill points with their configuration's n = 0 step at the same prompt tokens (``base_ms``,
     ``base_point``), ``overhead_ms`` and ``overhead_pct``; with the probe's figures and the rows'
     byte counts also ``floor_ms`` and ``x_floor`` (n > 0). Empty when the run has none."""
-    pts = ok_points(df)
+    pts = not_found_wrong(ok_points(df))
     pts = pts[pts["mode"] == PREFILL].copy()
-    if "correct" in pts:  # a configuration that failed its check may look fast by skipping work
-        pts = pts[~pts.correct.eq(False)]
     if pts.empty:
         return pts
     base = pts[pts.n_active == 0].drop_duplicates(KEY).set_index(KEY)

@@ -21,6 +21,7 @@ from lorabench.analysis import search
 from lorabench.analysis.cpu_cache import CachePolicy, choose_cpu_cache
 from lorabench.analysis.decision import PAYS_PCT, CacheChoice, ResidencyDecision, SetChoice
 from lorabench.analysis.occupancy import STEPS, simulated
+from lorabench.analysis.points import not_found_wrong
 from lorabench.analysis.residency_price import AUTO_SET, Pricer, path_prices, throughput_gain
 from lorabench.analysis.view import RunView
 from lorabench.analysis.vllm import UNVERIFIED_POW2, VllmAdvice, run_flags, verified_pow2
@@ -74,9 +75,7 @@ def residency_decisions(view: RunView, workload: str, adapters: Adapters, client
     folder of the user's adapters (the validating sweep reads them); ``cache``: choose the CPU
     cache for the chosen configuration (``lorabench.analysis.cpu_cache``) when ``adapters``
     leaves it open."""
-    ok = view.compared
-    if "correct" in ok:
-        ok = ok[~ok.correct.eq(False)]
+    ok = not_found_wrong(view.compared)
     fixed = ok[ok["mode"] == "fixed"]
     out = []
     for k, g in fixed.groupby("kernels"):

@@ -14,7 +14,7 @@ The probe's figures travel with every row (``probe_copy_gbs``, ``probe_kernel_us
 
 import pandas as pd
 
-from lorabench.analysis.points import lora_overhead
+from lorabench.analysis.points import lora_overhead, not_found_wrong
 from lorabench.config.models import LORA_LINEARS_PER_LAYER
 
 
@@ -34,8 +34,7 @@ def floors(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     pts = lora_overhead(df)
     pts = pts[(pts.n_active > 0) & pts.probe_copy_gbs.notna() & pts.base_ms.notna()].copy()
-    if "correct" in pts:  # a configuration that failed its check may look fast by skipping work
-        pts = pts[~pts.correct.eq(False)]
+    pts = not_found_wrong(pts)
     if pts.empty:
         return pts
     pts["lora_mb"] = pts.n_active * pts.lora_bytes_per_slot / 1e6

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from lorabench.analysis.points import not_found_wrong
 from lorabench.stats import quantile_interval_samples
 
 MET, MISSED, UNCLEAR = "met", "missed", "unclear"
@@ -75,7 +76,7 @@ def served_runs(rows: pd.DataFrame) -> pd.DataFrame:
     """The ok serving rows of configurations not found wrong by the check (one that skips work may
     look fast)."""
     runs = rows[(rows.status == "ok") & (rows["mode"] == "serving")]
-    return runs[~runs.correct.eq(False)] if "correct" in runs else runs
+    return not_found_wrong(runs)
 
 
 def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingChoice]:
