@@ -198,11 +198,10 @@ def report(
     results: Path = typer.Option(Path("results"), "--results", help="Where to look for the newest run."),
 ):
     """Plots, report.md and recommendation.json, written into each run's folder."""
-    from lorabench.commands.report import write_report
+    from lorabench.commands.report import write_reports
     from lorabench.storage.results import find_newest_run
 
-    for run_dir in runs or [find_newest_run(results)]:
-        paths = write_report(run_dir, console)
+    for run_dir, paths in write_reports(runs or [find_newest_run(results)], console).items():
         console.print(f"{run_dir}: " + ", ".join(p.name for p in paths))
 
 
@@ -261,8 +260,9 @@ def _usage_errors() -> tuple[type, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one line and status 2 for bad input, never a traceback."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="lorabench")
+        rv = app(args=args or ["--help"], standalone_mode=False, prog_name="lorabench")  # no command: the help, as --help
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

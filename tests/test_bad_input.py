@@ -249,6 +249,7 @@ CASES = {
     "report folder without points": Case(["report", "{tmp}/empty"], "no points.parquet", files={"empty/": 0o755}),
     "report results without runs": Case(["report", "--results", "{tmp}/empty"], "no runs", files={"empty/": 0o755}),
     "report missing folder": Case(["report", "{tmp}/missing"], "not a folder"),
+    "report a run and a missing folder": Case(["report", "{run}", "{tmp}/missing"], "not a folder"),  # no report first
     "report corrupt parquet": Case(["report", "{tmp}/bad"], "cannot be read", files={"bad/points.parquet": b"not parquet"}),
     "report parquet of another schema": Case(["report", "{tmp}/other"], "is not a lorabench sweep's",
                                              files={"other/points.parquet": "other-schema"}),
@@ -434,7 +435,9 @@ def test_bad_input_is_one_line_and_writes_nothing(name, place, capsys, monkeypat
         monkeypatch.setattr(env, "machine", lambda: Machine(cuda=False, free_ram_bytes=int(case.free_gib * GiB)))
     before = snapshot(place)
     code = main(fill(case.argv, place))
-    assert_one_error_line(code, capsys.readouterr().err, case.needle)
+    out, err = capsys.readouterr()
+    assert_one_error_line(code, err, case.needle)
+    assert out == "", out  # no notice before the refusal: the one line is all
     assert snapshot(place) == before
 
 

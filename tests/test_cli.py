@@ -21,6 +21,12 @@ def test_help_works(capsys):
     assert "--max-loras" in capsys.readouterr().out
 
 
+def test_no_command_prints_the_help_not_an_error(capsys):
+    assert main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Usage: lorabench") and "sweep" in out and err == ""
+
+
 def options(command: str) -> dict[str, str]:
     """flag -> its help, of one command."""
     click = typer.main.get_command(app).commands[command]

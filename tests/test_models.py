@@ -95,6 +95,23 @@ def test_a_hub_id_offline_without_a_cache_is_one_line(monkeypatch, tmp_path):
         resolve("no-such-org/no-such-model")
 
 
+def test_a_hub_id_unreachable_is_one_line_at_once(monkeypatch, tmp_path):
+    """Offline without HF_HUB_OFFLINE: refused when the Hub's host does not resolve, not after
+    the Hub client's retries."""
+    import socket
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    with pytest.raises(UserError, match="no-such-org/no-such-model is not in the local Hugging Face cache and "
+                                        ".* cannot be reached") as e:
+        resolve("no-such-org/no-such-model")
+    assert "\n" not in str(e.value)
+
+
 def test_layers_shorten_and_cannot_lengthen():
     assert shortened(resolve("qwen2.5-7b"), 2).layers == 2
     with pytest.raises(UserError, match="more than qwen2.5-7b's 28 layers"):

@@ -48,9 +48,9 @@ def check(flags: dict, spec_file: Path | None, console: Console, placement: Plac
         raise UserError(f"--adapters {flags['adapters']}: lorabench check takes a folder of PEFT adapters (it times no "
                         "residency runs)")
     spec, notice = prepare({**flags, "check": True}, spec_file)
+    executor = placement.executor_for(spec.device)  # refuses a placement before any notice
     if notice:
         console.print(notice)
-    executor = placement.executor_for(spec.device)
     try:
         run = Sweep.start(spec, shlex.join(["lorabench"] + sys.argv[1:]), console, sweep_command.WORKER, check_only=True)
         console.print(f"check {run.run_id}: {len(run.jobs)} configurations -> {run.run_dir / 'checks.json'}")

@@ -103,6 +103,10 @@ def interrupted_line(run: Sweep, signum: int) -> str:
     return f"interrupted ({name}): {len(run.writer.rows)} finished rows kept in {run.writer.path}; finish it with: {resume}"
 
 
+def workers(count: int) -> str:
+    return f"{count} worker" + ("" if count == 1 else "s")
+
+
 def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | None = None,
           force: bool = False, placement: Placement = Placement()) -> int:
     """The command: run the sweep (or resume one), print its table. Exit status 1 when no point
@@ -117,9 +121,9 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
         if force:
             raise UserError("--force goes with --resume")
         spec, notice = prepare(flags, spec_file)
+        executor = placement.executor_for(spec.device)  # refuses a placement before any notice
         if notice:
             console.print(notice)
-        executor = placement.executor_for(spec.device)
     try:
         if resume is not None:
             run = Sweep.resume(resume, argv, console, WORKER, force)
@@ -128,12 +132,12 @@ def sweep(flags: dict, spec_file: Path | None, console: Console, resume: Path | 
             planned = sum(len(j.points) for j in run.jobs)
             if run.todo:
                 console.print(f"resume {run.run_id}: {run.points} of {planned} points to measure in "
-                              f"{len(groups(run.todo))} workers -> {run.run_dir}")
+                              f"{workers(len(groups(run.todo)))} -> {run.run_dir}")
             else:
                 console.print(f"{run.run_dir}: every one of its {planned} planned points has an ok row; nothing to measure")
         else:
             run = Sweep.start(spec, argv, console, WORKER)
-            console.print(f"run {run.run_id}: {run.points} points in {len(groups(run.todo))} workers -> {run.run_dir}")
+            console.print(f"run {run.run_id}: {run.points} points in {workers(len(groups(run.todo)))} -> {run.run_dir}")
         run_dir = run.run(executor)
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT

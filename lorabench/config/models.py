@@ -16,6 +16,7 @@ on the experts is expert LoRA as vLLM lays it out (``moe_lora_shapes``); the den
 a layer has are ``layer_lora_linears``'s.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -186,12 +187,44 @@ def from_hf_id(model_id: str, where: str) -> ModelConfig:
         if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
             raise UserError(f"{where}: cannot read {model_id}'s config: not in the local Hugging Face cache and "
                             f"HF_HUB_OFFLINE is set ({_first_line(cached)})") from None
+        _refuse_unreachable_hub(model_id, where)
         try:
-            hf = AutoConfig.from_pretrained(model_id)
+            with _hub_quiet():
+                hf = AutoConfig.from_pretrained(model_id)
         except Exception as e:
             raise UserError(f"{where}: cannot read {model_id}'s config from the Hugging Face Hub or its local cache "
                             f"({_first_line(e)})") from None
     return from_hf(hf, model_id, where, model_id)
+
+
+def _refuse_unreachable_hub(model_id: str, where: str) -> None:
+    """One line at once where the Hub's host does not resolve (offline), instead of the Hub
+    client's ~25 s of retries, each logged."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        raise UserError(f"{where}: {model_id} is not in the local Hugging Face cache and {host} cannot be reached "
+                        f"({e.strerror or e}): give a preset, a config.json or a folder holding one") from None
+
+
+@contextlib.contextmanager
+def _hub_quiet():
+    """The Hub client's retry warnings kept off the terminal: a failure is said in one line."""
+    from huggingface_hub.utils import logging as hub_logging
+
+    logger = hub_logging.get_logger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(hub_logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _first_line(e: BaseException) -> str:

@@ -73,7 +73,8 @@ def read_spec_file(path: Path) -> dict[str, tuple[str, object]]:
     for key, value in raw.items():
         name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
         if name not in FIELDS:
-            raise UserError(f"spec file {path}: unknown key {key!r} (known: {', '.join(sorted(FIELDS))})")
+            known = ", ".join(sorted(f.replace("_", "-") for f in FIELDS))
+            raise UserError(f"spec file {path}: unknown key {key!r} (known: {known})")
         if name in values:
             raise UserError(f"spec file {path}: key `{key}` repeats key `{values[name][0]}`")
         values[name] = (key, value)

@@ -32,13 +32,20 @@ def incomplete_line(run_info: dict, cov: Coverage | None) -> str | None:
     return f"{status} (run.json lists no plan: which points are missing is not known)"
 
 
-def write_report(run_dir: Path, console: Console | None = None) -> list[Path]:
+def write_reports(run_dirs: list[Path], console: Console | None = None) -> dict[Path, list[Path]]:
+    """``write_report`` for each run, every run read first: a folder that is no run is refused
+    before any report is written."""
+    views = {Path(d): RunView.read(Path(d)) for d in run_dirs}
+    return {d: write_report(d, console, view) for d, view in views.items()}
+
+
+def write_report(run_dir: Path, console: Console | None = None, view: RunView | None = None) -> list[Path]:
     """Every figure the run's rows allow, report.md and recommendation.json; returns their paths.
     With a console, an incomplete run is said there too, in one line. Comparisons are made only
     between points measured on one GPU (max's, per kernels and max_loras: ``same_gpu``), with
-    intervals from the run's samples when it kept them."""
+    intervals from the run's samples when it kept them. ``view``: the run as read already."""
     run_dir = Path(run_dir)
-    view = RunView.read(run_dir)
+    view = view or RunView.read(run_dir)
     run_info = read_info(run_dir)
     incomplete = incomplete_line(run_info, view.coverage)
     if console is not None and incomplete:
