@@ -16,6 +16,7 @@ from lorabench.analysis.vllm import run_flags
 from lorabench.commands import recommendation_file
 from lorabench.commands.tables import mib
 from lorabench.config.flags import to_positive
+from lorabench.config.spec import coerce
 from lorabench.errors import UserError
 
 
@@ -53,7 +54,7 @@ def recommend_serving(run_dir: Path, ttft_p99_ms: str, kernels: str | None, cons
     view = RunView.read(run_dir)
     rows = view.compared
     if kernels:
-        rows = rows[rows.kernels.isin([k.strip() for k in kernels.split(",")])]
+        rows = rows[rows.kernels.isin(coerce("kernels", kernels))]
     found = choices(rows, target)
     if not found:
         raise UserError(f"{run_dir}: no serving runs to choose from (sweep with --adapters N --input-tokens ...)")

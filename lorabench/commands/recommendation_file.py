@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from lorabench.analysis.recommendation_json import SCHEMA
+from lorabench.storage.files import write_json
 
 NAME = "recommendation.json"
 ADDED = ("auto", "residency", "serving")  # the sections lorabench recommend adds
@@ -26,7 +27,7 @@ def write_report(run_dir: Path, report: dict) -> Path:
     added = read(run_dir)
     data = {**report, **{s: added[s] for s in ADDED if added.get(s)}}
     path = Path(run_dir) / NAME
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_json(path, data)
     return path
 
 
@@ -37,5 +38,5 @@ def write_section(run_dir: Path, section: str, key: str, entries: list[dict], **
     data.update(top)
     data.setdefault(section, {})[key] = entries
     path = Path(run_dir) / NAME
-    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    write_json(path, data, default=float)
     return path

@@ -33,7 +33,7 @@ from lorabench.stats import median_interval
 from lorabench.storage.checks import Checked, read_checks, write_checks
 from lorabench.storage.results import PointsWriter
 from lorabench.storage.row import Env, Row
-from lorabench.storage.runs import FINISHED, INTERRUPTED, RUNNING
+from lorabench.storage.runs import FINISHED, INTERRUPTED, RUNNING, write_info
 from lorabench.storage.samples import Loads, pack_samples, write_loads, write_samples
 from lorabench.storage.tune_files import vllm_folder
 
@@ -157,9 +157,7 @@ class Sweep:
 
     def write_info(self) -> None:
         self.info.update(pid=os.getpid(), host=socket.gethostname())
-        tmp = self.run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(self.info, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / "run.json")
+        write_info(self.run_dir, self.info)
 
     def run(self, executor: Executor) -> Path:
         """Measure ``self.todo``, its groups spread by ``executor``. SIGINT, SIGTERM and SIGHUP

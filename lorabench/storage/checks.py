@@ -3,9 +3,9 @@ worker sends it and ``lorabench check`` prints it; a configuration whose check d
 worker ended first, has ``correct`` null and says why in ``detail``."""
 
 import json
-import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from lorabench.storage.files import write_json
 
 FILE = "checks.json"
 
@@ -59,6 +59,4 @@ def read_checks(run_dir: Path) -> list[Checked]:
 
 def write_checks(run_dir: Path, checks: list[Checked]) -> None:
     """Every verdict, written whole (a temporary file renamed over the last one)."""
-    tmp = Path(run_dir) / f".{FILE}.tmp"
-    tmp.write_text(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
-    os.replace(tmp, Path(run_dir) / FILE)
+    write_json(Path(run_dir) / FILE, [asdict(c) for c in checks])

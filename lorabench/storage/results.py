@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lorabench.errors import UserError
+from lorabench.storage.files import write_whole
 from lorabench.storage.row import COLUMNS, Row
 from lorabench.storage.schema import SCHEMA, conform
 
@@ -90,9 +91,7 @@ class PointsWriter:
             return
         self.path.mkdir(exist_ok=True)
         target = self.path / f"part-{part:04d}.parquet"
-        tmp = self.path / f".{target.name}.tmp"  # a dataset skips hidden files: readers never see it
-        pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), tmp)
-        os.replace(tmp, target)
+        write_whole(target, lambda tmp: pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), tmp))
 
     def flush(self) -> None:
         """Every part from the rows held; the sweep calls it again when a signal stops it in the

@@ -17,12 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorabench.storage.files import write_json
 from lorabench.storage.results import read_points
 
 if TYPE_CHECKING:
     import pandas as pd
 
 RUNNING, FINISHED, INTERRUPTED, KILLED = "running", "finished", "interrupted", "killed"
+
+
+def write_info(run_dir: Path, info: dict) -> None:
+    """run.json, written whole."""
+    write_json(Path(run_dir) / "run.json", info)
 
 
 def read_info(run_dir: Path) -> dict:

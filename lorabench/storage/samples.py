@@ -28,7 +28,6 @@ the step beside the load lost, ``alone_ms`` the time until the adapter is usable
 and storage-warm: ``alone_ms`` each read of an adapter's file.
 """
 
-import os
 import re
 import typing
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lorabench.storage.steps import Loads, Steps  # noqa: F401 - what workers send, read from here too
+from lorabench.storage.files import write_whole
 
 if TYPE_CHECKING:  # the readers' frames; a sweep writing samples never imports pandas
     import pandas as pd
@@ -73,9 +73,7 @@ def write_samples(run_dir: Path, point: int, per_step: Steps | Mapping[str, list
     columns.update({name: per_step.get(name, [None] * n) for name in PER_STEP})
     target = path(run_dir, point)
     target.parent.mkdir(exist_ok=True)
-    tmp = target.with_suffix(".parquet.tmp")
-    pq.write_table(pa.table(columns, schema=SCHEMA), tmp)
-    os.replace(tmp, target)
+    write_whole(target, lambda tmp: pq.write_table(pa.table(columns, schema=SCHEMA), tmp))
 
 
 def _point_files(run_dir: Path) -> dict[int, Path]:
@@ -118,9 +116,7 @@ def pack_samples(run_dir: Path) -> None:
     if not files:
         return
     packed = Path(run_dir) / PACKED
-    tmp = packed.with_suffix(".parquet.tmp")
-    pq.write_table(_read_table(run_dir), tmp, compression="zstd")
-    os.replace(tmp, packed)
+    write_whole(packed, lambda tmp: pq.write_table(_read_table(run_dir), tmp, compression="zstd"))
     for f in files.values():
         f.unlink()
 
@@ -143,9 +139,7 @@ def write_loads(run_dir: Path, group: int, loads: Loads) -> None:
     table = pa.table(columns if per_slice else {**columns, "path": [loads.path] * n}, schema=LOADS if per_slice else LOAD_PATHS)
     target = Path(run_dir) / FOLDER / (f"loads-{group:04d}.parquet" if per_slice else f"loads-{group:04d}-{loads.path}.parquet")
     target.parent.mkdir(exist_ok=True)
-    tmp = target.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, target)
+    write_whole(target, lambda tmp: pq.write_table(table, tmp))
 
 
 def read_loads(run_dir: Path) -> dict[tuple[str, int], np.ndarray]:

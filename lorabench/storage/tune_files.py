@@ -14,6 +14,7 @@ from numbers import Real
 from pathlib import Path
 
 from lorabench.errors import UserError
+from lorabench.storage.files import write_text
 
 TUNED_FILE = "lorabench_tuned.json"
 CACHE_FILE = "cache.jsonl"
@@ -68,9 +69,7 @@ def read_cache(path: Path) -> tuple[list[dict], str | None]:
             rows.append(row)
             continue
         if number == last:  # cut short by an interrupt: drop it and carry on
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(f"{x}\n" for x in lines))
-            tmp.replace(path)
+            write_text(path, "".join(f"{x}\n" for x in lines))
             notice = f"{path}: dropped its last line, cut short (an interrupted tune); {len(rows)} measurements kept"
             return rows, notice
         raise UserError(f"{path}: line {number} is not a tune measurement ({why}); "
@@ -82,9 +81,7 @@ def read_cache(path: Path) -> tuple[list[dict], str | None]:
 
 
 def write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)  # an interrupt never leaves half a file
+    write_text(path, json.dumps(data, indent=1))  # an interrupt never leaves half a file
 
 
 def vllm_folder(out_dir) -> Path:
