@@ -8,11 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import MAX_SLICES
 from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import adapter_tile, own_rank, slice_bounds, sorted_tiles
+from .tiles import adapter_tile, own_rank, slice_bounds, slice_ends, sorted_tiles
 
 
 @triton.jit
@@ -90,10 +89,7 @@ def rank_block(rank: int) -> int:
 def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, config=None):
     """y[t, slice s] += h[t, s·R:(s+1)·R] @ lora_b[slot(t)][slice s]ᵀ, in place."""
     num_slices = len(slice_starts) - 1
-    if not 1 <= num_slices <= MAX_SLICES:
-        raise ValueError(f"{num_slices} slices; the expand kernel takes 1 to {MAX_SLICES}")
-    bounds = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - num_slices)
-    widest = max(b - a for a, b in zip(slice_starts, slice_starts[1:]))
+    bounds, widest = slice_ends(slice_starts, "expand")
     tokens = y.shape[0]
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
@@ -101,8 +97,7 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     pdl = pdl_enabled(y.device)
     ranked = meta.slot_rank is not None
     _expand_kernel[grid](
-        h, lora_b, y, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        meta.slot_rank if ranked else meta.active_slots, tokens, rank, *bounds,
+        h, lora_b, y, *meta.tile_args(), tokens, rank, *bounds,
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),

@@ -51,11 +51,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import MAX_SLICES
 from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
-from .tiles import adapter_tile, expand_tile, own_rank, slice_bounds, sorted_tiles
+from .tiles import adapter_tile, expand_tile, own_rank, slice_bounds, slice_ends, sorted_tiles
 
 NEEDS_ZEROED_SCRATCH = False
 LETS_CONSUMER_LAUNCH = True  # see triton_lora
@@ -255,10 +254,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     if launch_count <= 0:
         return
     num_slices = len(slice_starts) - 1
-    if not 1 <= num_slices <= MAX_SLICES:
-        raise ValueError(f"{num_slices} slices; the fused kernel takes 1 to {MAX_SLICES}")
-    bounds = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - num_slices)
-    widest = max(b - a for a, b in zip(slice_starts, slice_starts[1:]))
+    bounds, widest = slice_ends(slice_starts, "fused")
     tokens, k = x.shape
     rank = lora_b.shape[2]
     if lora_a.shape[1] != num_slices * rank:
@@ -273,8 +269,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     grid = (cdiv(tokens, cfg.block_m) * cfg.split_k * n_tiles, num_slices, launch_count)
     pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
-        x, lora_a, lora_b, y, sums, counts, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        meta.active_slots if meta.slot_rank is None else meta.slot_rank, tokens, k, rank, *bounds,
+        x, lora_a, lora_b, y, sums, counts, *meta.tile_args(), tokens, k, rank, *bounds,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),

@@ -54,7 +54,7 @@ from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA
 from .moe_lora import moe_lora_apply  # noqa: F401 (expert LoRA where a slice's width fits no tile)
 from . import lora_configs
 from .shrink import shrink_into
-from .tiles import expand_tile
+from .tiles import expand_tile, slice_ends
 
 EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_N): more spills registers (sm_90 compiles)
 GATHER_ELEMENTS = 4096  # the same for a gathered epilogue step (BLOCK_M x BLOCK_N x R_STEP)
@@ -293,10 +293,7 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
     k = x.shape[1] if weight is not None else 0
     lora = launch_count > 0
     slices = len(slice_starts) - 1 if lora else 1
-    if slices > MAX_SLICES:
-        raise ValueError(f"{slices} slices: the gemm kernel takes at most {MAX_SLICES}")
-    # n1, n2: the slices' ends past the first (a slice past the last ends where the last does)
-    ends = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices) if lora else [0, 0, 0]
+    ends = slice_ends(slice_starts, "gemm")[0] if lora else [0] * MAX_SLICES  # n1..n3: the slices' ends
     rank = lora_b.shape[2] if lora else 1
     for name, t in (("x", x if weight is not None else None), ("weight", weight), ("bias", bias), ("y", y),
                     ("h", h if lora else None), ("B", lora_b if lora else None)):

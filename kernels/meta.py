@@ -24,3 +24,10 @@ class LoRAMeta(NamedTuple):
     active_slots: torch.Tensor
     slot_start: torch.Tensor
     slot_rank: torch.Tensor | None = None
+
+    def tile_args(self) -> tuple[torch.Tensor, ...]:
+        """What the shrink, expand and fused kernels take of it, in their order: the four index
+        tensors, then the slots' ranks (with RANKED = ``slot_rank is not None``; a placeholder
+        pointer, never read, without)."""
+        ranks = self.slot_rank if self.slot_rank is not None else self.active_slots
+        return self.token_slot, self.sorted_tokens, self.active_slots, self.slot_start, ranks

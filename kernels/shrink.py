@@ -109,8 +109,7 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     pdl = pdl_enabled(x.device)
     ranked = meta.slot_rank is not None
     _shrink_kernel[grid](
-        x, lora_a, out, meta.token_slot, meta.sorted_tokens, meta.active_slots, meta.slot_start,
-        meta.slot_rank if ranked else meta.active_slots, tokens, k, n, rows_per_slice, rank,
+        x, lora_a, out, *meta.tile_args(), tokens, k, n, rows_per_slice, rank,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),

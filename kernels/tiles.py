@@ -5,6 +5,8 @@ columns (``slice_bounds``) and the expand's dot that keeps h's precision (``expa
 import triton
 import triton.language as tl
 
+from . import MAX_SLICES
+
 
 @triton.jit
 def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
@@ -46,6 +48,16 @@ def own_rank(rank_ptr, slot, R):
     compute of it. The padding they then read is zero; a bound that is a multiple of 16 keeps
     their rank-wise loads vectorised (an arbitrary runtime bound makes them one element each)."""
     return tl.minimum((tl.load(rank_ptr + slot) + 15) // 16 * 16, R)
+
+
+def slice_ends(slice_starts, kernel: str) -> tuple[list[int], int]:
+    """The host side of ``slice_bounds``: the slices' ends past the first, padded to
+    ``MAX_SLICES`` (a slice past the last ends where the last does), and the widest slice."""
+    slices = len(slice_starts) - 1
+    if not 1 <= slices <= MAX_SLICES:
+        raise ValueError(f"{slices} slices; the {kernel} kernel takes 1 to {MAX_SLICES}")
+    ends = list(slice_starts[1:]) + [slice_starts[-1]] * (MAX_SLICES - slices)
+    return ends, max(b - a for a, b in zip(slice_starts, slice_starts[1:]))
 
 
 @triton.jit
