@@ -11,7 +11,9 @@ import triton.language as tl
 from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import adapter_tile, own_rank, slice_bounds, slice_ends, sorted_tiles
+from .tiles import adapter_tile, own_rank, packed_tile, packed_tiles, slice_bounds, slice_ends, sorted_tiles
+
+PACKED_TILES = True  # as the shrink's
 
 
 @triton.jit
@@ -19,7 +21,7 @@ def _expand_kernel(
     h_ptr,  # [T, S·R] float32 shrink output
     b_ptr,  # [L, N, R] stacked B weights
     y_ptr,  # [T, N] output, updated in place
-    token_slot_ptr, sorted_ptr, active_ptr, start_ptr, rank_ptr, T,  # as in the shrink
+    token_slot_ptr, sorted_ptr, active_ptr, start_ptr, rank_ptr, T, LAUNCH,  # as in the shrink
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
     stride_hm, stride_hn,
@@ -30,6 +32,8 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,  # rank step: >= R up to 64, at least 16 (tl.dot's minimum)
     R_STEPS: tl.constexpr,  # ceil(R / BLOCK_R): 1 up to rank 64 (then no loop is compiled)
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
+    PACKED: tl.constexpr,  # as in the shrink
+    LAUNCH_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,  # PDL-launched after the shrink: load B, then wait for h
     UPCAST: tl.constexpr,
     RANKED: tl.constexpr,  # read only each slot's own rank of B and h (the rest is padding)
@@ -41,8 +45,12 @@ def _expand_kernel(
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                            BLOCK_M, SORTED, USE_PDL)
+    if PACKED:
+        slot, rows, m_mask, idle = packed_tile(pid_m, LAUNCH, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
+                                               USE_PDL)
+    else:
+        slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                                BLOCK_M, SORTED, USE_PDL)
     if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return
@@ -93,16 +101,19 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     tokens = y.shape[0]
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
-    grid = (cdiv(tokens, cfg.block_m) * cdiv(widest, cfg.block_n), num_slices, launch_count)
+    sorted_ = sorted_tiles(tokens, cfg.block_m)
+    packed = sorted_ and PACKED_TILES
+    tiles_m, columns = (packed_tiles(tokens, cfg.block_m, launch_count), 1) if packed else (cdiv(tokens, cfg.block_m), launch_count)
+    grid = (tiles_m * cdiv(widest, cfg.block_n), num_slices, columns)
     pdl = pdl_enabled(y.device)
     ranked = meta.slot_rank is not None
     _expand_kernel[grid](
-        h, lora_b, y, *meta.tile_args(), tokens, rank, *bounds,
+        h, lora_b, y, *meta.tile_args(), tokens, launch_count, rank, *bounds,
         h.stride(0), h.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(rank), R_STEPS=cdiv(rank, rank_block(rank)),
-        SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
+        SORTED=sorted_, PACKED=packed, LAUNCH_PAD=next_pow2(launch_count) if packed else 1, USE_PDL=pdl,
         UPCAST=upcast(y.dtype), RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

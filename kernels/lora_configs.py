@@ -93,8 +93,8 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
 def prefill_split(tokens: int, k: int, n: int, block_m: int, block_n: int) -> int:
     """K splits of a shrink above decode sizes (128-wide K blocks): enough that the batch's token
     tiles alone make about ``SHRINK_PROGRAMS`` programs, at least 4, at most 64 and one K block
-    each. The token tiles, not the launch: a slot's programs past its own tokens exit at once, so
-    one adapter holding all 128 tokens works in 2 tiles x the split; at a fixed split of 4 that was
+    each. The token tiles, not the launch: the launched slots' tiles are packed end to end
+    (``tiles.packed_tile``), so one adapter holding all 128 tokens works in 2 tiles x the split; at a fixed split of 4 that was
     8 programs on 132 SMs, each walking a quarter of K (LoRA at 128 prompt tokens measured 5.9x its
     byte floor on an H100, against 1.1x at 2048 tokens, where the tiles alone fill the GPU)."""
     tiles = cdiv(tokens, block_m) * cdiv(n, block_n)

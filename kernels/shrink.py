@@ -1,6 +1,8 @@
 """The shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ, split over K, fp32 atomics when split.
 
-Its grid's last axis is the launch count (see ``triton_lora``); it lets the expand launch at once
+Its grid's last axis is the launch count (see ``triton_lora``) where one token tile holds the
+batch (decode); above, its first axis walks the launched slots' packed token tiles
+(``tiles.packed_tile``), cdiv(T, BLOCK_M) + launch - 1 of them. It lets the expand launch at once
 under PDL and waits before it writes.
 """
 
@@ -8,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, pdl_enabled, pdl_launch, pdl_wait, upcast
+from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import adapter_tile, own_rank, sorted_tiles
+from .tiles import adapter_tile, own_rank, packed_tile, packed_tiles, sorted_tiles
+
+PACKED_TILES = True  # above one token tile, the launched slots' tiles end to end (False: a grid column per slot, as before)
 
 
 @triton.jit
@@ -25,6 +29,7 @@ def _shrink_kernel(
     start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
     rank_ptr,  # [max_loras] each slot's own rank (RANKED only)
     T,  # tokens in the batch
+    LAUNCH,  # launch count (PACKED: whose tiles the grid walks)
     K,  # input features
     N,  # slices · rank
     RA,  # A's rows per slice: the rank R (every adapter padded to it), or R / TP under fully sharded LoRA
@@ -38,6 +43,8 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,  # reduction step
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a strided part of K
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
+    PACKED: tl.constexpr,  # SORTED over the launched slots' tiles laid end to end (see packed_tile), one grid column
+    LAUNCH_PAD: tl.constexpr,  # PACKED: the launch count's next power of two
     USE_PDL: tl.constexpr,  # PDL-launched: let the expand launch now, wait before writing
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
     RANKED: tl.constexpr,  # skip each slot's padding: only its own rank's columns of every slice
@@ -48,8 +55,12 @@ def _shrink_kernel(
     pid_sk = pid % SPLIT_K
     pid_m = (pid // SPLIT_K) // num_n
     pid_n = (pid // SPLIT_K) % num_n
-    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                            BLOCK_M, SORTED, USE_PDL)
+    if PACKED:
+        slot, rows, m_mask, idle = packed_tile(pid_m, LAUNCH, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
+                                               USE_PDL)
+    else:
+        slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                                BLOCK_M, SORTED, USE_PDL)
     if idle:
         pdl_wait(USE_PDL)
         return
@@ -105,17 +116,20 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     rows_per_slice = n // slices
     rank = rank or rows_per_slice
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
-    grid = (cfg.split_k * cdiv(tokens, cfg.block_m) * cdiv(n, cfg.block_n), 1, launch_count)
+    sorted_ = sorted_tiles(tokens, cfg.block_m)
+    packed = sorted_ and PACKED_TILES
+    tiles_m, columns = (packed_tiles(tokens, cfg.block_m, launch_count), 1) if packed else (cdiv(tokens, cfg.block_m), launch_count)
+    grid = (cfg.split_k * tiles_m * cdiv(n, cfg.block_n), 1, columns)
     pdl = pdl_enabled(x.device)
     ranked = meta.slot_rank is not None
     _shrink_kernel[grid](
-        x, lora_a, out, *meta.tile_args(), tokens, k, n, rows_per_slice, rank,
+        x, lora_a, out, *meta.tile_args(), tokens, launch_count, k, n, rows_per_slice, rank,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
+        SORTED=sorted_, PACKED=packed, LAUNCH_PAD=next_pow2(launch_count) if packed else 1, USE_PDL=pdl,
         UPCAST=upcast(x.dtype), RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

@@ -1,5 +1,5 @@
 """Device helpers every lorabench LoRA kernel shares: which slot and token tile a program serves
-(``adapter_tile``, ``sorted_tiles``), a slot's own rank (``own_rank``), a slice's output
+(``adapter_tile``, ``packed_tile``, ``sorted_tiles``), a slot's own rank (``own_rank``), a slice's output
 columns (``slice_bounds``) and the expand's dot that keeps h's precision (``expand_tile``)."""
 
 import triton
@@ -37,9 +37,47 @@ def adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr
     return slot, rows.to(tl.int64), mask, idle
 
 
+@triton.jit
+def packed_tile(pid_m, launch, sorted_ptr, active_ptr, start_ptr,
+                BLOCK_M: tl.constexpr, LAUNCH_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """``adapter_tile`` over the packed token tiles: tile ``pid_m`` of the launched slots' tiles
+    laid end to end (slot z's ``cdiv(count_z, BLOCK_M)`` tiles after those of slots 0..z-1), so
+    that ``packed_tiles`` programs cover every launched slot's tokens, not ``launch`` x the batch's
+    tiles: a slot that holds a few tokens of a long prompt step costs its tiles, not a column of
+    idle programs as long as the batch. Which slot a tile is theirs comes from the launched slots'
+    ranges (one load of ``launch + 1`` starts), then the rows (a second): two dependent round
+    trips, as ``adapter_tile``'s sorted tiles. A tile past the last slot's is idle."""
+    offs_l = tl.arange(0, LAUNCH_PAD)
+    in_l = offs_l < launch
+    lo = tl.load(start_ptr + offs_l, mask=in_l, other=0)
+    hi = tl.load(start_ptr + offs_l + 1, mask=in_l, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, axis=0)
+    z = tl.minimum(tl.sum(((ends <= pid_m) & in_l).to(tl.int32), axis=0), launch - 1)
+    here = offs_l == z
+    first = tl.sum(tl.where(here, ends - tiles, 0), axis=0)
+    start = tl.sum(tl.where(here, lo, 0), axis=0)
+    count = tl.sum(tl.where(here, hi - lo, 0), axis=0)
+    slot = tl.load(active_ptr + z)
+    offs = (pid_m - first) * BLOCK_M + tl.arange(0, BLOCK_M)  # past the last slot's tiles: past its count
+    mask = offs < count
+    rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    idle = (slot < 0) | (tl.max(mask.to(tl.int32), axis=0) == 0)
+    return slot, rows.to(tl.int64), mask, idle
+
+
 def sorted_tiles(tokens: int, block_m: int) -> bool:
     """Whether a launch needs the slot-sorted token tiles (more than one tile of tokens)."""
     return tokens > block_m
+
+
+def packed_tiles(tokens: int, block_m: int, launch: int) -> int:
+    """The packed tiles a launch of ``launch`` slots over ``tokens`` tokens needs at most: the
+    slots' tiles, Σ cdiv(count_z, BLOCK_M) <= cdiv(tokens, BLOCK_M) + launch - 1 (each slot's last
+    tile adds at most one partial tile to the batch's)."""
+    return -(-tokens // block_m) + launch - 1
 
 
 @triton.jit

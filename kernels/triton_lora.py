@@ -1,9 +1,14 @@
 """Triton LoRA shrink and expand, grouped by adapter slot, grid sized by the launch count.
 
-Both kernels launch a grid whose last axis is the *launch count*: program ``i`` on that axis
-serves ``active_slots[i]`` and exits at once when that entry is -1 (fewer adapters active than
-launched) or when its tile holds none of that adapter's tokens. Base-model tokens are masked
-out, so they are never read or written.
+Where one token tile holds the batch (decode), both kernels launch a grid whose last axis is the
+*launch count*: program ``i`` on that axis serves ``active_slots[i]`` and exits at once when that
+entry is -1 (fewer adapters active than launched) or when its tile holds none of that adapter's
+tokens. Above one tile, the launched slots' token tiles are laid end to end (``tiles.packed_tile``):
+cdiv(T, BLOCK_M) + launch - 1 tiles at most, so a slot adds a tile, not a column of the batch's
+tiles (the prefill sweep on an H100, before: each further launched slot added ~0.42 ms to a
+2048-token step, its one token's work ~0.03 ms of it).
+Either way the launch count bounds who is served. Base-model tokens are masked out, so they are
+never read or written.
 
 shrink: scratch[t, :] (+)= scale · x[t] @ A[slot]ᵀ      split over K; fp32 atomics when split
 expand: y[t, slice s] += scratch[t, s·R:(s+1)·R] @ B[slot][slice s]ᵀ

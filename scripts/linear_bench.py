@@ -12,7 +12,9 @@ measured alternately with it. Per-linear overhead = (with − without) / REPEAT,
 estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pair and ``fused``
 kernel, each with PDL on and off (``LORABENCH_PDL``), their ``+tuned`` configs with --tuned, and
 ``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present, and
-``triton/split-4``: the pair with the shrink's earlier fixed 4-way split above 64 tokens.
+``triton/split-4``: the pair with the shrink's earlier fixed 4-way split above 64 tokens, and
+``triton/slot-columns``: the pair with its earlier token tiles above one tile (a grid column of the
+batch's tiles per launched slot, not the launched slots' tiles end to end).
 The sweep (``lorabench sweep``) is what measures whole steps; this isolates one design choice.
 """
 
@@ -23,7 +25,7 @@ import random
 
 import numpy as np
 import torch
-from lorabench.kernels import fused_lora, lora_configs, triton_lora
+from lorabench.kernels import expand, fused_lora, lora_configs, shrink, triton_lora
 from lorabench.kernels.launch import pow2_floor
 
 from lorabench.config.batches import fixed_batch, parse_bench_points
@@ -50,10 +52,23 @@ def split_4(fn):
     return apply
 
 
+def slot_columns(fn):
+    """``fn`` with the shrink's and the expand's earlier token tiles above one tile: a grid column
+    of the batch's tiles per launched slot, instead of the launched slots' tiles end to end."""
+    def apply(*args, **kw):
+        shrink.PACKED_TILES = expand.PACKED_TILES = False
+        try:
+            fn(*args, **kw)
+        finally:
+            shrink.PACKED_TILES = expand.PACKED_TILES = True
+    return apply
+
+
 def variants(tuned: str | None) -> dict:
     """name -> (apply function, PDL on)."""
     v = {"triton": (triton_lora.lora_apply, True), "triton/no-pdl": (triton_lora.lora_apply, False),
          "triton/split-4": (split_4(triton_lora.lora_apply), True),
+         "triton/slot-columns": (slot_columns(triton_lora.lora_apply), True),
          "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False)}
     try:
         from lorabench.kernels import _fused_v1

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import RANKS, expand, fused_lora, get_backend, shrink, triton_lora
+from lorabench.kernels import RANKS, expand, fused_lora, get_backend, shrink, tiles, triton_lora
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.tolerance import TOLERANCE
@@ -169,6 +169,64 @@ def test_triton_shrink_configs(split_k, block_m):
     assert rel_err(h, ref) < 1e-2
 
 
+class GridRecorder:
+    """A kernel whose launches' grids are kept, then run as asked."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+# Slot-sorted counts for the packed tiles: 1 token, 3 tiles and one over, exactly one tile, one tile
+# and one over, with base tokens between them (tiles of 16 tokens).
+PACKED_SLOTS = [0] + [1] * 33 + [-1] * 3 + [2] * 16 + [3] * 17 + [-1, 5]
+
+
+@pytest.mark.parametrize("launch", [3, 5, 6, 8], ids=["launch-below-n", "launch-n", "launch-above-n", "launch-max"])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_packed_token_tiles_serve_uneven_slots_in_as_many_programs_as_their_tiles(monkeypatch, launch, split_k):
+    """Above one token tile the shrink and the expand walk the launched slots' tiles laid end to
+    end (``tiles.packed_tile``): slots of 1, 33, 16, 17 and 1 tokens (1 + 3 + 1 + 2 + 1 tiles of 16),
+    base tokens between them, a launch count below, at and above the active count. Their grids
+    hold cdiv(T, 16) + launch - 1 token tiles in one column, not launch columns of cdiv(T, 16)."""
+    slots = list(PACKED_SLOTS)
+    random.Random(launch).shuffle(slots)
+    tokens, max_loras = len(slots), 8
+    x, a, b, y, _, starts = make_case(tokens, 64, (32, 16), 8, max_loras, torch.float16, 0.0, 11)
+    buf = MetaBuffer(tokens, max_loras, DEVICE)
+    packed, n = buf.pack(slots)
+    buf.load(packed)
+    assert n == 5
+    shrinks, expands = GridRecorder(shrink._shrink_kernel), GridRecorder(expand._expand_kernel)
+    monkeypatch.setattr(shrink, "_shrink_kernel", shrinks)
+    monkeypatch.setattr(expand, "_expand_kernel", expands)
+    h = torch.zeros(tokens, a.shape[1], dtype=torch.float32, device=DEVICE)
+    out = y.clone()
+    shrink.lora_shrink(x, a, h, buf.meta, launch, 0.5, config=triton_lora.ShrinkConfig(16, 16, 32, split_k), rank=8,
+                       slices=2)
+    expand.lora_expand(h, b, out, starts, buf.meta, launch, config=triton_lora.ExpandConfig(16, 32))
+    served = sorted(set(s for s in slots if s >= 0))[:launch]
+    check(out, y, x, a, b, [s if s in served else -1 for s in slots], starts)
+    tiles = -(-tokens // 16) + launch - 1
+    assert shrinks.grids == [(split_k * tiles * 1, 1, 1)]  # 16 rank columns: one output tile
+    assert expands.grids == [(tiles * 1, 2, 1)]  # the widest slice, 32 columns: one output tile
+
+
+def test_packed_tiles_bound_every_batchs_slot_tiles():
+    """Σ cdiv(count_z, BLOCK_M) over any split of T tokens among the launched slots is at most
+    ``packed_tiles`` (each slot's last tile adds at most one partial tile), and reaches it."""
+    rnd = random.Random(3)
+    for _ in range(2000):
+        block_m, launch = rnd.choice([16, 32, 64]), rnd.randint(1, 16)
+        counts = [rnd.randint(1, 200) for _ in range(launch)]
+        need = sum(-(-c // block_m) for c in counts)
+        assert need <= tiles.packed_tiles(sum(counts) + rnd.randint(0, 50), block_m, launch)
+    assert sum(-(-c // 16) for c in [17, 17, 17]) == tiles.packed_tiles(51, 16, 3)
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32, 128])
 @pytest.mark.parametrize("launch", [1, 4, 32])
 def test_default_shrink_split_fits_the_shape(tokens, launch):
@@ -239,16 +297,21 @@ def test_fused_tuned_configs_are_looked_up_by_nearest_shape():
         fused_lora.load_tuned([])
 
 
-@pytest.mark.parametrize("backend", ["triton", "fused"])
-@pytest.mark.parametrize("sorted_path", [True, False], ids=["sorted-tiles", "batch-order-tiles"])
+@pytest.mark.parametrize("backend,tiles_path", [
+    ("triton", "packed-tiles"), ("triton", "sorted-tiles"), ("triton", "batch-order-tiles"),
+    ("fused", "sorted-tiles"), ("fused", "batch-order-tiles")])  # the fused kernel has no packed tiles
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-buffer", "padded-buffer"])
 @pytest.mark.parametrize("short", [False, True], ids=["launch-n", "launch-below-n"])
-def test_both_token_tile_paths_agree_with_the_reference(monkeypatch, backend, sorted_path, padded, short):
-    """Each kernel's two token-tile paths (slot-sorted, batch order with a slot mask), forced on the
-    same batch: a metadata buffer longer than the batch (padding tokens are -1) and a launch count
-    below the active count (the last active slot's tokens stay as they were)."""
+def test_every_token_tile_path_agrees_with_the_reference(monkeypatch, backend, tiles_path, padded, short):
+    """Each kernel's token-tile paths (the launched slots' sorted tiles packed end to end, a grid
+    column of sorted tiles per slot, batch order with a slot mask), forced on the same batch: a
+    metadata buffer longer than the batch (padding tokens are -1) and a launch count below the
+    active count (the last active slot's tokens stay as they were)."""
+    sorted_path = tiles_path != "batch-order-tiles"
     for module in (shrink, expand, fused_lora):  # where each launcher looks it up
         monkeypatch.setattr(module, "sorted_tiles", lambda tokens, block_m: sorted_path)
+    for module in (shrink, expand):
+        monkeypatch.setattr(module, "PACKED_TILES", tiles_path == "packed-tiles")
     slots = [2, -1, 0, 3, 2, -1, 0, 3, 3, -1, 2, 0]
     x, a, b, y, _, starts = make_case(len(slots), 64, (32, 16), 8, 4, torch.float16, 0.0, 7)
     buf = MetaBuffer(len(slots) + (5 if padded else 0), 4, DEVICE)
