@@ -54,9 +54,10 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
-from .tiles import adapter_tile, expand_tile, own_rank, slice_bounds, slice_ends, sorted_tiles
+from .tiles import adapter_tile, expand_tile, own_rank, packed_tile, packed_tiles, slice_bounds, slice_ends, sorted_tiles
 
 NEEDS_ZEROED_SCRATCH = False
+PACKED_TILES = True  # as the shrink's (above one token tile, the launched slots' tiles end to end)
 LETS_CONSUMER_LAUNCH = True  # see triton_lora
 
 
@@ -74,6 +75,7 @@ def _fused_kernel(
     start_ptr,  # [launch count + 1] offsets of each active slot's tokens in sorted_ptr
     rank_ptr,  # [max_loras] each slot's own rank (RANKED only)
     T,  # tokens in the batch
+    LAUNCH,  # launch count (PACKED: whose tiles the grid walks)
     K,  # input features
     R,  # rank
     n1, n2, n3,  # slice boundaries: slice s covers [n_s, n_{s+1}) with n0 = 0
@@ -88,6 +90,8 @@ def _fused_kernel(
     BLOCK_R: tl.constexpr,  # >= R, at least 16
     SPLIT_K: tl.constexpr,  # K parts: programs per output tile, each over a strided part of K
     SORTED: tl.constexpr,  # token tiles from the slot-sorted order (see adapter_tile)
+    PACKED: tl.constexpr,  # SORTED over the launched slots' tiles laid end to end (see packed_tile), one grid column
+    LAUNCH_PAD: tl.constexpr,  # PACKED: the launch count's next power of two
     USE_PDL: tl.constexpr,  # PDL-launched: wait for the GEMM before writing anything
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
     RANKED: tl.constexpr,  # read only each slot's own rank of A and B (the rest is padding)
@@ -100,8 +104,12 @@ def _fused_kernel(
     pid_sk = pid % SPLIT_K
     pid_n = (pid // SPLIT_K) % num_n
     pid_m = (pid // SPLIT_K) // num_n
-    slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                            BLOCK_M, SORTED, USE_PDL)
+    if PACKED:
+        slot, rows, m_mask, idle = packed_tile(pid_m, LAUNCH, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
+                                               USE_PDL)
+    else:
+        slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                                BLOCK_M, SORTED, USE_PDL)
     if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return
@@ -266,10 +274,13 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     block_r = dot_width(rank)
     sums = _workspace(y.device, torch.float32, tokens * num_slices * n_tiles * block_r if split else 1)
     counts = _workspace(y.device, torch.int32, tokens * num_slices * n_tiles if split else 1)
-    grid = (cdiv(tokens, cfg.block_m) * cfg.split_k * n_tiles, num_slices, launch_count)
+    sorted_ = sorted_tiles(tokens, cfg.block_m)
+    packed = sorted_ and PACKED_TILES
+    tiles_m, columns = (packed_tiles(tokens, cfg.block_m, launch_count), 1) if packed else (cdiv(tokens, cfg.block_m), launch_count)
+    grid = (tiles_m * cfg.split_k * n_tiles, num_slices, columns)
     pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
-        x, lora_a, lora_b, y, sums, counts, *meta.tile_args(), tokens, k, rank, *bounds,
+        x, lora_a, lora_b, y, sums, counts, *meta.tile_args(), tokens, launch_count, k, rank, *bounds,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
@@ -277,7 +288,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r, SPLIT_K=cfg.split_k,
-        SORTED=sorted_tiles(tokens, cfg.block_m), USE_PDL=pdl,
+        SORTED=sorted_, PACKED=packed, LAUNCH_PAD=next_pow2(launch_count) if packed else 1, USE_PDL=pdl,
         UPCAST=upcast(y.dtype),  # bf16 dots upcast in the interpreter (see launch.INTERPRET)
         RANKED=meta.slot_rank is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),

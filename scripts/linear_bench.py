@@ -13,8 +13,8 @@ estimate sums the four linears × 32 layers. Variants: lorabench's ``triton`` pa
 kernel, each with PDL on and off (``LORABENCH_PDL``), their ``+tuned`` configs with --tuned, and
 ``fused-v1`` (the previous fused kernel) when ``kernels/_fused_v1.py`` is present, and
 ``triton/split-4``: the pair with the shrink's earlier fixed 4-way split above 64 tokens, and
-``triton/slot-columns``: the pair with its earlier token tiles above one tile (a grid column of the
-batch's tiles per launched slot, not the launched slots' tiles end to end).
+``triton/slot-columns`` and ``fused/slot-columns``: the earlier token tiles above one tile (a grid
+column of the batch's tiles per launched slot, not the launched slots' tiles end to end).
 The sweep (``lorabench sweep``) is what measures whole steps; this isolates one design choice.
 """
 
@@ -53,14 +53,15 @@ def split_4(fn):
 
 
 def slot_columns(fn):
-    """``fn`` with the shrink's and the expand's earlier token tiles above one tile: a grid column
-    of the batch's tiles per launched slot, instead of the launched slots' tiles end to end."""
+    """``fn`` with the earlier token tiles above one tile (the shrink's, the expand's, the fused
+    kernel's): a grid column of the batch's tiles per launched slot, instead of the launched slots'
+    tiles end to end."""
     def apply(*args, **kw):
-        shrink.PACKED_TILES = expand.PACKED_TILES = False
+        shrink.PACKED_TILES = expand.PACKED_TILES = fused_lora.PACKED_TILES = False
         try:
             fn(*args, **kw)
         finally:
-            shrink.PACKED_TILES = expand.PACKED_TILES = True
+            shrink.PACKED_TILES = expand.PACKED_TILES = fused_lora.PACKED_TILES = True
     return apply
 
 
@@ -69,7 +70,8 @@ def variants(tuned: str | None) -> dict:
     v = {"triton": (triton_lora.lora_apply, True), "triton/no-pdl": (triton_lora.lora_apply, False),
          "triton/split-4": (split_4(triton_lora.lora_apply), True),
          "triton/slot-columns": (slot_columns(triton_lora.lora_apply), True),
-         "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False)}
+         "fused": (fused_lora.lora_apply, True), "fused/no-pdl": (fused_lora.lora_apply, False),
+         "fused/slot-columns": (slot_columns(fused_lora.lora_apply), True)}
     try:
         from lorabench.kernels import _fused_v1
         v["fused-v1"] = (_fused_v1.lora_apply, False)

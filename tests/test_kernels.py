@@ -297,9 +297,8 @@ def test_fused_tuned_configs_are_looked_up_by_nearest_shape():
         fused_lora.load_tuned([])
 
 
-@pytest.mark.parametrize("backend,tiles_path", [
-    ("triton", "packed-tiles"), ("triton", "sorted-tiles"), ("triton", "batch-order-tiles"),
-    ("fused", "sorted-tiles"), ("fused", "batch-order-tiles")])  # the fused kernel has no packed tiles
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+@pytest.mark.parametrize("tiles_path", ["packed-tiles", "sorted-tiles", "batch-order-tiles"])
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-buffer", "padded-buffer"])
 @pytest.mark.parametrize("short", [False, True], ids=["launch-n", "launch-below-n"])
 def test_every_token_tile_path_agrees_with_the_reference(monkeypatch, backend, tiles_path, padded, short):
@@ -310,7 +309,7 @@ def test_every_token_tile_path_agrees_with_the_reference(monkeypatch, backend, t
     sorted_path = tiles_path != "batch-order-tiles"
     for module in (shrink, expand, fused_lora):  # where each launcher looks it up
         monkeypatch.setattr(module, "sorted_tiles", lambda tokens, block_m: sorted_path)
-    for module in (shrink, expand):
+    for module in (shrink, expand, fused_lora):
         monkeypatch.setattr(module, "PACKED_TILES", tiles_path == "packed-tiles")
     slots = [2, -1, 0, 3, 2, -1, 0, 3, 3, -1, 2, 0]
     x, a, b, y, _, starts = make_case(len(slots), 64, (32, 16), 8, 4, torch.float16, 0.0, 7)
