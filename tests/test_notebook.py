@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import H200_CARD
 
+H100_SERVING = H200_CARD.parent / "h100-serving"
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "explore.ipynb"
 
 
@@ -58,3 +60,15 @@ def test_a_relative_run_is_read_from_where_the_user_stands(standing_in):
 def test_without_a_run_it_loads_the_newest_run_under_results(standing_in):
     nb = execute(standing_in)
     assert str(standing_in / "results" / "new") in printed(nb)
+    assert "no prefill points in this run" in printed(nb) and "no serving loops in this run" in printed(nb)
+
+
+def test_a_serving_run_shows_its_prompt_steps_and_its_loops(standing_in):
+    """A run with prefill points and serving loops (frozen H100 rows): the overhead against prompt
+    tokens is drawn, and each kernels' loops are listed with their tokens/s and latencies."""
+    shutil.copytree(H100_SERVING, standing_in / "results" / "serving")
+    nb = execute(standing_in, run="results/serving")
+    out = printed(nb)
+    assert "no prefill points" not in out and "no serving loops" not in out
+    assert "triton under zipf:1" in out and "vllm under zipf:1" in out
+    assert images(nb) >= 3
