@@ -11,7 +11,7 @@ import triton.language as tl
 from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import adapter_tile, own_rank, packed_tile, packed_tiles, slice_bounds, slice_ends, sorted_tiles
+from .tiles import own_rank, packed_tiles, slice_bounds, slice_ends, slot_tile, sorted_tiles
 
 PACKED_TILES = True  # as the shrink's
 
@@ -45,12 +45,8 @@ def _expand_kernel(
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    if PACKED:
-        slot, rows, m_mask, idle = packed_tile(pid_m, LAUNCH, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
-                                               USE_PDL)
-    else:
-        slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                                BLOCK_M, SORTED, USE_PDL)
+    slot, rows, m_mask, idle = slot_tile(pid_m, lora_idx, LAUNCH, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                         BLOCK_M, SORTED, PACKED, LAUNCH_PAD, USE_PDL)
     if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return

@@ -54,7 +54,7 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
-from .tiles import adapter_tile, expand_tile, own_rank, packed_tile, packed_tiles, slice_bounds, slice_ends, sorted_tiles
+from .tiles import expand_tile, own_rank, packed_tiles, slice_bounds, slice_ends, slot_tile, sorted_tiles
 
 NEEDS_ZEROED_SCRATCH = False
 PACKED_TILES = True  # as the shrink's (above one token tile, the launched slots' tiles end to end)
@@ -104,12 +104,8 @@ def _fused_kernel(
     pid_sk = pid % SPLIT_K
     pid_n = (pid // SPLIT_K) % num_n
     pid_m = (pid // SPLIT_K) // num_n
-    if PACKED:
-        slot, rows, m_mask, idle = packed_tile(pid_m, LAUNCH, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
-                                               USE_PDL)
-    else:
-        slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                                BLOCK_M, SORTED, USE_PDL)
+    slot, rows, m_mask, idle = slot_tile(pid_m, lora_idx, LAUNCH, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                         BLOCK_M, SORTED, PACKED, LAUNCH_PAD, USE_PDL)
     if idle | (pid_n * BLOCK_N >= n_hi - n_lo):
         pdl_wait(USE_PDL)
         return

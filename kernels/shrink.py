@@ -13,7 +13,7 @@ import triton.language as tl
 from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import adapter_tile, own_rank, packed_tile, packed_tiles, sorted_tiles
+from .tiles import own_rank, packed_tiles, slot_tile, sorted_tiles
 
 PACKED_TILES = True  # above one token tile, the launched slots' tiles end to end (False: a grid column per slot, as before)
 
@@ -55,12 +55,8 @@ def _shrink_kernel(
     pid_sk = pid % SPLIT_K
     pid_m = (pid // SPLIT_K) // num_n
     pid_n = (pid // SPLIT_K) % num_n
-    if PACKED:
-        slot, rows, m_mask, idle = packed_tile(pid_m, LAUNCH, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
-                                               USE_PDL)
-    else:
-        slot, rows, m_mask, idle = adapter_tile(pid_m, lora_idx, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
-                                                BLOCK_M, SORTED, USE_PDL)
+    slot, rows, m_mask, idle = slot_tile(pid_m, lora_idx, LAUNCH, T, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+                                         BLOCK_M, SORTED, PACKED, LAUNCH_PAD, USE_PDL)
     if idle:
         pdl_wait(USE_PDL)
         return

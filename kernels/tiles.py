@@ -68,6 +68,18 @@ def packed_tile(pid_m, launch, sorted_ptr, active_ptr, start_ptr,
     return slot, rows.to(tl.int64), mask, idle
 
 
+@triton.jit
+def slot_tile(pid_m, lora_idx, launch, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr,
+              BLOCK_M: tl.constexpr, SORTED: tl.constexpr, PACKED: tl.constexpr, LAUNCH_PAD: tl.constexpr,
+              USE_PDL: tl.constexpr):
+    """What a program serves, by the launch's layout: ``packed_tile`` (PACKED: ``pid_m`` walks the
+    launched slots' tiles end to end) or ``adapter_tile`` (grid column ``lora_idx``'s slot)."""
+    if PACKED:
+        return packed_tile(pid_m, launch, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD, USE_PDL)
+    return adapter_tile(pid_m, lora_idx, tokens, token_slot_ptr, sorted_ptr, active_ptr, start_ptr, BLOCK_M, SORTED,
+                        USE_PDL)
+
+
 def sorted_tiles(tokens: int, block_m: int) -> bool:
     """Whether a launch needs the slot-sorted token tiles (more than one tile of tokens)."""
     return tokens > block_m

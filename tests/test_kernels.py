@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 import triton
+import triton.language as tl
 from conftest import DEVICE, HAS_CUDA
 from lorabench.kernels import RANKS, expand, fused_lora, get_backend, shrink, tiles, triton_lora
 from lorabench.kernels.reference import lora_delta
@@ -201,8 +202,10 @@ def test_packed_token_tiles_serve_uneven_slots_in_as_many_programs_as_their_tile
     buf.load(packed)
     assert n == 5
     shrinks, expands = GridRecorder(shrink._shrink_kernel), GridRecorder(expand._expand_kernel)
+    fuseds = GridRecorder(fused_lora._fused_kernel)
     monkeypatch.setattr(shrink, "_shrink_kernel", shrinks)
     monkeypatch.setattr(expand, "_expand_kernel", expands)
+    monkeypatch.setattr(fused_lora, "_fused_kernel", fuseds)
     h = torch.zeros(tokens, a.shape[1], dtype=torch.float32, device=DEVICE)
     out = y.clone()
     shrink.lora_shrink(x, a, h, buf.meta, launch, 0.5, config=triton_lora.ShrinkConfig(16, 16, 32, split_k), rank=8,
@@ -210,9 +213,69 @@ def test_packed_token_tiles_serve_uneven_slots_in_as_many_programs_as_their_tile
     expand.lora_expand(h, b, out, starts, buf.meta, launch, config=triton_lora.ExpandConfig(16, 32))
     served = sorted(set(s for s in slots if s >= 0))[:launch]
     check(out, y, x, a, b, [s if s in served else -1 for s in slots], starts)
+    fused = y.clone()
+    fused_lora.lora_apply(fused, x, a, b, starts, buf.meta, launch, 0.5, config=fused_lora.FusedConfig(16, 32, 32, split_k))
+    check(fused, y, x, a, b, [s if s in served else -1 for s in slots], starts)
     tiles = -(-tokens // 16) + launch - 1
     assert shrinks.grids == [(split_k * tiles * 1, 1, 1)]  # 16 rank columns: one output tile
     assert expands.grids == [(tiles * 1, 2, 1)]  # the widest slice, 32 columns: one output tile
+    assert fuseds.grids == [(tiles * split_k * 1, 2, 1)]
+
+
+@pytest.mark.parametrize("launch", [1, 3])
+def test_a_batch_of_one_token_tile_keeps_a_grid_column_per_launched_slot(monkeypatch, launch):
+    """Decode: one token tile holds the batch, so the kernels keep the launch count as the grid's
+    adapter axis (the packed tiles are for longer batches)."""
+    slots = [0, -1, 2, 0, 1, -1]
+    x, a, b, y, _, starts = make_case(len(slots), 64, (32,), 8, 4, torch.float16, 0.0, 3)
+    buf = MetaBuffer(len(slots), 4, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    recorders = {m: GridRecorder(getattr(m, k)) for m, k in
+                 ((shrink, "_shrink_kernel"), (expand, "_expand_kernel"), (fused_lora, "_fused_kernel"))}
+    for module, rec in recorders.items():
+        monkeypatch.setattr(module, rec.kernel.fn.__name__, rec)
+    scratch = torch.zeros(len(slots), a.shape[1], dtype=torch.float32, device=DEVICE)
+    triton_lora.lora_apply(y.clone(), x, a, b, starts, buf.meta, launch, 0.5, scratch)
+    fused_lora.lora_apply(y.clone(), x, a, b, starts, buf.meta, launch, 0.5)
+    for rec in recorders.values():
+        assert [g[2] for g in rec.grids] == [launch], rec.grids
+
+
+@triton.jit
+def _packed_tile_probe(out_ptr, sorted_ptr, active_ptr, start_ptr, launch, BLOCK_M: tl.constexpr,
+                       LAUNCH_PAD: tl.constexpr):
+    """Each program's packed tile: its slot, first row, rows in the tile and whether it is idle."""
+    pid = tl.program_id(0)
+    slot, rows, mask, idle = tiles.packed_tile(pid, launch, sorted_ptr, active_ptr, start_ptr, BLOCK_M, LAUNCH_PAD,
+                                               False)
+    tl.store(out_ptr + pid * 4, slot)
+    tl.store(out_ptr + pid * 4 + 1, tl.min(tl.where(mask, rows, 1 << 30), axis=0).to(tl.int32))
+    tl.store(out_ptr + pid * 4 + 2, tl.sum(mask.to(tl.int32), axis=0))
+    tl.store(out_ptr + pid * 4 + 3, idle.to(tl.int32))
+
+
+@pytest.mark.parametrize("launch", [1, 2, 5, 6, 8])
+def test_every_program_of_the_packed_grid_gets_its_slots_tile_and_the_rest_are_idle(launch):
+    """``packed_tile`` against a host model of the layout, for every program of the grid, those
+    past the last slot's tiles included (idle: they must not run a K loop, nor add to a split-K
+    workspace): slot z's tiles follow slots 0..z-1's, each tile its slot's next BLOCK_M sorted rows."""
+    slots = list(PACKED_SLOTS)
+    random.Random(launch).shuffle(slots)
+    buf = MetaBuffer(len(slots) + 3, 8, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    meta, block_m = buf.meta, 16
+    grid = tiles.packed_tiles(len(slots), block_m, launch)
+    out = torch.full((grid, 4), -7, dtype=torch.int32, device=DEVICE)
+    _packed_tile_probe[(grid,)](out, meta.sorted_tokens, meta.active_slots, meta.slot_start, launch, BLOCK_M=block_m,
+                                LAUNCH_PAD=triton.next_power_of_2(launch))
+    active = sorted(set(s for s in slots if s >= 0))
+    want = []
+    for slot in active[:launch]:
+        rows = [t for t in meta.sorted_tokens.tolist()[:sum(s >= 0 for s in slots)] if slots[t] == slot]
+        want += [(slot, rows[i], min(block_m, len(rows) - i), 0) for i in range(0, len(rows), block_m)]
+    got = [tuple(r) for r in out.tolist()]
+    assert [g[:3] for g in got[:len(want)]] == [w[:3] for w in want] and all(g[3] == 0 for g in got[:len(want)])
+    assert all(g[2] == 0 and g[3] == 1 for g in got[len(want):]), got[len(want):]
 
 
 def test_packed_tiles_bound_every_batchs_slot_tiles():

@@ -25,7 +25,7 @@ def model(qk_norm=False):
     return LlamaLoRA(cfg, max_loras=3, rank=8, max_tokens=16, context_len=32, dtype=torch.float32, device=DEVICE)
 
 
-def run(m, pieces, ids, adapters):
+def run(m, pieces, ids, adapters, kernels="torch"):
     """One step of ``pieces`` ((request, tokens, context), cache row = request) over token ids ``ids``;
     request r takes adapter ``adapters[r]`` (-1: the base model)."""
     step = Step(tuple(Piece(r, adapters[r], n, c, True, True) for r, n, c in pieces))
@@ -33,7 +33,7 @@ def run(m, pieces, ids, adapters):
     slots = [adapters[r] for r, n, _ in pieces for _ in range(n)]
     buf = MetaBuffer(len(slots), 3, DEVICE)
     buf.load(buf.pack(slots)[0])
-    lora = LoRAStep(get_backend("torch"), buf.meta, 3, 0.5)
+    lora = LoRAStep(get_backend(kernels), buf.meta, 3, 0.5)
     return m(torch.tensor(ids, device=DEVICE), None, lora, layout)
 
 
@@ -57,6 +57,20 @@ def test_a_decode_after_a_prefill_is_the_longer_prefills_last_token(adapter):
     run(stepped, [(0, 7, 0)], PROMPT[:7], {0: adapter})
     decode = run(stepped, [(0, 1, 7)], PROMPT[7:], {0: adapter})
     torch.testing.assert_close(decode[0], one[7], **TOL)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "fused"])
+@pytest.mark.parametrize("adapters", [{0: 1, 1: -1, 2: 2, 3: 0}, {0: 1, 1: -1, 2: 2, 3: -1}], ids=["n-3", "n-2"])
+def test_prompts_longer_than_a_token_tile_take_their_adapters_in_lorabenchs_kernels(kernels, adapters):
+    """A 70-token step (prompts of 37 and 29 tokens with adapters beside base and one-token
+    pieces: two token tiles of 64) runs lorabench's kernels on their packed token tiles, launched
+    for all 3 slots (n = 3, and n = 2 with a slot launched for nothing): the torch backend's logits."""
+    big = lambda: LlamaLoRA(CFG, max_loras=3, rank=8, max_tokens=80, context_len=80, dtype=torch.float32,  # noqa: E731
+                            device=DEVICE)
+    ours, theirs = big(), big()
+    theirs.load_state_dict(ours.state_dict())
+    pieces, ids = [(0, 37, 0), (1, 3, 0), (2, 29, 0), (3, 1, 0)], [(7 * i) % 97 for i in range(70)]
+    torch.testing.assert_close(run(ours, pieces, ids, adapters, kernels), run(theirs, pieces, ids, adapters), **TOL)
 
 
 def test_requests_sharing_a_mixed_step_do_not_see_each_other():
