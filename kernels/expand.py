@@ -11,9 +11,7 @@ import triton.language as tl
 from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import own_rank, packed_tiles, slice_bounds, slice_ends, slot_tile, sorted_tiles
-
-PACKED_TILES = True  # as the shrink's
+from .tiles import own_rank, slice_bounds, slice_ends, slot_tile, token_grid
 
 
 @triton.jit
@@ -97,10 +95,8 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
     tokens = y.shape[0]
     rank = lora_b.shape[2]
     cfg = config or config_for("expand", tokens, rank, widest, num_slices, launch_count)
-    sorted_ = sorted_tiles(tokens, cfg.block_m)
-    packed = sorted_ and PACKED_TILES
-    tiles_m, columns = (packed_tiles(tokens, cfg.block_m, launch_count), 1) if packed else (cdiv(tokens, cfg.block_m), launch_count)
-    grid = (tiles_m * cdiv(widest, cfg.block_n), num_slices, columns)
+    tg = token_grid(tokens, cfg.block_m, launch_count)
+    grid = (tg.tiles * cdiv(widest, cfg.block_n), num_slices, tg.columns)
     pdl = pdl_enabled(y.device)
     ranked = meta.slot_rank is not None
     _expand_kernel[grid](
@@ -109,7 +105,7 @@ def lora_expand(h, lora_b, y, slice_starts, meta: LoRAMeta, launch_count: int, c
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(rank), R_STEPS=cdiv(rank, rank_block(rank)),
-        SORTED=sorted_, PACKED=packed, LAUNCH_PAD=next_pow2(launch_count) if packed else 1, USE_PDL=pdl,
+        **tg.flags(), USE_PDL=pdl,
         UPCAST=upcast(y.dtype), RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

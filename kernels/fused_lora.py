@@ -54,10 +54,9 @@ import triton.language as tl
 from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_lora import moe_lora_apply, moe_path  # noqa: F401 (expert LoRA: lorabench's kernels, its path rule)
-from .tiles import expand_tile, own_rank, packed_tiles, slice_bounds, slice_ends, slot_tile, sorted_tiles
+from .tiles import expand_tile, own_rank, slice_bounds, slice_ends, slot_tile, token_grid
 
 NEEDS_ZEROED_SCRATCH = False
-PACKED_TILES = True  # as the shrink's (above one token tile, the launched slots' tiles end to end)
 LETS_CONSUMER_LAUNCH = True  # see triton_lora
 
 
@@ -270,10 +269,8 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     block_r = dot_width(rank)
     sums = _workspace(y.device, torch.float32, tokens * num_slices * n_tiles * block_r if split else 1)
     counts = _workspace(y.device, torch.int32, tokens * num_slices * n_tiles if split else 1)
-    sorted_ = sorted_tiles(tokens, cfg.block_m)
-    packed = sorted_ and PACKED_TILES
-    tiles_m, columns = (packed_tiles(tokens, cfg.block_m, launch_count), 1) if packed else (cdiv(tokens, cfg.block_m), launch_count)
-    grid = (tiles_m * cfg.split_k * n_tiles, num_slices, columns)
+    tg = token_grid(tokens, cfg.block_m, launch_count)
+    grid = (tg.tiles * cfg.split_k * n_tiles, num_slices, tg.columns)
     pdl = pdl_enabled(y.device)
     _fused_kernel[grid](
         x, lora_a, lora_b, y, sums, counts, *meta.tile_args(), tokens, launch_count, k, rank, *bounds,
@@ -284,7 +281,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=block_r, SPLIT_K=cfg.split_k,
-        SORTED=sorted_, PACKED=packed, LAUNCH_PAD=next_pow2(launch_count) if packed else 1, USE_PDL=pdl,
+        **tg.flags(), USE_PDL=pdl,
         UPCAST=upcast(y.dtype),  # bf16 dots upcast in the interpreter (see launch.INTERPRET)
         RANKED=meta.slot_rank is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),

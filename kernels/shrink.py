@@ -10,12 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast
+from .launch import cdiv, pdl_enabled, pdl_launch, pdl_wait, upcast
 from .lora_configs import config_for
 from .meta import LoRAMeta
-from .tiles import own_rank, packed_tiles, slot_tile, sorted_tiles
-
-PACKED_TILES = True  # above one token tile, the launched slots' tiles end to end (False: a grid column per slot, as before)
+from .tiles import own_rank, slot_tile, token_grid
 
 
 @triton.jit
@@ -112,10 +110,8 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     rows_per_slice = n // slices
     rank = rank or rows_per_slice
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
-    sorted_ = sorted_tiles(tokens, cfg.block_m)
-    packed = sorted_ and PACKED_TILES
-    tiles_m, columns = (packed_tiles(tokens, cfg.block_m, launch_count), 1) if packed else (cdiv(tokens, cfg.block_m), launch_count)
-    grid = (cfg.split_k * tiles_m * cdiv(n, cfg.block_n), 1, columns)
+    tg = token_grid(tokens, cfg.block_m, launch_count)
+    grid = (cfg.split_k * tg.tiles * cdiv(n, cfg.block_n), 1, tg.columns)
     pdl = pdl_enabled(x.device)
     ranked = meta.slot_rank is not None
     _shrink_kernel[grid](
@@ -125,7 +121,7 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
         out.stride(0), out.stride(1),
         scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        SORTED=sorted_, PACKED=packed, LAUNCH_PAD=next_pow2(launch_count) if packed else 1, USE_PDL=pdl,
+        **tg.flags(), USE_PDL=pdl,
         UPCAST=upcast(x.dtype), RANKED=ranked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

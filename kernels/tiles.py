@@ -1,11 +1,18 @@
 """Device helpers every lorabench LoRA kernel shares: which slot and token tile a program serves
-(``adapter_tile``, ``packed_tile``, ``sorted_tiles``), a slot's own rank (``own_rank``), a slice's output
+(``adapter_tile``, ``packed_tile``, ``token_grid``), a slot's own rank (``own_rank``), a slice's output
 columns (``slice_bounds``) and the expand's dot that keeps h's precision (``expand_tile``)."""
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from . import MAX_SLICES
+from .launch import cdiv, next_pow2
+
+# Above one token tile, the launched slots' tiles end to end (False: a grid column of the batch's
+# tiles per launched slot, as before: scripts/linear_bench.py's slot-columns variants).
+PACKED_TILES = True
 
 
 @triton.jit
@@ -90,6 +97,30 @@ def packed_tiles(tokens: int, block_m: int, launch: int) -> int:
     slots' tiles, Σ cdiv(count_z, BLOCK_M) <= cdiv(tokens, BLOCK_M) + launch - 1 (each slot's last
     tile adds at most one partial tile to the batch's)."""
     return -(-tokens // block_m) + launch - 1
+
+
+class TokenGrid(NamedTuple):
+    """How a launch of the shrink, the expand or the fused kernel covers its tokens: ``tiles``
+    token tiles along the grid's first axis, ``columns`` along its adapter axis, and the
+    constexprs ``slot_tile`` reads."""
+
+    tiles: int
+    columns: int
+    sorted: bool
+    packed: bool
+    launch_pad: int
+
+    def flags(self) -> dict:
+        return dict(SORTED=self.sorted, PACKED=self.packed, LAUNCH_PAD=self.launch_pad)
+
+
+def token_grid(tokens: int, block_m: int, launch: int) -> TokenGrid:
+    """One tile of the batch in batch order, a grid column per launched slot (decode); above one
+    tile the launched slots' packed tiles in one column (``PACKED_TILES``)."""
+    sorted_ = sorted_tiles(tokens, block_m)
+    if sorted_ and PACKED_TILES:
+        return TokenGrid(packed_tiles(tokens, block_m, launch), 1, True, True, next_pow2(launch))
+    return TokenGrid(cdiv(tokens, block_m), launch, sorted_, False, 1)
 
 
 @triton.jit

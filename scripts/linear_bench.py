@@ -25,7 +25,7 @@ import random
 
 import numpy as np
 import torch
-from lorabench.kernels import expand, fused_lora, lora_configs, shrink, triton_lora
+from lorabench.kernels import fused_lora, lora_configs, tiles, triton_lora
 from lorabench.kernels.launch import pow2_floor
 
 from lorabench.config.batches import fixed_batch, parse_bench_points
@@ -57,11 +57,11 @@ def slot_columns(fn):
     kernel's): a grid column of the batch's tiles per launched slot, instead of the launched slots'
     tiles end to end."""
     def apply(*args, **kw):
-        shrink.PACKED_TILES = expand.PACKED_TILES = fused_lora.PACKED_TILES = False
+        tiles.PACKED_TILES = False
         try:
             fn(*args, **kw)
         finally:
-            shrink.PACKED_TILES = expand.PACKED_TILES = fused_lora.PACKED_TILES = True
+            tiles.PACKED_TILES = True
     return apply
 
 

@@ -370,10 +370,8 @@ def test_every_token_tile_path_agrees_with_the_reference(monkeypatch, backend, t
     metadata buffer longer than the batch (padding tokens are -1) and a launch count below the
     active count (the last active slot's tokens stay as they were)."""
     sorted_path = tiles_path != "batch-order-tiles"
-    for module in (shrink, expand, fused_lora):  # where each launcher looks it up
-        monkeypatch.setattr(module, "sorted_tiles", lambda tokens, block_m: sorted_path)
-    for module in (shrink, expand, fused_lora):
-        monkeypatch.setattr(module, "PACKED_TILES", tiles_path == "packed-tiles")
+    monkeypatch.setattr(tiles, "sorted_tiles", lambda tokens, block_m: sorted_path)  # every launcher's token_grid
+    monkeypatch.setattr(tiles, "PACKED_TILES", tiles_path == "packed-tiles")
     slots = [2, -1, 0, 3, 2, -1, 0, 3, 3, -1, 2, 0]
     x, a, b, y, _, starts = make_case(len(slots), 64, (32, 16), 8, 4, torch.float16, 0.0, 7)
     buf = MetaBuffer(len(slots) + (5 if padded else 0), 4, DEVICE)
