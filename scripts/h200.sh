@@ -201,7 +201,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       for m in qwen3-30b-a3b mixtral-8x7b; do
         python3 scripts/moe_lora_bench.py --model "$m" --max-loras "$l" \
           --points "${MB_POINTS:-$points}" --expand-programs 2048 --block-programs 132 --base-tokens 1 \
-          --per-entry "${MB_PER_ENTRY:-16384:8,32768:8,32768:16}" ${MB_ARGS:-} \
+          --per-entry "${MB_PER_ENTRY:-8192:4,16384:8,32768:16}" ${MB_ARGS:-} \
           --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
       done ;;
     gemm-bench)  # the gemm backend's base GEMM vs cuBLAS per shape (a grid of tilings at GB_GRID), each linear's LoRA overhead

@@ -64,13 +64,21 @@ def test_a_decode_after_a_prefill_is_the_longer_prefills_last_token(adapter):
 def test_prompts_longer_than_a_token_tile_take_their_adapters_in_lorabenchs_kernels(kernels, adapters):
     """A 70-token step (prompts of 37 and 29 tokens with adapters beside base and one-token
     pieces: two token tiles of 64) runs lorabench's kernels on their packed token tiles, launched
-    for all 3 slots (n = 3, and n = 2 with a slot launched for nothing): the torch backend's logits."""
+    for all 3 slots (n = 3, and n = 2 with a slot launched for nothing): the torch backend's logits.
+    On a GPU the kernels' float32 dots are TF32 (about 1e-3 relative): the tolerance loosens there,
+    and every adapter token's LoRA update stays 50x above it, so a token served no LoRA still fails."""
     big = lambda: LlamaLoRA(CFG, max_loras=3, rank=8, max_tokens=80, context_len=80, dtype=torch.float32,  # noqa: E731
                             device=DEVICE)
-    ours, theirs = big(), big()
+    ours, theirs, base = big(), big(), big()
     theirs.load_state_dict(ours.state_dict())
+    base.load_state_dict(ours.state_dict())
     pieces, ids = [(0, 37, 0), (1, 3, 0), (2, 29, 0), (3, 1, 0)], [(7 * i) % 97 for i in range(70)]
-    torch.testing.assert_close(run(ours, pieces, ids, adapters, kernels), run(theirs, pieces, ids, adapters), **TOL)
+    want = run(theirs, pieces, ids, adapters)
+    tol = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else TOL
+    torch.testing.assert_close(run(ours, pieces, ids, adapters, kernels), want, **tol)
+    update = (want - run(base, pieces, ids, dict.fromkeys(adapters, -1))).abs().amax(dim=1)
+    takes = torch.tensor([adapters[r] >= 0 for r, n, _ in pieces for _ in range(n)], device=update.device)
+    assert update[takes].min() > 50 * tol["atol"] and update[~takes].max() == 0
 
 
 def test_requests_sharing_a_mixed_step_do_not_see_each_other():

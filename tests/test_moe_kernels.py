@@ -213,12 +213,12 @@ def test_a_short_grid_drops_slots_on_the_sorted_path_only(w2):
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 def test_the_torch_backend_follows_the_same_paths(w2):
     gen = torch.Generator().manual_seed(5)
-    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 3):  # 8 entries over 64 experts: per-entry; 24: sorted
-        call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen, experts=64)
-        assert path(len(slots), 2, 64, 4) == (PER_ENTRY if len(slots) == 4 else SORTED)
+    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 3):  # 8 entries over 16 experts: per-entry; 24: sorted
+        call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen, experts=16)
+        assert path(len(slots), 2, 16, 4) == (PER_ENTRY if len(slots) == 4 else SORTED)
         for count in (1, n):
             want = fresh(call)
-            moe_lora_apply(want, meta, count, 0.5, path(len(slots), 2, 64, 4))
+            moe_lora_apply(want, meta, count, 0.5, path(len(slots), 2, 16, 4))
             got = fresh(call)
             torch_lora.moe_lora_apply(got, meta, count, 0.5)
             torch.testing.assert_close(got.y, want.y, atol=TOL[torch.float32], rtol=TOL[torch.float32])
@@ -234,10 +234,10 @@ def test_experts_without_entries_and_a_batch_of_base_tokens_leave_y_alone():
 
 
 def test_lorabenchs_rule_takes_the_per_entry_path_for_few_entries_over_many_experts():
-    assert path(2, 8, 128, 4) == PER_ENTRY and path(3, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: up to 2 tokens
-    assert path(1, 8, 64, 4) == PER_ENTRY and path(2, 8, 64, 4) == SORTED  # OLMoE: 1 token
-    assert path(1, 2, 8, 16) == SORTED  # Mixtral: 8 experts, every batch sorted
-    assert path(8, 2, 128, 4) == PER_ENTRY and path(9, 2, 128, 4) == SORTED  # at most 16 entries
+    assert path(8, 8, 128, 4) == PER_ENTRY and path(9, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: up to 8 tokens
+    assert path(8, 8, 64, 4) == PER_ENTRY and path(9, 8, 64, 4) == SORTED  # OLMoE: 64 entries over 64 experts
+    assert path(8, 2, 8, 16) == PER_ENTRY and path(9, 2, 8, 16) == SORTED  # Mixtral: 16 entries, whatever the experts
+    assert path(3, 8, 16, 4) == SORTED  # 24 entries over 16 experts
     assert get_backend("triton").moe_path(2, 8, 128, 4) == PER_ENTRY
     assert get_backend("vllm").moe_path(8, 8, 128, 4) == PER_ENTRY  # vLLM's: tokens · top_k · 8 <= E · max_loras
 
