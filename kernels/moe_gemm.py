@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, next_pow2, upcast
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, upcast
 
 BLOCK_M = 16  # entries per block of the grouped GEMM (and of lorabench's sorted-path expert LoRA)
 
@@ -130,7 +130,10 @@ def _expert_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
+    LAUNCH_DEPENDENTS: tl.constexpr,  # sm90+: a PDL-launched successor may launch now (it waits before reading y)
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
@@ -149,7 +152,9 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, layout
     """Each routed entry's row times its expert's weight: ``y[i] = x[row(i)] @ w[expert(i)]ᵀ``
     (row(i) = i // top_k, or i with ``x_per_entry``), times its routing weight when ``routed``
     ([T, top_k]) is given. w: [E, N, K]; layout: ``align_blocks``' base layout (sorted ids,
-    expert ids, padded count), block size ``BLOCK_M``. Returns y [T·top_k, N] in x's dtype."""
+    expert ids, padded count), block size ``BLOCK_M``. Returns y [T·top_k, N] in x's dtype.
+    On sm90+ it lets a PDL-launched successor launch at once (the per-entry expert LoRA, which
+    computes h meanwhile and waits before it touches y); other successors launch as usual."""
     tokens, top_k = topk_ids.shape
     numel, n, k = tokens * top_k, w.shape[1], w.shape[2]
     if not fused:
@@ -166,6 +171,6 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, layout
         x, w, y, sorted_ids, expert_ids, post_pad, routed if routed is not None else y,
         n, k, numel, top_k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         X_PER_ENTRY=x_per_entry, MUL_WEIGHT=routed is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast(x.dtype), num_warps=4, num_stages=3,
+        UPCAST=upcast(x.dtype), LAUNCH_DEPENDENTS=pdl_enabled(x.device), num_warps=4, num_stages=3,
     )
     return y

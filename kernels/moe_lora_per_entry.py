@@ -14,10 +14,14 @@ import triton
 import triton.language as tl
 
 from .expert_call import ExpertCall
-from .launch import INTERPRET, cdiv, dot_width, next_pow2
+from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait
 from .meta import LoRAMeta
 
 PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
+# sm90+: launch as a PDL successor of the expert GEMM, h computed while the GEMM runs and y touched
+# after it (False: an ordinary launch). Off until timed against the ordinary launch on a GPU
+# (scripts/moe_lora_bench.py's "per-entry pdl" variant).
+PER_ENTRY_PDL = False
 
 
 class PerEntryTiling(NamedTuple):
@@ -51,17 +55,21 @@ def _per_entry_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,  # PDL-launched after the expert GEMM: h first, then wait before touching y
 ):
     entry = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     token = entry // top_k
     slot = tl.load(token_slot_ptr + token).to(tl.int64)
     if slot < 0:
+        pdl_wait(USE_PDL)
         return
     if tl.load(enabled_ptr + slot) == 0:
+        pdl_wait(USE_PDL)
         return
     expert = tl.load(topk_ptr + entry).to(tl.int64)
     if (expert < 0) | (expert >= E):
+        pdl_wait(USE_PDL)
         return
     row = entry if X_PER_ENTRY else token
     s = pid_n // GROUPS
@@ -81,6 +89,7 @@ def _per_entry_kernel(
     weight = 1.0
     if MUL_WEIGHT:
         weight = tl.load(routed_ptr + entry)
+    pdl_wait(USE_PDL)  # y is the GEMM's output: read it only once the GEMM is done
     for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
         offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NS
@@ -107,9 +116,10 @@ def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerE
     n_tiles = cdiv(ns, block_n)
     n_loop = cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
     groups = cdiv(n_tiles, n_loop)
+    pdl = PER_ENTRY_PDL and pdl_enabled(call.y.device)
     _per_entry_kernel[(tokens * top_k, slices * groups)](
         call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, call.topk_weights, meta.token_slot, call.enabled,
         k, ns, rank, experts, tokens * top_k, top_k, scale, *call.shrink_strides(), *call.expand_strides(),
         GROUPS=groups, N_LOOP=n_loop, X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight,
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=tiling.num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, USE_PDL=pdl, num_warps=tiling.num_warps, **pdl_launch(pdl),
     )

@@ -12,8 +12,9 @@ For each point (tokens : active adapters), one graph holds w13's and w2's expert
 layer (each layer its own A and B in vLLM's layout, its own random routing, rank 16, bf16), as a
 decode step runs them, without the base MoE: the figure vLLM's issue tracker quotes for
 ``fused_moe_lora``. Variants, all in the same process and timed in alternating turns:
-lorabench's per-entry path and sorted path (grid = the active count), each forced, and lorabench's
-rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
+lorabench's per-entry path and sorted path (grid = the active count), each forced, the per-entry
+path launched as its predecessor's PDL successor (``per-entry pdl``: h computed while the expert
+GEMM runs, with ``--with-gemm``), and lorabench's rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
 (max_loras + 1) and with ``--specialize-active-lora``'s. Each variant's output is checked against
 the plain-torch reference on the first layer before it is timed. The sweep (``lorabench sweep``)
 measures whole steps; this isolates the expert-LoRA kernels and the path threshold.
@@ -38,7 +39,7 @@ import torch
 
 from lorabench.config.batches import fixed_batch, parse_bench_points
 from lorabench.config.models import moe_layer, resolve
-from lorabench.kernels import reference
+from lorabench.kernels import moe_lora_per_entry, reference
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm
 from lorabench.kernels.moe_gemm_lora import IN_GEMM, IN_GEMM_SHRUNK, expert_gemm_lora
@@ -80,6 +81,18 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
     return calls
 
 
+def pdl_launched(apply):
+    """``apply`` with the per-entry path launched as the expert GEMM's PDL successor
+    (``moe_lora_per_entry.PER_ENTRY_PDL``), as graphs captured under it keep it."""
+    def run(call):
+        before, moe_lora_per_entry.PER_ENTRY_PDL = moe_lora_per_entry.PER_ENTRY_PDL, True
+        try:
+            apply(call)
+        finally:
+            moe_lora_per_entry.PER_ENTRY_PDL = before
+    return run
+
+
 def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[SortedTiling] = (),
              launch: int | None = None, per_entry: list[PerEntryTiling] = ()) -> dict:
     """({name: (apply(call), the path it runs)}, the batch's LoRAMeta the reference reads);
@@ -95,6 +108,7 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
         "lorabench": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0), moe_path(tokens, k, e, max_loras)),
         "lorabench per-entry": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY), PER_ENTRY),
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
+        "lorabench per-entry pdl": (pdl_launched(lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY)), PER_ENTRY),
     }
     for t in tilings:
         name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else " per-tile") + (

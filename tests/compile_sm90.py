@@ -124,8 +124,9 @@ def record_launches():
 
 def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
-    for module in (shrink, expand, fused_lora, base_ops, gemm_lora, producer_shrink):  # where each launcher looks it up
-        module.pdl_enabled = lambda device: on
+    for module in (shrink, expand, fused_lora, base_ops, gemm_lora, producer_shrink, moe_gemm, moe_lora_per_entry):
+        module.pdl_enabled = lambda device: on  # where each launcher looks it up
+    moe_lora_per_entry.PER_ENTRY_PDL = on  # off by default: compiled as it would launch when on
 
 
 def launch_everything(dtype, tokens):
@@ -347,6 +348,10 @@ def main(part: str) -> int:
                 # the gemm kernel waits once and lets its consumer launch at once
                 pdl_want = (2, 1) if lora else (1, 1) if name in ("_gemm_lora_kernel", "_producer_shrink_kernel") else (1, 0)
                 want = pdl_want if kwargs.get("USE_PDL") else (0, 0)
+                if name == "_per_entry_kernel":  # waits on every path (three early exits, the write), triggers nothing
+                    waits = min(waits, 1)
+                if name == "_expert_gemm_kernel":  # lets its PDL successor launch at once, waits for nothing
+                    want = (0, 1) if kwargs.get("LAUNCH_DEPENDENTS") else (0, 0)
                 if (min(waits, want[0]) if lora else waits, triggers) != want:
                     print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "
                           f"{triggers} launch_dependents in its PTX (want {want})")

@@ -12,7 +12,7 @@ from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
 from lorabench.kernels.expert_call import ExpertCall
 from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, SortedTiling, expand_groups, moe_lora_apply
 from lorabench.kernels.moe_lora import moe_path as path
-from lorabench.kernels import moe_lora as moe_lora_module, moe_lora_per_entry
+from lorabench.kernels import moe_gemm as moe_gemm_module, moe_lora as moe_lora_module, moe_lora_per_entry
 from lorabench.kernels.moe_lora_per_entry import PerEntryTiling
 from lorabench.runtime.lora_meta import MetaBuffer
 
@@ -128,6 +128,32 @@ def test_per_entry_k_steps_of_every_size_match_the_reference(w2, tiling):
     torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[-1]] * 4, rtol=TOL[DTYPES[-1]])
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
     assert torch.equal(got.y[(rows < 0) | (rows == 2)], call.y[(rows < 0) | (rows == 2)])
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["ordinary", "pdl"])
+def test_the_per_entry_path_is_the_expert_gemms_pdl_successor_only_when_switched_on(monkeypatch, switch):
+    """As on an sm90 GPU (stood in for: the kernels are recorded, not run), the expert GEMM lets a
+    PDL successor launch at once, and the per-entry path launches as that successor only with
+    ``PER_ENTRY_PDL`` (its h while the GEMM runs, y after it: tests/compile_sm90.py checks the PTX)."""
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.__setitem__(self.name, kwargs)
+
+    monkeypatch.setattr(moe_lora_per_entry, "_per_entry_kernel", Recorder("per-entry"))
+    monkeypatch.setattr(moe_gemm_module, "_expert_gemm_kernel", Recorder("gemm"))
+    for module in (moe_lora_per_entry, moe_gemm_module):
+        monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(moe_lora_per_entry, "PER_ENTRY_PDL", switch)
+    call, meta, n = expert_case(3, [0, -1, 1], torch.float32, False, torch.Generator().manual_seed(3))
+    expert_gemm(call.x, torch.empty(6, 48, 40, device=DEVICE), call.topk_ids, call.layout)
+    moe_lora_apply(call, meta, n, 0.5, PER_ENTRY)
+    assert launches["gemm"]["LAUNCH_DEPENDENTS"] is True
+    assert launches["per-entry"]["USE_PDL"] is switch and launches["per-entry"].get("launch_pdl", False) is switch
 
 
 def test_a_per_entry_tiling_that_cannot_run_is_refused():
