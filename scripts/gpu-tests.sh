@@ -11,6 +11,7 @@
 # "gpu tests: N passed, N failed, N skipped, N errors (GPU name)". Exit status: pytest's.
 # LOG=path keeps pytest's whole output (default: gpu-tests.log).
 # PART=i/n runs the i-th of n parts of the test files (every n-th, largest first): the suite over n calls.
+# FILES="tests/a.py tests/b.py" runs those test files alone (what a change touches, in one short call).
 # SHARDS=N runs the test files in N pytest processes at once on the same GPU: the suite's tests
 # share no state across files, and a GPU has room for several. With pytest-xdist (in the test
 # extra) N workers take one file at a time as they free up (--dist loadfile); without it the
@@ -44,6 +45,10 @@ count() { grep -oE "[0-9]+ $1" <<<"$2" | grep -oE "[0-9]+" || echo 0; }
 # The test files, the sm_90 compile test (minutes of Triton compiles) first, then the largest first;
 # PART=i/n keeps every n-th of them from the i-th (1-based): the suite in n calls of a time-limited machine.
 mapfile -t files < <(ls tests/test_compile_sm90.py; ls -S tests/test_*.py | grep -vx tests/test_compile_sm90.py)
+if [ -n "${FILES:-}" ]; then  # the named files alone, in the order above
+  for f in $FILES; do [ -f "$f" ] || { echo "FILES: no test file $f"; exit 2; }; done
+  mapfile -t files < <(printf '%s\n' "${files[@]}" | grep -xF -f <(printf '%s\n' $FILES))
+fi
 part=${PART:-1/1}
 if ! [[ $part =~ ^([0-9]+)/([0-9]+)$ ]] || [ "${BASH_REMATCH[1]}" -lt 1 ] || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then
   echo "PART=$part: i/n with 1 <= i <= n (e.g. PART=1/2)"; exit 2
