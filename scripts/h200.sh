@@ -22,6 +22,8 @@
 #   tune   - lorabench tune (TUNE_KERNELS, default triton,fused,gemm,vllm) into results/tuned-h200 (kept on a warm machine for
 #            kernels-card's --tuned, and packed with the runs), TUNE_BUDGET_S seconds (default 150)
 #   profile - scripts/profile_step.py: floor, replays, kernel breakdown, host cost
+#   eager-host - scripts/eager_host.py: an eager prefill step's host time (Triton's launcher, the CUDA runtime's calls)
+#            without and with an adapter, at EH_TOKENS (default 512,2048,8192), EH_ARGS more options (e.g. --kernels fused)
 #   card-check - the kernels against vLLM's in one run: sweeps/kernels-card.toml at c = 1, 8, triton and
 #            vllm (default and +tuned with results/tuned), max and pow2 (~3 min)
 #   linear-bench - scripts/linear_bench.py: each LoRA linear's overhead after its GEMM, per kernel design, PDL on/off
@@ -109,6 +111,7 @@ for stage in "$@"; do
   case "$stage" in
     tests) LOG="$OUT/gpu-tests.log" scripts/gpu-tests.sh 2>&1 | tail -n 40 | tee -a "$OUT/stages.log" ;;
     profile) python3 scripts/profile_step.py 2>&1 | tee -a "$OUT/profile.log" ;;
+    eager-host) python3 scripts/eager_host.py --tokens "${EH_TOKENS:-512,2048,8192}" ${EH_ARGS:-} 2>&1 | tee -a "$OUT/eager-host.log" ;;
     card-check) lorabench sweep --spec sweeps/kernels-card.toml --kernels triton,vllm --strategy max,pow2 --concurrency 1,8 \
                   --tuned results/tuned --out results 2>&1 | tail -n 4 | tee -a "$OUT/stages.log" ;;
     linear-bench)
