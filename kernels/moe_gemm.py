@@ -130,7 +130,10 @@ def _expert_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
-    LAUNCH_DEPENDENTS: tl.constexpr,  # sm90+: a PDL-launched successor may launch now (it waits before reading y)
+    # sm90+: a PDL-launched successor may launch as soon as every program has started, so any
+    # successor launched with PDL must pdl_wait before it reads y and before it exits (ordinary
+    # launches still wait for the whole grid). The per-entry expert LoRA is the one that uses it.
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -153,8 +156,9 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, layout
     (row(i) = i // top_k, or i with ``x_per_entry``), times its routing weight when ``routed``
     ([T, top_k]) is given. w: [E, N, K]; layout: ``align_blocks``' base layout (sorted ids,
     expert ids, padded count), block size ``BLOCK_M``. Returns y [T·top_k, N] in x's dtype.
-    On sm90+ it lets a PDL-launched successor launch at once (the per-entry expert LoRA, which
-    computes h meanwhile and waits before it touches y); other successors launch as usual."""
+    On sm90+ it lets a PDL-launched successor launch at once, whatever follows (the per-entry
+    expert LoRA under ``PER_ENTRY_PDL``, which computes h meanwhile and waits before it touches y);
+    successors launched without PDL wait for the whole grid as usual."""
     tokens, top_k = topk_ids.shape
     numel, n, k = tokens * top_k, w.shape[1], w.shape[2]
     if not fused:

@@ -89,13 +89,14 @@ def _per_entry_kernel(
     weight = 1.0
     if MUL_WEIGHT:
         weight = tl.load(routed_ptr + entry)
-    pdl_wait(USE_PDL)  # y is the GEMM's output: read it only once the GEMM is done
     for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
         offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NS
         b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
                     other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1) * weight
+        if t == 0:  # y is the GEMM's output: read only once the GEMM is done (the first tile's B before)
+            pdl_wait(USE_PDL)
         out = y_ptr + entry * stride_ym + s * NS + offs_n
         cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)

@@ -348,8 +348,8 @@ def main(part: str) -> int:
                 # the gemm kernel waits once and lets its consumer launch at once
                 pdl_want = (2, 1) if lora else (1, 1) if name in ("_gemm_lora_kernel", "_producer_shrink_kernel") else (1, 0)
                 want = pdl_want if kwargs.get("USE_PDL") else (0, 0)
-                if name == "_per_entry_kernel":  # waits on every path (three early exits, the write), triggers nothing
-                    waits = min(waits, 1)
+                if name == "_per_entry_kernel":  # waits on every path: the early exits' (merged into one) and y's
+                    want = (2, 0) if kwargs.get("USE_PDL") else (0, 0)
                 if name == "_expert_gemm_kernel":  # lets its PDL successor launch at once, waits for nothing
                     want = (0, 1) if kwargs.get("LAUNCH_DEPENDENTS") else (0, 0)
                 if (min(waits, want[0]) if lora else waits, triggers) != want:

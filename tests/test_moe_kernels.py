@@ -156,6 +156,58 @@ def test_the_per_entry_path_is_the_expert_gemms_pdl_successor_only_when_switched
     assert launches["per-entry"]["USE_PDL"] is switch and launches["per-entry"].get("launch_pdl", False) is switch
 
 
+def gemm_then_per_entry(w2: bool, gen):
+    """A GEMM then the per-entry expert LoRA on its output, as a MoE layer runs them: the step, the
+    list holding its last output, the reference's answer and the tolerance (bf16, 8 tokens with
+    base ones, 6 experts)."""
+    slots = [0, -1, 3, 1, 0, 3, 1, -1]
+    call, meta, n = expert_case(len(slots), slots, torch.bfloat16, w2, gen, n_out=256, k_in=512)
+    w = (torch.randn(6, call.y.shape[1], call.x.shape[1], generator=gen) * call.x.shape[1] ** -0.5).to(DEVICE, torch.bfloat16)
+    routed = call.topk_weights if w2 else None
+    base = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=w2)
+    want = call._replace(y=base.float())
+    reference.moe_lora_apply(want, meta, 4, 0.5)
+    out = []
+
+    def step():
+        y = expert_gemm(call.x, w, call.topk_ids, call.layout, routed=routed, x_per_entry=w2)
+        moe_lora_apply(call._replace(y=y), meta, n, 0.5, PER_ENTRY)
+        out[:] = [y]
+        return y
+
+    tol = TOL[torch.bfloat16]
+    assert (want.y - base.float()).abs().max() > 10 * tol  # an update a race could lose or double shows
+    return step, out, want.y, tol
+
+
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+def test_a_gemm_then_the_per_entry_path_gives_the_references_answer(w2):
+    step, _, want, tol = gemm_then_per_entry(w2, torch.Generator().manual_seed(13))
+    torch.testing.assert_close(step().float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch needs a GPU")
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+def test_the_per_entry_path_as_the_expert_gemms_pdl_successor_gives_the_references_answer(monkeypatch, w2):
+    """The per-entry kernel PDL-launched after the GEMM (``PER_ENTRY_PDL``: its h while the GEMM
+    runs, y after it), eagerly and replayed from a CUDA graph, 20 times in turn (a race shows only
+    now and then): the reference's answer every time."""
+    from lorabench.kernels.launch import pdl_enabled
+    from lorabench.runtime.graphs import capture_graph
+
+    if not pdl_enabled(torch.device(DEVICE)):
+        pytest.skip("needs sm90 or newer with PDL on")
+    monkeypatch.setattr(moe_lora_per_entry, "PER_ENTRY_PDL", True)
+    step, out, want, tol = gemm_then_per_entry(w2, torch.Generator().manual_seed(13))
+    graph = capture_graph(step)
+    graph_y = out[0]  # what the captured step writes
+    for i in range(20):
+        if i % 2:
+            graph.replay()
+        got = graph_y if i % 2 else step()
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_a_per_entry_tiling_that_cannot_run_is_refused():
     call, meta, n = expert_case(2, [0, 1], DTYPES[0], False, torch.Generator().manual_seed(1))
     for bad in (PerEntryTiling(8, 4), PerEntryTiling(8192, 3)):
