@@ -96,7 +96,7 @@ def packed_tiles(tokens: int, block_m: int, launch: int) -> int:
     """The packed tiles a launch of ``launch`` slots over ``tokens`` tokens needs at most: the
     slots' tiles, Σ cdiv(count_z, BLOCK_M) <= cdiv(tokens, BLOCK_M) + launch - 1 (each slot's last
     tile adds at most one partial tile to the batch's)."""
-    return -(-tokens // block_m) + launch - 1
+    return cdiv(tokens, block_m) + launch - 1
 
 
 class TokenGrid(NamedTuple):

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+from unittest import mock
 
 import numpy as np
 import torch
@@ -42,27 +43,15 @@ TOLERANCE = 2e-2  # fp16 relative error against the reference, as tests/test_ker
 def split_4(fn):
     """``fn`` with the shrink's earlier split above decode sizes: K in 4 parts (at most one
     128-wide block each), whatever the token tiles (``lora_configs.prefill_split``)."""
-    def apply(*args, **kw):
-        now = lora_configs.prefill_split
-        lora_configs.prefill_split = lambda tokens, k, n, block_m, block_n: min(4, pow2_floor(k // 128))
-        try:
-            fn(*args, **kw)
-        finally:
-            lora_configs.prefill_split = now
-    return apply
+    split = lambda tokens, k, n, block_m, block_n: min(4, pow2_floor(k // 128))  # noqa: E731
+    return mock.patch.object(lora_configs, "prefill_split", split)(fn)
 
 
 def slot_columns(fn):
     """``fn`` with the earlier token tiles above one tile (the shrink's, the expand's, the fused
     kernel's): a grid column of the batch's tiles per launched slot, instead of the launched slots'
     tiles end to end."""
-    def apply(*args, **kw):
-        tiles.PACKED_TILES = False
-        try:
-            fn(*args, **kw)
-        finally:
-            tiles.PACKED_TILES = True
-    return apply
+    return mock.patch.object(tiles, "PACKED_TILES", False)(fn)
 
 
 def variants(tuned: str | None) -> dict:

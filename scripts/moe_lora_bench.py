@@ -33,6 +33,7 @@ not fit beside the adapters on one GPU); each has its own routing, LoRA and outp
 import argparse
 import json
 import random
+from unittest import mock
 
 import numpy as np
 import torch
@@ -84,13 +85,7 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
 def pdl_launched(apply):
     """``apply`` with the per-entry path launched as the expert GEMM's PDL successor
     (``moe_lora_per_entry.PER_ENTRY_PDL``), as graphs captured under it keep it."""
-    def run(call):
-        before, moe_lora_per_entry.PER_ENTRY_PDL = moe_lora_per_entry.PER_ENTRY_PDL, True
-        try:
-            apply(call)
-        finally:
-            moe_lora_per_entry.PER_ENTRY_PDL = before
-    return run
+    return mock.patch.object(moe_lora_per_entry, "PER_ENTRY_PDL", True)(apply)
 
 
 def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[SortedTiling] = (),
