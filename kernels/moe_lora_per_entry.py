@@ -34,6 +34,10 @@ class PerEntryTiling(NamedTuple):
 
     a_elements: int = 32768  # A elements (BLOCK_K · BLOCK_R) a program loads per step of its K loop
     num_warps: int = 8
+    # Programs to aim for: each entry's output tiles are split over just enough programs that the
+    # grid holds about this many (None: PER_ENTRY_GROUPS each). Every program recomputes its
+    # entry's h from A, so a split reads A again from L2 once per extra program.
+    programs: int | None = None
 
 
 @triton.jit
@@ -44,12 +48,12 @@ def _per_entry_kernel(
     token_slot_ptr,  # [T] slot per token, -1 base
     enabled_ptr,  # [L]
     K, NS, R, E, numel, top_k, scale,
+    GROUPS,  # program columns per slice
+    N_LOOP,  # output tiles each program walks, its h computed once
     stride_xm,
     stride_as, stride_al, stride_ae, stride_ar,
     stride_bs, stride_bl, stride_be, stride_bn,
     stride_ym,
-    GROUPS: tl.constexpr,  # program columns per slice
-    N_LOOP: tl.constexpr,  # output tiles each program walks, its h computed once
     X_PER_ENTRY: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -89,14 +93,13 @@ def _per_entry_kernel(
     weight = 1.0
     if MUL_WEIGHT:
         weight = tl.load(routed_ptr + entry)
-    for t in tl.static_range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
+    pdl_wait(USE_PDL)  # y is the GEMM's output: touched only once the GEMM is done (h computed before)
+    for t in range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
         offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NS
         b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
                     other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1) * weight
-        if t == 0:  # y is the GEMM's output: read only once the GEMM is done (the first tile's B before)
-            pdl_wait(USE_PDL)
         out = y_ptr + entry * stride_ym + s * NS + offs_n
         cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -111,16 +114,17 @@ def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerE
         return
     block_r = dot_width(rank)
     block_n = 32 if INTERPRET else 128
-    if tiling.a_elements < block_r or tiling.num_warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two")
+    if tiling.a_elements < block_r or tiling.num_warps not in (1, 2, 4, 8, 16, 32) or (tiling.programs is not None and tiling.programs < 1):
+        raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two, programs >= 1")
     block_k = max(16, min(next_pow2(k), next_pow2(tiling.a_elements // block_r)))
     n_tiles = cdiv(ns, block_n)
-    n_loop = cdiv(n_tiles, PER_ENTRY_GROUPS)  # wide outputs (Mixtral's 14336): h reused over tiles
+    split = PER_ENTRY_GROUPS if tiling.programs is None else cdiv(tiling.programs, tokens * top_k * slices)
+    n_loop = cdiv(n_tiles, min(split, PER_ENTRY_GROUPS))  # tiles a program walks, its h computed once
     groups = cdiv(n_tiles, n_loop)
     pdl = PER_ENTRY_PDL and pdl_enabled(call.y.device)
     _per_entry_kernel[(tokens * top_k, slices * groups)](
         call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, call.topk_weights, meta.token_slot, call.enabled,
-        k, ns, rank, experts, tokens * top_k, top_k, scale, *call.shrink_strides(), *call.expand_strides(),
-        GROUPS=groups, N_LOOP=n_loop, X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight,
+        k, ns, rank, experts, tokens * top_k, top_k, scale, groups, n_loop, *call.shrink_strides(), *call.expand_strides(),
+        X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight,
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, USE_PDL=pdl, num_warps=tiling.num_warps, **pdl_launch(pdl),
     )

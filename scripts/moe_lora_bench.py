@@ -110,7 +110,8 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
             f" b{t.block_programs}" if t.block_programs else "")
         out[name] = (lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, SORTED, t), SORTED)
     for t in per_entry:
-        out[f"lorabench per-entry a{t.a_elements} w{t.num_warps}"] = (
+        name = f"lorabench per-entry a{t.a_elements} w{t.num_warps}" + (f" p{t.programs}" if t.programs else "")
+        out[name] = (
             lambda c, t=t: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY, per_entry=t), PER_ENTRY)
     try:
         from lorabench.kernels import vllm_moe_lora
@@ -207,8 +208,9 @@ def main() -> None:
                     help="comma-separated: the sorted path also with this many programs walking the expert blocks "
                          "that hold entries (variant 'sorted bN'); with --expand-programs, every pair too")
     ap.add_argument("--per-entry", default="",
-                    help="comma-separated A_ELEMENTS:WARPS: the per-entry path also with its K loop in steps of "
-                         "A_ELEMENTS elements of A and WARPS warps a program (variant 'per-entry aA wW')")
+                    help="comma-separated A_ELEMENTS:WARPS[:PROGRAMS]: the per-entry path also with its K loop in steps "
+                         "of A_ELEMENTS elements of A, WARPS warps a program, and each entry's output tiles split over "
+                         "programs until the grid holds about PROGRAMS (variant 'per-entry aA wW [pP]')")
     ap.add_argument("--with-gemm", action="store_true",
                     help="each variant after the grouped GEMM that makes its y, beside 'gemm alone' and 'lorabench "
                          "in-gemm' (the expert LoRA inside the GEMM)")
@@ -216,12 +218,12 @@ def main() -> None:
     per_entry = []
     for item in filter(None, args.per_entry.split(",")):
         try:
-            a_elements, warps = (int(v) for v in item.split(":"))
+            a_elements, warps, *programs = (int(v) for v in item.split(":"))
         except ValueError:
-            ap.error(f"--per-entry {item!r}: A_ELEMENTS:WARPS, two whole numbers")
-        if a_elements < 16 or warps not in (1, 2, 4, 8, 16):
-            ap.error(f"--per-entry {item!r}: A_ELEMENTS at least 16, WARPS 1, 2, 4, 8 or 16")
-        per_entry.append(PerEntryTiling(a_elements, warps))
+            ap.error(f"--per-entry {item!r}: A_ELEMENTS:WARPS[:PROGRAMS], whole numbers")
+        if a_elements < 16 or warps not in (1, 2, 4, 8, 16) or len(programs) > 1 or any(p < 1 for p in programs):
+            ap.error(f"--per-entry {item!r}: A_ELEMENTS at least 16, WARPS 1, 2, 4, 8 or 16, PROGRAMS at least 1")
+        per_entry.append(PerEntryTiling(a_elements, warps, programs[0] if programs else None))
     if args.base_tokens < 0:
         ap.error(f"--base-tokens {args.base_tokens}: a count of tokens, 0 or more")
     counts = {}

@@ -259,9 +259,9 @@ def launch_moe(dtype, tokens):
                                  lora_b=call.lora_b.new_empty(*call.lora_b.shape[:4], 128))
             moe_gemm_lora.expert_gemm_lora(base, wide, meta, loras, 1.0)  # rank 128: four steps of its rank walk
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY)
-            for a_elements, warps in ((8192, 4), (16384, 8), (32768, 16)):  # moe_lora_bench's --per-entry
+            for tiling in ((8192, 4), (16384, 8), (32768, 8, 1), (32768, 8, 1056)):  # moe_lora_bench's --per-entry
                 moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.PER_ENTRY,
-                                        per_entry=moe_lora_per_entry.PerEntryTiling(a_elements, warps))
+                                        per_entry=moe_lora_per_entry.PerEntryTiling(*tiling))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED)
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(expand_programs=512))
             moe_lora.moe_lora_apply(call, meta, loras, 1.0, moe_lora.SORTED, moe_lora.SortedTiling(512, 64))

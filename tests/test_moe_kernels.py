@@ -208,9 +208,29 @@ def test_the_per_entry_path_as_the_expert_gemms_pdl_successor_gives_the_referenc
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
+@pytest.mark.parametrize("split", [1, 2, 10**6], ids=["one-program-all-tiles", "two-the-last-past-the-end", "a-tile-each"])
+def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2, split):
+    """The per-entry path with each entry's output tiles split over fewer programs (``programs``):
+    3 tiles of 32 over 72 outputs (the last partial), walked by one program (h computed once), by
+    two (the second walking past the slice's end) and one a tile; base tokens and a slot without
+    expert LoRA mixed in."""
+    gen = torch.Generator().manual_seed(23)
+    slots = [0, -1, 3, 1, 2, 3]
+    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU
+    entries_slices = call.topk_ids.numel() * call.lora_a.shape[0]
+    want = fresh(call)
+    reference.moe_lora_apply(want, meta, n, 0.5)
+    got = fresh(call)
+    moe_lora_apply(got, meta, n, 0.5, PER_ENTRY, per_entry=PerEntryTiling(1024, 4, entries_slices * split))
+    torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
+    rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
+    assert torch.equal(got.y[(rows < 0) | (rows == 2)], call.y[(rows < 0) | (rows == 2)])
+
+
 def test_a_per_entry_tiling_that_cannot_run_is_refused():
     call, meta, n = expert_case(2, [0, 1], DTYPES[0], False, torch.Generator().manual_seed(1))
-    for bad in (PerEntryTiling(8, 4), PerEntryTiling(8192, 3)):
+    for bad in (PerEntryTiling(8, 4), PerEntryTiling(8192, 3), PerEntryTiling(8192, 4, 0)):
         with pytest.raises(ValueError, match="a_elements"):
             moe_lora_apply(call, meta, n, 0.5, PER_ENTRY, per_entry=bad)
 
