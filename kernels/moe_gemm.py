@@ -132,7 +132,9 @@ def _expert_gemm_kernel(
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
     # sm90+: a PDL-launched successor may launch as soon as every program has started, so any
     # successor launched with PDL must pdl_wait before it reads y and before it exits (ordinary
-    # launches still wait for the whole grid). The per-entry expert LoRA is the one that uses it.
+    # launches still wait for the whole grid). The per-entry expert LoRA is the one that uses it, and
+    # reads x before it waits: safe while this GEMM is itself launched without PDL (it then starts
+    # only once every kernel before it, x's producer included, is done).
     LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:

@@ -206,10 +206,10 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     expert (a block then holds about one entry, so one slot: its h costs R·K of A per tile), the
     shrink first above (blocks of several entries and slots would recompute h for each slot in
     every tile: d·R/BLOCK_N more bytes than the GEMM's own). Timed after the GEMM alone
-    (``scripts/moe_lora_bench.py --with-gemm``, H100, 16 slots): it beats the per-entry and sorted
-    paths only at Qwen3-30B-A3B's 2 and 64 tokens with as many slots launched as active (by 4-5 %),
-    and loses elsewhere (2 tokens with 16 launched: 0.74 against 0.61 ms; Mixtral-8x7B at 64 tokens:
-    11.5 against 4.4 ms over the GEMM)."""
+    (``scripts/moe_lora_bench.py --with-gemm``, H100, 16 slots, as many launched as active): it
+    loses to the per-entry path launched as the GEMM's PDL successor and to the sorted path
+    (Qwen3-30B-A3B at 2 tokens 0.57 against 0.21 ms, at 64 tokens 4.22 against 4.07; Mixtral-8x7B
+    at 64 tokens 11.6 against 4.4 ms over the GEMM)."""
     del max_loras
     return IN_GEMM_SHRUNK if tokens * top_k > SHRINK_FIRST_ENTRIES_PER_EXPERT * experts else IN_GEMM
 

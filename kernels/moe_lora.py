@@ -37,21 +37,22 @@ from .moe_lora_per_entry import PerEntryTiling, per_entry_apply
 
 PER_ENTRY, SORTED = "per-entry", "sorted"
 PER_ENTRY_ANY_EXPERTS = 16  # lorabench's rule: up to this many routed entries take the per-entry path,
-PER_ENTRY_MAX_ENTRIES = 64  # and up to this many while they are no more than the layer's experts (see moe_path)
+PER_ENTRY_PER_EXPERT = 2  # and up to this many per expert of the layer (see moe_path)
 
 
 def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     """lorabench's choice: per-entry for few routed entries (the sorted path's four launches and
-    its chain of dependent loads then cost more than per-entry's rereads of A and B), or a few
-    more spread over at least as many experts (the sorted path's blocks would hold about one
-    entry each); sorted otherwise, where each block's h is computed once for the entries it holds.
-    Every layer's expert LoRA after its GEMM, 16 slots, H100 (per-entry / sorted, ms): Qwen3-30B-A3B
-    (128 experts, top-8) 0.60 / 1.05 at 2 tokens, 1.38 / 1.53 at 8 tokens (64 entries), 4.30 / 2.87
-    at 32; Mixtral-8x7B (8 experts, top-2) 1.15 / 2.31 at 2 tokens, 1.71 / 2.55 at 8 (16 entries),
-    5.87 / 2.98 at 32 (64 entries over 8 experts)."""
+    its chain of dependent loads then cost more than per-entry's rereads of x, launched as the
+    expert GEMM's PDL successor), or up to two per expert (the sorted path's blocks would hold about
+    one entry each and read A and B once per entry too); sorted otherwise, where each block's h is
+    computed once for the entries it holds. Every layer's expert LoRA after its GEMM, 16 slots,
+    H100, ms (per-entry with its default grid and an ordinary launch / sorted): Qwen3-30B-A3B
+    (128 experts, top-8) 0.61 / 1.05 at 2 tokens, 1.05 / 1.54 at 8, 2.16 / 2.84 at 32 (256
+    entries), 4.07 / 4.14 at 64; Mixtral-8x7B (8 experts, top-2) 2.05 / 2.30 at 2 tokens, 2.58 /
+    2.58 at 8 (16 entries), 3.36 / 3.14 at 32 (64 entries over 8 experts)."""
     del max_loras
     entries = tokens * top_k
-    few = entries <= PER_ENTRY_ANY_EXPERTS or (entries <= PER_ENTRY_MAX_ENTRIES and entries <= experts)
+    few = entries <= PER_ENTRY_ANY_EXPERTS or entries <= PER_ENTRY_PER_EXPERT * experts
     return PER_ENTRY if few else SORTED
 
 

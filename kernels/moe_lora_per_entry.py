@@ -7,6 +7,7 @@ count decides nothing here, as on vLLM's per-token path). ``moe_lora.moe_path`` 
 step takes it: few routed entries, or a few more spread over as many experts.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -19,9 +20,15 @@ from .meta import LoRAMeta
 
 PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
 # sm90+: launch as a PDL successor of the expert GEMM, h computed while the GEMM runs and y touched
-# after it (False: an ordinary launch). Off until timed against the ordinary launch on a GPU
-# (scripts/moe_lora_bench.py's "per-entry pdl" variant).
-PER_ENTRY_PDL = False
+# after it (False: an ordinary launch). Every layer's expert LoRA after its GEMM, 16 slots, 2 tokens
+# (1 base), H100, up to 16 programs an entry (git a4b6911): 0.21 against 0.61 ms (Qwen3-30B-A3B),
+# 0.35 against 2.05 ms (Mixtral-8x7B, whose tile loop then ran its 7 tiles one by one; 1.15 ms when
+# unrolled, git 0e5ab06); 8 tokens 1.02 against 1.40 and 1.61 against 2.58 (scripts/moe_lora_bench.py
+# --with-gemm; its "per-entry no pdl" variant gives the ordinary launch).
+PER_ENTRY_PDL = True
+PER_ENTRY_UNROLL = 8  # at most this many output tiles a program walks unrolled, per step of its tile loop
+SPREAD_ENTRIES = 16  # up to this many routed entries, each entry's output tiles are spread over programs
+# (PER_ENTRY_GROUPS at most); above it the grid aims at one program per SM (PerEntryTiling.programs)
 
 
 class PerEntryTiling(NamedTuple):
@@ -29,14 +36,19 @@ class PerEntryTiling(NamedTuple):
     side by side (``--per-entry``). The default takes A in steps of 32768 elements (Qwen3-30B-A3B's
     whole rank-16 A in one): its few programs are bound by the latency of their K loop's dependent
     loads, and wider steps keep more loads in flight. Every layer's expert LoRA after its GEMM,
-    2 tokens (1 base), 16 slots, H100: 0.60 against 1.21 ms (Qwen3-30B-A3B) and 1.15 against
-    4.30 ms (Mixtral-8x7B) with the earlier 8192 elements and 4 warps; 16 warps were no faster."""
+    2 tokens (1 base), 16 slots, H100, an ordinary launch (git 0e5ab06): 0.60 against 1.21 ms
+    (Qwen3-30B-A3B) and 1.15 against 4.30 ms (Mixtral-8x7B) with the earlier 8192 elements and 4
+    warps; 16 warps were no faster."""
 
     a_elements: int = 32768  # A elements (BLOCK_K · BLOCK_R) a program loads per step of its K loop
     num_warps: int = 8
     # Programs to aim for: each entry's output tiles are split over just enough programs that the
-    # grid holds about this many (None: PER_ENTRY_GROUPS each). Every program recomputes its
-    # entry's h from A, so a split reads A again from L2 once per extra program.
+    # grid holds at least this many (one an entry and slice at the fewest, PER_ENTRY_GROUPS at most). Every program recomputes its
+    # entry's h from A, so each split reads A again from L2. None: PER_ENTRY_GROUPS an entry up to
+    # SPREAD_ENTRIES entries, about one program per SM above (H100, 16 slots, per-entry forced, an
+    # ordinary launch, the tile loop not unrolled (git a4b6911): Qwen3-30B-A3B
+    # 8 tokens 1.05 against 1.40 ms, 32 tokens 2.16 against 4.49; Mixtral-8x7B 32 tokens 3.36 against
+    # 7.75; at 2 tokens a tile each wins, 0.61 against 0.83).
     programs: int | None = None
 
 
@@ -59,6 +71,8 @@ def _per_entry_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    UNROLL: tl.constexpr,  # output tiles a step of the tile loop walks unrolled (a runtime loop alone ran its
+    # tiles one after another: Mixtral-8x7B's 7 tiles a program took 1.8x as long, H100)
     USE_PDL: tl.constexpr,  # PDL-launched after the expert GEMM: h first, then wait before touching y
 ):
     entry = tl.program_id(0).to(tl.int64)
@@ -94,15 +108,30 @@ def _per_entry_kernel(
     if MUL_WEIGHT:
         weight = tl.load(routed_ptr + entry)
     pdl_wait(USE_PDL)  # y is the GEMM's output: touched only once the GEMM is done (h computed before)
-    for t in range(N_LOOP):  # tiles past the slice's last are masked off (offs_n >= NS)
-        offs_n = ((pid_n % GROUPS) * N_LOOP + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < NS
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                    other=0.0).to(tl.float32)
-        delta = tl.sum(b * h[None, :], axis=1) * weight
-        out = y_ptr + entry * stride_ym + s * NS + offs_n
-        cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+    first = (pid_n % GROUPS) * N_LOOP  # this program's first output tile
+    end = tl.minimum(NS, (first + N_LOOP) * BLOCK_N)  # past its last tile, or the slice's end
+    for t0 in range(0, N_LOOP, UNROLL):  # UNROLL tiles at a time, unrolled: their loads in flight together
+        for u in tl.static_range(UNROLL):  # past the program's tiles or the slice's last: masked off
+            offs_n = (first + t0 + u) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                        other=0.0).to(tl.float32)
+            delta = tl.sum(b * h[None, :], axis=1) * weight
+            out = y_ptr + entry * stride_ym + s * NS + offs_n
+            cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SMs; 1 off a GPU (the interpreter runs programs one by one)."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerEntryTiling = PerEntryTiling()) -> None:
@@ -118,13 +147,16 @@ def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerE
         raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two, programs >= 1")
     block_k = max(16, min(next_pow2(k), next_pow2(tiling.a_elements // block_r)))
     n_tiles = cdiv(ns, block_n)
-    split = PER_ENTRY_GROUPS if tiling.programs is None else cdiv(tiling.programs, tokens * top_k * slices)
+    programs = tiling.programs
+    if programs is None:
+        programs = 1 << 30 if tokens * top_k <= SPREAD_ENTRIES else sm_count(call.y.device)
+    split = cdiv(programs, tokens * top_k * slices)
     n_loop = cdiv(n_tiles, min(split, PER_ENTRY_GROUPS))  # tiles a program walks, its h computed once
     groups = cdiv(n_tiles, n_loop)
     pdl = PER_ENTRY_PDL and pdl_enabled(call.y.device)
     _per_entry_kernel[(tokens * top_k, slices * groups)](
         call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, call.topk_weights, meta.token_slot, call.enabled,
         k, ns, rank, experts, tokens * top_k, top_k, scale, groups, n_loop, *call.shrink_strides(), *call.expand_strides(),
-        X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight,
+        X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, UNROLL=min(next_pow2(n_loop), PER_ENTRY_UNROLL),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, USE_PDL=pdl, num_warps=tiling.num_warps, **pdl_launch(pdl),
     )

@@ -13,8 +13,8 @@ layer (each layer its own A and B in vLLM's layout, its own random routing, rank
 decode step runs them, without the base MoE: the figure vLLM's issue tracker quotes for
 ``fused_moe_lora``. Variants, all in the same process and timed in alternating turns:
 lorabench's per-entry path and sorted path (grid = the active count), each forced, the per-entry
-path launched as its predecessor's PDL successor (``per-entry pdl``: h computed while the expert
-GEMM runs, with ``--with-gemm``), and lorabench's rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
+path with an ordinary launch (``per-entry no pdl``; by default it is its predecessor's PDL
+successor on sm90+, h computed while the expert GEMM runs, with ``--with-gemm``), and lorabench's rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
 (max_loras + 1) and with ``--specialize-active-lora``'s. Each variant's output is checked against
 the plain-torch reference on the first layer before it is timed. The sweep (``lorabench sweep``)
 measures whole steps; this isolates the expert-LoRA kernels and the path threshold.
@@ -82,10 +82,10 @@ def layer_calls(cfg, tokens: int, max_loras: int, gen) -> list[tuple[ExpertCall,
     return calls
 
 
-def pdl_launched(apply):
-    """``apply`` with the per-entry path launched as the expert GEMM's PDL successor
-    (``moe_lora_per_entry.PER_ENTRY_PDL``), as graphs captured under it keep it."""
-    return mock.patch.object(moe_lora_per_entry, "PER_ENTRY_PDL", True)(apply)
+def ordinary_launch(apply):
+    """``apply`` with the per-entry path launched as an ordinary kernel, not as the expert GEMM's
+    PDL successor (``moe_lora_per_entry.PER_ENTRY_PDL``), as graphs captured under it keep it."""
+    return mock.patch.object(moe_lora_per_entry, "PER_ENTRY_PDL", False)(apply)
 
 
 def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[SortedTiling] = (),
@@ -103,7 +103,7 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
         "lorabench": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0), moe_path(tokens, k, e, max_loras)),
         "lorabench per-entry": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY), PER_ENTRY),
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
-        "lorabench per-entry pdl": (pdl_launched(lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY)), PER_ENTRY),
+        "lorabench per-entry no pdl": (ordinary_launch(lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY)), PER_ENTRY),
     }
     for t in tilings:
         name = "lorabench sorted" + (f" x{t.expand_programs}" if t.expand_programs else " per-tile") + (

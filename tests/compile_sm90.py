@@ -126,7 +126,7 @@ def use_pdl(on: bool) -> None:
     """Launch as on an sm90 GPU with PDL (on) or as with ``LORABENCH_PDL=0`` (off)."""
     for module in (shrink, expand, fused_lora, base_ops, gemm_lora, producer_shrink, moe_gemm, moe_lora_per_entry):
         module.pdl_enabled = lambda device: on  # where each launcher looks it up
-    moe_lora_per_entry.PER_ENTRY_PDL = on  # off by default: compiled as it would launch when on
+    moe_lora_per_entry.PER_ENTRY_PDL = on  # on by default: compiled as it launches either way
 
 
 def launch_everything(dtype, tokens):

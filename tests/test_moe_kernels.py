@@ -210,14 +210,17 @@ def test_the_per_entry_path_as_the_expert_gemms_pdl_successor_gives_the_referenc
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 @pytest.mark.parametrize("split", [1, 2, 10**6], ids=["one-program-all-tiles", "two-the-last-past-the-end", "a-tile-each"])
-def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2, split):
+@pytest.mark.parametrize("unroll", [8, 2], ids=["unrolled", "in-steps-of-2"])
+def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2, split, unroll, monkeypatch):
     """The per-entry path with each entry's output tiles split over fewer programs (``programs``):
-    3 tiles of 32 over 72 outputs (the last partial), walked by one program (h computed once), by
-    two (the second walking past the slice's end) and one a tile; base tokens and a slot without
-    expert LoRA mixed in."""
+    5 tiles of 32 over 150 outputs (the last partial), walked by one program (h computed once), by
+    two of 3 tiles (the second walking past the slice's end) and one a tile, in one unrolled step
+    or in steps of 2 tiles (the first program's second step reaching into the second's tiles,
+    which it must leave alone); base tokens and a slot without expert LoRA mixed in."""
+    monkeypatch.setattr(moe_lora_per_entry, "PER_ENTRY_UNROLL", unroll)
     gen = torch.Generator().manual_seed(23)
     slots = [0, -1, 3, 1, 2, 3]
-    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU
+    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=150)  # 5 tiles of 32 on the CPU
     entries_slices = call.topk_ids.numel() * call.lora_a.shape[0]
     want = fresh(call)
     reference.moe_lora_apply(want, meta, n, 0.5)
@@ -311,7 +314,7 @@ def test_a_short_grid_drops_slots_on_the_sorted_path_only(w2):
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 def test_the_torch_backend_follows_the_same_paths(w2):
     gen = torch.Generator().manual_seed(5)
-    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 3):  # 8 entries over 16 experts: per-entry; 24: sorted
+    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 5):  # 8 entries over 16 experts: per-entry; 40: sorted
         call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen, experts=16)
         assert path(len(slots), 2, 16, 4) == (PER_ENTRY if len(slots) == 4 else SORTED)
         for count in (1, n):
@@ -332,10 +335,10 @@ def test_experts_without_entries_and_a_batch_of_base_tokens_leave_y_alone():
 
 
 def test_lorabenchs_rule_takes_the_per_entry_path_for_few_entries_over_many_experts():
-    assert path(8, 8, 128, 4) == PER_ENTRY and path(9, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: up to 8 tokens
-    assert path(8, 8, 64, 4) == PER_ENTRY and path(9, 8, 64, 4) == SORTED  # OLMoE: 64 entries over 64 experts
+    assert path(32, 8, 128, 4) == PER_ENTRY and path(33, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: two entries an expert
+    assert path(16, 8, 64, 4) == PER_ENTRY and path(17, 8, 64, 4) == SORTED  # OLMoE: 128 entries over 64 experts
     assert path(8, 2, 8, 16) == PER_ENTRY and path(9, 2, 8, 16) == SORTED  # Mixtral: 16 entries, whatever the experts
-    assert path(3, 8, 16, 4) == SORTED  # 24 entries over 16 experts
+    assert path(5, 8, 16, 4) == SORTED  # 40 entries over 16 experts
     assert get_backend("triton").moe_path(2, 8, 128, 4) == PER_ENTRY
     assert get_backend("vllm").moe_path(8, 8, 128, 4) == PER_ENTRY  # vLLM's: tokens · top_k · 8 <= E · max_loras
 

@@ -26,7 +26,7 @@ def test_the_expert_lora_bench_checks_each_variant_at_max_s_launch_count_grouped
     names = {r["variant"] for r in rows if r["variant"].startswith("lorabench")}
     assert names == {"lorabench", "lorabench per-entry", "lorabench sorted", "lorabench sorted x1", "lorabench sorted per-tile",
                      "lorabench sorted per-tile b1", "lorabench sorted x1 b1", "lorabench sorted x512 b1",
-                     "lorabench per-entry a32768 w8", "lorabench per-entry pdl"}  # sorted: x512
+                     "lorabench per-entry a32768 w8", "lorabench per-entry no pdl"}  # sorted: x512
     assert len({r["rel_err"] for r in rows if r["variant"].startswith("lorabench") and r["tokens"] == 2}) == 1  # checked on one y
     assert all(r["correct"] for r in rows)
     assert {(r["tokens"], r["active"], r["launch"], r["base_tokens"]) for r in rows} == {(2, 1, 4, 1), (12, 2, 2, 1)}
