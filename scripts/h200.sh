@@ -59,7 +59,7 @@
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
 #            paths (the sorted path's expand grouped to 512 programs (its default), 2048, and one per tile; its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]), the per-entry path's K loop
-#            in other steps, warps and grid sizes (MB_PER_ENTRY A_ELEMENTS:WARPS[:PROGRAMS],...), MB_ARGS more options (e.g. --with-gemm: each
+#            in other steps, warps and grid sizes (MB_PER_ENTRY A_ELEMENTS:WARPS[:PROGRAMS],...; default: 2^20 programs, i.e. up to 16 an entry at any count, then 264 and 528), MB_ARGS more options (e.g. --with-gemm: each
 #            after its grouped GEMM, beside the GEMM alone and the expert LoRA inside it): $OUT/bench-<model>.json
 #   gemm-bench - scripts/gemm_bench.py: the gemm backend's base GEMM vs cuBLAS at llama-2-7b's and Llama-3.1-8B's linears
 #            (decode and prefill token counts, a grid of tilings at GB_GRID), and each linear's LoRA overhead, triton vs gemm
@@ -204,7 +204,7 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       for m in qwen3-30b-a3b mixtral-8x7b; do
         python3 scripts/moe_lora_bench.py --model "$m" --max-loras "$l" \
           --points "${MB_POINTS:-$points}" --expand-programs 2048 --block-programs 132 --base-tokens 1 \
-          --per-entry "${MB_PER_ENTRY:-32768:8:132,32768:8:264,32768:8:528,32768:8:1056}" ${MB_ARGS:-} \
+          --per-entry "${MB_PER_ENTRY:-32768:8:1048576,32768:8:264,32768:8:528}" ${MB_ARGS:-} \
           --json "$OUT/bench-$m.json" 2>&1 | tee -a "$OUT/moe-bench.log"
       done ;;
     gemm-bench)  # the gemm backend's base GEMM vs cuBLAS per shape (a grid of tilings at GB_GRID), each linear's LoRA overhead

@@ -132,7 +132,8 @@ CASES = {
                                                         '"hidden_size": 90, "num_attention_heads": 4}'}),
     "sweep fully sharded without tp": sweep("--fully-sharded-loras", "--fully-sharded-loras: needs --tp 2 or more"),
     "sweep fully sharded fused": sweep("--model", "llama-3.1-8b", "--tp", "2", "--fully-sharded-loras", "--kernels", "fused",
-                                       "--kernels fused cannot run it (one launch has no place for the all-gather"),
+                                       "--kernels fused cannot run it (one launch has no place for the all-gather",
+                                       free_gib=1),  # refused for the flags, before any memory check
     "sweep torch unpadded": sweep("--kernels", "torch+unpadded", "--ranks", "8:1", "--rank", "16", "unknown backend 'torch+unpadded'"),
     "sweep rank 12": sweep("--rank", "12", "--rank"),
     "sweep dtype float8": sweep("--dtype", "float8", "--dtype"),

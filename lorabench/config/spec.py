@@ -197,6 +197,8 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         if max(getattr(spec, name)) > MAX_TOKENS:
             raise UserError(f"{names(name)}: at most {MAX_TOKENS} tokens per step are supported")
     check_mixed_steps(spec, names)
+    if spec.fully_sharded_loras:  # flags that cannot go together: refused whatever the machine's memory
+        check_fully_sharded(spec, names)
     check_out(spec.out, names("out"))
     # Before the strategies: a dense set of a huge max_loras is a huge list.
     check_memory(spec, machine, lambda label, max_loras: 2 * len(spec.capture_sizes))
@@ -234,8 +236,6 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
             raise UserError(f"{names('active_counts')}: residency runs (--adapters) and strategy auto price every active "
                             "count; measure them all")
     no_vllm = [s.name for s in strategies if s.vllm is Vllm.NONE and s.name != AUTO]
-    if spec.fully_sharded_loras:
-        check_fully_sharded(spec, names)
     if any(k.vllm for k in spec.labels) and no_vllm:
         if all(k.vllm for k in spec.labels) and len(no_vllm) == len(spec.strategy):
             raise UserError(f"{names.value('strategy', ','.join(no_vllm))}: vLLM has no count-agnostic grid; use --kernels triton or fused")
