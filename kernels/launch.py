@@ -44,9 +44,24 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (``cuda`` alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _sm90_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SMs; 1 off a GPU (the interpreter runs programs one by one)."""
+    return _sm_count(_index(device)) if device.type == "cuda" else 1
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -54,7 +69,7 @@ def pdl_enabled(device: torch.device) -> bool:
     CUDA sm90 or newer, not the interpreter, and not switched off with ``LORABENCH_PDL=0``."""
     if INTERPRET or device.type != "cuda" or os.environ.get("LORABENCH_PDL", "1") == "0":
         return False
-    return _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm90_or_newer(_index(device))
 
 
 def pdl_launch(use: bool) -> dict:

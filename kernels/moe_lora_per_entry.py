@@ -7,7 +7,6 @@ count decides nothing here, as on vLLM's per-token path). ``moe_lora.moe_path`` 
 step takes it: few routed entries, or a few more spread over as many experts.
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -15,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .expert_call import ExpertCall
-from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait
+from .launch import INTERPRET, cdiv, dot_width, next_pow2, pdl_enabled, pdl_launch, pdl_wait, sm_count
 from .meta import LoRAMeta
 
 PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
@@ -43,8 +42,8 @@ class PerEntryTiling(NamedTuple):
     a_elements: int = 32768  # A elements (BLOCK_K · BLOCK_R) a program loads per step of its K loop
     num_warps: int = 8
     # Programs to aim for: each entry's output tiles are split over just enough programs that the
-    # grid holds at least this many (one an entry and slice at the fewest, PER_ENTRY_GROUPS at most). Every program recomputes its
-    # entry's h from A, so each split reads A again from L2. None: PER_ENTRY_GROUPS an entry up to
+    # grid holds at least this many (one an entry and slice at the fewest, PER_ENTRY_GROUPS at
+    # most). Every program recomputes its entry's h from A, so each split reads A again from L2. None: PER_ENTRY_GROUPS an entry up to
     # SPREAD_ENTRIES entries, about one program per SM above (H100, 16 slots, per-entry forced, an
     # ordinary launch, the tile loop not unrolled (git a4b6911): Qwen3-30B-A3B
     # 8 tokens 1.05 against 1.40 ms, 32 tokens 2.16 against 4.49; Mixtral-8x7B 32 tokens 3.36 against
@@ -122,41 +121,31 @@ def _per_entry_kernel(
             tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def sm_count(device: torch.device) -> int:
-    """The device's SMs; 1 off a GPU (the interpreter runs programs one by one)."""
-    if device.type != "cuda":
-        return 1
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerEntryTiling = PerEntryTiling()) -> None:
     """``call.y += expert LoRA`` for every routed entry whose token's slot has expert LoRA."""
     slices, _, experts, rank, k = call.lora_a.shape
     ns = call.lora_b.shape[3]
     tokens, top_k = call.topk_ids.shape
-    if tokens * top_k == 0:
+    entries = tokens * top_k
+    if entries == 0:
         return
     block_r = dot_width(rank)
     block_n = 32 if INTERPRET else 128
-    if tiling.a_elements < block_r or tiling.num_warps not in (1, 2, 4, 8, 16, 32) or (tiling.programs is not None and tiling.programs < 1):
+    bad_programs = tiling.programs is not None and tiling.programs < 1
+    if tiling.a_elements < block_r or tiling.num_warps not in (1, 2, 4, 8, 16, 32) or bad_programs:
         raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two, programs >= 1")
     block_k = max(16, min(next_pow2(k), next_pow2(tiling.a_elements // block_r)))
     n_tiles = cdiv(ns, block_n)
-    programs = tiling.programs
-    if programs is None:
-        programs = 1 << 30 if tokens * top_k <= SPREAD_ENTRIES else sm_count(call.y.device)
-    split = cdiv(programs, tokens * top_k * slices)
+    if tiling.programs is None and entries <= SPREAD_ENTRIES:
+        split = PER_ENTRY_GROUPS  # programs an entry and slice, at most
+    else:
+        split = cdiv(tiling.programs or sm_count(call.y.device), entries * slices)
     n_loop = cdiv(n_tiles, min(split, PER_ENTRY_GROUPS))  # tiles a program walks, its h computed once
     groups = cdiv(n_tiles, n_loop)
     pdl = PER_ENTRY_PDL and pdl_enabled(call.y.device)
-    _per_entry_kernel[(tokens * top_k, slices * groups)](
+    _per_entry_kernel[(entries, slices * groups)](
         call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, call.topk_weights, meta.token_slot, call.enabled,
-        k, ns, rank, experts, tokens * top_k, top_k, scale, groups, n_loop, *call.shrink_strides(), *call.expand_strides(),
+        k, ns, rank, experts, entries, top_k, scale, groups, n_loop, *call.shrink_strides(), *call.expand_strides(),
         X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, UNROLL=min(next_pow2(n_loop), PER_ENTRY_UNROLL),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, USE_PDL=pdl, num_warps=tiling.num_warps, **pdl_launch(pdl),
     )

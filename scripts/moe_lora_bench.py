@@ -14,7 +14,8 @@ decode step runs them, without the base MoE: the figure vLLM's issue tracker quo
 ``fused_moe_lora``. Variants, all in the same process and timed in alternating turns:
 lorabench's per-entry path and sorted path (grid = the active count), each forced, the per-entry
 path with an ordinary launch (``per-entry no pdl``; by default it is its predecessor's PDL
-successor on sm90+, h computed while the expert GEMM runs, with ``--with-gemm``), and lorabench's rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
+successor on sm90+, h computed while the expert GEMM runs, with ``--with-gemm``), and
+lorabench's rule; vLLM 0.33's ``fused_moe_lora`` under its own path rule with its default grid
 (max_loras + 1) and with ``--specialize-active-lora``'s. Each variant's output is checked against
 the plain-torch reference on the first layer before it is timed. The sweep (``lorabench sweep``)
 measures whole steps; this isolates the expert-LoRA kernels and the path threshold.
