@@ -21,6 +21,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+# Triton's compiled kernels kept in the checkout (ignored by git): a later call on the same warm machine (PART=2/2
+# after 1/2) loads what an earlier one compiled instead of compiling it again. A cache hit needs the same source,
+# options and compiler, so what runs is what would have been compiled.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 log=${LOG:-gpu-tests.log}
 shards=${SHARDS:-1}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
@@ -68,7 +72,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / shards > 0 ? $(nproc) /
 if python3 -c "import xdist" 2>/dev/null; then  # fixed shards left some idle for minutes while one ran on
   # Workers take files in the order given (the compile test, then the largest), so that no long file starts last
   # and ends the run alone (a 600 s limit once cut it there).
-  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$shards" --dist loadfile "${files[@]}" "$@" 2>&1 | tee "$log"
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=30 -n "$shards" --dist loadfile "${files[@]}" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   summary=$(tail -n 1 "$log")
   echo "gpu tests: $(count passed "$summary") passed, $(count failed "$summary") failed, $(count skipped "$summary") skipped, $(count error "$summary") errors (${gpu:-no GPU found}; $shards workers; part $part)"
