@@ -37,19 +37,21 @@ from .moe_lora_per_entry import PerEntryTiling, per_entry_apply
 
 PER_ENTRY, SORTED = "per-entry", "sorted"
 PER_ENTRY_ANY_EXPERTS = 16  # lorabench's rule: up to this many routed entries take the per-entry path,
-PER_ENTRY_PER_EXPERT = 2  # and up to this many per expert of the layer (see moe_path)
+PER_ENTRY_PER_EXPERT = 4  # and up to this many per expert of the layer (see moe_path)
 
 
 def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     """lorabench's choice: per-entry for few routed entries (the sorted path's four launches and
     its chain of dependent loads then cost more than per-entry's rereads of x, launched as the
-    expert GEMM's PDL successor), or up to two per expert (the sorted path's blocks would hold about
-    one entry each and read A and B once per entry too); sorted otherwise, where each block's h is
-    computed once for the entries it holds. Every layer's expert LoRA after its GEMM, 16 slots,
-    H100, ms (per-entry with its default grid and an ordinary launch / sorted): Qwen3-30B-A3B
-    (128 experts, top-8) 0.61 / 1.05 at 2 tokens, 1.05 / 1.54 at 8, 2.16 / 2.84 at 32 (256
-    entries), 4.07 / 4.14 at 64; Mixtral-8x7B (8 experts, top-2) 2.05 / 2.30 at 2 tokens, 2.58 /
-    2.58 at 8 (16 entries), 3.36 / 3.14 at 32 (64 entries over 8 experts)."""
+    expert GEMM's PDL successor), or up to four per expert (the per-entry programs compute h while
+    the GEMM runs; the sorted path's blocks hold few entries of one adapter each); sorted
+    otherwise, where each block's h is computed once for the entries it holds. Every layer's expert
+    LoRA after its GEMM, 16 slots, one base token, n = tokens / 4 active, H100, ms (per-entry with
+    today's defaults / sorted, git b7856f1): Qwen3-30B-A3B (128 experts, top-8) 0.21 / 1.05 at 2
+    tokens, 0.61 / 1.54 at 8, 1.69 / 2.76 at 32, 3.58 / 4.16 at 64 (512 entries, four an expert);
+    Mixtral-8x7B (8 experts, top-2) 0.39 / 2.31 at 2 tokens, 1.46 / 2.52 at 8, 2.44 / 3.07 at 32,
+    4.16 / 4.44 at 64. Untimed: many entries of one adapter per expert (n = 1 at 32 or more
+    tokens), where the sorted blocks share more; Mixtral stays sorted from 17 tokens until then."""
     del max_loras
     entries = tokens * top_k
     few = entries <= PER_ENTRY_ANY_EXPERTS or entries <= PER_ENTRY_PER_EXPERT * experts

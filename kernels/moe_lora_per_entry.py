@@ -19,11 +19,10 @@ from .meta import LoRAMeta
 
 PER_ENTRY_GROUPS = 16  # at most this many per-entry programs per entry and slice, each recomputing h from A
 # sm90+: launch as a PDL successor of the expert GEMM, h computed while the GEMM runs and y touched
-# after it (False: an ordinary launch). Every layer's expert LoRA after its GEMM, 16 slots, 2 tokens
-# (1 base), H100, up to 16 programs an entry (git a4b6911): 0.21 against 0.61 ms (Qwen3-30B-A3B),
-# 0.35 against 2.05 ms (Mixtral-8x7B, whose tile loop then ran its 7 tiles one by one; 1.15 ms when
-# unrolled, git 0e5ab06); 8 tokens 1.02 against 1.40 and 1.61 against 2.58 (scripts/moe_lora_bench.py
-# --with-gemm; its "per-entry no pdl" variant gives the ordinary launch).
+# after it (False: an ordinary launch). Every layer's expert LoRA after its GEMM, 16 slots, one base
+# token, H100 (git b7856f1, scripts/moe_lora_bench.py --with-gemm; its "per-entry no pdl" variant
+# gives the ordinary launch): Qwen3-30B-A3B 0.21 against 0.61 ms at 2 tokens, 0.61 against 1.07 at 8,
+# 3.58 against 4.08 at 64; Mixtral-8x7B 0.39 against 2.05 at 2 tokens, 4.16 against 4.75 at 64.
 PER_ENTRY_PDL = True
 PER_ENTRY_UNROLL = 8  # at most this many output tiles a program walks unrolled, per step of its tile loop
 SPREAD_ENTRIES = 16  # up to this many routed entries, each entry's output tiles are spread over programs
@@ -44,10 +43,12 @@ class PerEntryTiling(NamedTuple):
     # Programs to aim for: each entry's output tiles are split over just enough programs that the
     # grid holds at least this many (one an entry and slice at the fewest, PER_ENTRY_GROUPS at
     # most). Every program recomputes its entry's h from A, so each split reads A again from L2. None: PER_ENTRY_GROUPS an entry up to
-    # SPREAD_ENTRIES entries, about one program per SM above (H100, 16 slots, per-entry forced, an
-    # ordinary launch, the tile loop not unrolled (git a4b6911): Qwen3-30B-A3B
-    # 8 tokens 1.05 against 1.40 ms, 32 tokens 2.16 against 4.49; Mixtral-8x7B 32 tokens 3.36 against
-    # 7.75; at 2 tokens a tile each wins, 0.61 against 0.83).
+    # SPREAD_ENTRIES entries, about one program per SM above (H100, 16 slots, per-entry forced, the
+    # PDL successor (git b7856f1): Qwen3-30B-A3B 8 tokens 0.61 against 1.03 ms with PER_ENTRY_GROUPS an
+    # entry at any count, 32 tokens 1.69 against 4.18, 64 tokens 3.58 against 9.06; Mixtral-8x7B 32
+    # tokens 2.44 against 6.77; aiming at 264 or 528 programs is slower but at Qwen3's 64 tokens, 3.54
+    # and 3.52, and Mixtral's 8, 1.37 with 264; at 2 tokens a tile each wins, 0.61 against 0.83 with
+    # an ordinary launch, git a4b6911).
     programs: int | None = None
 
 

@@ -4,12 +4,17 @@ Triton's CPU interpreter accepts code the GPU compiler rejects (e.g. a variable 
 in one branch and an integer in the other). Compiling ahead of time with the ptxas that Triton
 ships catches those without a GPU. The launchers are recorded, not run: their argument lists
 give each kernel's signature at Llama-2-7B shapes, in every dtype and config the sweeps use.
+The variants compile in COMPILE_JOBS forked workers (default: one per core).
 """
 
+import gc
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -302,6 +307,41 @@ def stack_bytes(cubin: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
+VARIANTS: list = []  # (kernel name, its function, compile_inputs, its launch's keywords but tensors): what main's workers compile, by index
+
+
+def check_variant(i: int) -> tuple[bool, str]:
+    """Compile VARIANTS[i] for sm_90 and check its PTX and resources: (passed, the line to print)."""
+    name, fn, (signature, constexprs, attrs, options), kwargs = VARIANTS[i]
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
+    ptx = kernel.asm["ptx"]
+    waits, triggers = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
+    # LoRA kernels wait on both paths (early exit, write) and let dependents launch once;
+    # base ops wait once, first, and trigger nothing.
+    lora = name in ("_shrink_kernel", "_expand_kernel", "_fused_kernel")
+    # the gemm kernel waits once and lets its consumer launch at once
+    pdl_want = (2, 1) if lora else (1, 1) if name in ("_gemm_lora_kernel", "_producer_shrink_kernel") else (1, 0)
+    want = pdl_want if kwargs.get("USE_PDL") else (0, 0)
+    if name == "_per_entry_kernel":  # waits on every path: the early exits' (merged into one) and y's
+        want = (2, 0) if kwargs.get("USE_PDL") else (0, 0)
+    if name == "_expert_gemm_kernel":  # lets its PDL successor launch at once, waits for nothing
+        want = (0, 1) if kwargs.get("LAUNCH_DEPENDENTS") else (0, 0)
+    if (min(waits, want[0]) if lora else waits, triggers) != want:
+        return False, (f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "
+                       f"{triggers} launch_dependents in its PTX (want {want})")
+    if kernel.metadata.shared > SHARED_LIMIT:
+        return False, (f"{name}: {kernel.metadata.shared} bytes of shared memory, more than an sm_90 block has "
+                       f"({SHARED_LIMIT}): {sorted(kwargs.items())}")
+    stack = stack_bytes(kernel.asm["cubin"])
+    large = kwargs.get("R_STEPS", 1) > 1 or kwargs.get("BLOCK_R", 16) > 64 or kwargs.get("BLOCK_M", 16) > 32
+    if stack and name == "_varlen_attention_kernel":  # 128 query rows of 128: must fit in registers
+        return False, f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}"
+    if stack and stack > 8 and lora and not large:  # decode tiles at ranks up to 64: no spills (8 bytes: the fused kernel's frame)
+        return False, f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}"
+    return True, (f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
+                  f"{f', {stack} bytes stack' if stack else ''}{', PDL' if waits else ''}")
+
+
 PARTS = ("pdl-off", "pdl-on")  # launched as with LORABENCH_PDL=0 (and the RANKED loads' check), and as on sm90 with PDL
 
 
@@ -329,48 +369,32 @@ def main(part: str) -> int:
             launch_gemm(dtype, tokens)
     for tokens in (1, 128):
         launch_ranks(torch.float16, tokens)
-    compiled, seen = 0, set()
+    variants, seen = [], set()
     for name, rec in recorders.items():
         if not rec.calls:
             print(f"{name} was never launched")
             return 1
         for args, kwargs in rec.calls:
             # what the compiler is given (launches that differ only in runtime integers compile alike)
-            key = name + repr(compile_inputs(rec.fn, args, kwargs))
+            inputs = compile_inputs(rec.fn, args, kwargs)
+            key = name + repr(inputs)
             if key not in seen:
                 seen.add(key)
-                kernel = compile_call(rec.fn, args, kwargs)
-                ptx = kernel.asm["ptx"]
-                waits, triggers = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
-                # LoRA kernels wait on both paths (early exit, write) and let dependents launch once;
-                # base ops wait once, first, and trigger nothing.
-                lora = name in ("_shrink_kernel", "_expand_kernel", "_fused_kernel")
-                # the gemm kernel waits once and lets its consumer launch at once
-                pdl_want = (2, 1) if lora else (1, 1) if name in ("_gemm_lora_kernel", "_producer_shrink_kernel") else (1, 0)
-                want = pdl_want if kwargs.get("USE_PDL") else (0, 0)
-                if name == "_per_entry_kernel":  # waits on every path: the early exits' (merged into one) and y's
-                    want = (2, 0) if kwargs.get("USE_PDL") else (0, 0)
-                if name == "_expert_gemm_kernel":  # lets its PDL successor launch at once, waits for nothing
-                    want = (0, 1) if kwargs.get("LAUNCH_DEPENDENTS") else (0, 0)
-                if (min(waits, want[0]) if lora else waits, triggers) != want:
-                    print(f"{name}: USE_PDL={kwargs.get('USE_PDL')} but {waits} griddepcontrol.wait and "
-                          f"{triggers} launch_dependents in its PTX (want {want})")
-                    return 1
-                if kernel.metadata.shared > SHARED_LIMIT:
-                    print(f"{name}: {kernel.metadata.shared} bytes of shared memory, more than an sm_90 block has "
-                          f"({SHARED_LIMIT}): {sorted(kwargs.items())}")
-                    return 1
-                stack = stack_bytes(kernel.asm["cubin"])
-                large = kwargs.get("R_STEPS", 1) > 1 or kwargs.get("BLOCK_R", 16) > 64 or kwargs.get("BLOCK_M", 16) > 32
-                if stack and name == "_varlen_attention_kernel":  # 128 query rows of 128: must fit in registers
-                    print(f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}")
-                    return 1
-                if stack and stack > 8 and lora and not large:  # decode tiles at ranks up to 64: no spills (8 bytes: the fused kernel's frame)
-                    print(f"{name}: {stack} bytes of stack per thread (register spills): {sorted(kwargs.items())}")
-                    return 1
-                print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 cubin, {kernel.metadata.shared} bytes shared memory"
-                      f"{f', {stack} bytes stack' if stack else ''}{', PDL' if waits else ''}")
-                compiled += 1
+                variants.append((name, rec.fn, inputs, {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}))
+        rec.calls.clear()
+    VARIANTS[:] = variants
+    gc.collect()  # the recorded launches' tensors: a fork of a process that holds them may be refused (ENOMEM)
+    jobs = max(1, min(len(variants), int(os.environ.get("COMPILE_JOBS", 0)) or os.cpu_count() or 1))
+    # Each variant compiles in its own forked worker (they inherit VARIANTS; an index goes over): the compiles are
+    # independent and take minutes one after another.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(check_variant, range(len(variants))))
+    compiled = 0
+    for ok, line in results:
+        print(line)
+        if not ok:
+            return 1
+        compiled += 1
     print(f"compiled {compiled} kernel variants for sm_90 ({part})")
     return 0
 

@@ -16,7 +16,7 @@ import pytest
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("part", ["pdl-off", "pdl-on"])  # two processes, each about a minute: pytest -n runs them side by side
+@pytest.mark.parametrize("part", ["pdl-off", "pdl-on"])  # two processes, each compiling on every core (COMPILE_JOBS)
 def test_kernels_compile_for_hopper(part):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_sm90.py")), part],

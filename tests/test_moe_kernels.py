@@ -314,7 +314,7 @@ def test_a_short_grid_drops_slots_on_the_sorted_path_only(w2):
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 def test_the_torch_backend_follows_the_same_paths(w2):
     gen = torch.Generator().manual_seed(5)
-    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 5):  # 8 entries over 16 experts: per-entry; 40: sorted
+    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 9):  # 8 entries over 16 experts: per-entry; 72: sorted
         call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen, experts=16)
         assert path(len(slots), 2, 16, 4) == (PER_ENTRY if len(slots) == 4 else SORTED)
         for count in (1, n):
@@ -335,10 +335,11 @@ def test_experts_without_entries_and_a_batch_of_base_tokens_leave_y_alone():
 
 
 def test_lorabenchs_rule_takes_the_per_entry_path_for_few_entries_over_many_experts():
-    assert path(32, 8, 128, 4) == PER_ENTRY and path(33, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: two entries an expert
-    assert path(16, 8, 64, 4) == PER_ENTRY and path(17, 8, 64, 4) == SORTED  # OLMoE: 128 entries over 64 experts
-    assert path(8, 2, 8, 16) == PER_ENTRY and path(9, 2, 8, 16) == SORTED  # Mixtral: 16 entries, whatever the experts
-    assert path(5, 8, 16, 4) == SORTED  # 40 entries over 16 experts
+    assert path(64, 8, 128, 4) == PER_ENTRY and path(65, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: four entries an expert
+    assert path(32, 8, 64, 4) == PER_ENTRY and path(33, 8, 64, 4) == SORTED  # OLMoE: 256 entries over 64 experts
+    assert path(16, 2, 8, 16) == PER_ENTRY and path(17, 2, 8, 16) == SORTED  # Mixtral: 32 entries over 8 experts
+    assert path(2, 8, 2, 4) == PER_ENTRY and path(3, 8, 2, 4) == SORTED  # 16 entries, whatever the experts
+    assert path(9, 8, 16, 4) == SORTED  # 72 entries over 16 experts
     assert get_backend("triton").moe_path(2, 8, 128, 4) == PER_ENTRY
     assert get_backend("vllm").moe_path(8, 8, 128, 4) == PER_ENTRY  # vLLM's: tokens · top_k · 8 <= E · max_loras
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-moe-shared"])
 def test_a_moe_sweep_checks_every_graph_and_records_the_expert_lora_path(tmp_path, model):
     code = main(["sweep", "--out", str(tmp_path), "--model", model, "--kernels", "torch", "--max-loras", "2",
-                 "--concurrency", "1,17", "--strategy", "max,pow2", "--iters", "3", "--warmup", "1",
+                 "--concurrency", "1,33", "--strategy", "max,pow2", "--iters", "3", "--warmup", "1",
                  "--context-len", "16", "--workload", "uniform", "--device", "cpu"])
     assert code == 0
     df = pd.read_parquet(next(tmp_path.glob("*/points.parquet")))
@@ -21,14 +21,14 @@ def test_a_moe_sweep_checks_every_graph_and_records_the_expert_lora_path(tmp_pat
     assert (df.expert_lora_bytes_per_slot > 0).all()
     assert (df.lora_bytes_per_slot > df.expert_lora_bytes_per_slot).all()  # attention LoRA too
     paths = df.groupby("concurrency").moe_lora_path.unique().to_dict()
-    # 2 routed entries: per-entry; 34, more than two per expert (16 or 6 experts): sorted
-    assert list(paths[1]) == ["per-entry"] and list(paths[17]) == ["sorted"]
+    # 2 routed entries: per-entry; 66, more than four per expert (16 or 6 experts): sorted
+    assert list(paths[1]) == ["per-entry"] and list(paths[33]) == ["sorted"]
     if model == "tiny-moe-shared":
         return
     assert main(["report", str(next(tmp_path.glob("*/points.parquet")).parent)]) == 0
     report = next(tmp_path.glob("*/report.md")).read_text()
     section = report.split("## Expert LoRA's path")[1].split("\n## ")[0]
-    assert "| 1 | 1 | per-entry |" in section and "| 17 | 17 | sorted |" in section
+    assert "| 1 | 1 | per-entry |" in section and "| 33 | 33 | sorted |" in section
     assert "per-entry (specialisation moot for the experts) at c = 1" in section
 
 

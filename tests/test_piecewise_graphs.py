@@ -234,10 +234,10 @@ def test_the_warm_up_runs_a_mixed_steps_attention_kernels(monkeypatch):
     assert calls == [(1, 4)]  # one block: the token of layer 0
 
 
-def test_warm_eager_runs_one_step_per_eager_token_count():
-    """Before a point's timed steps, one step of each eager token count (decode and mixed apart):
-    an eager step at a new token count compiles kernels, which must not land in a timed step.
-    Batches a graph serves are not run."""
+def test_warm_eager_runs_one_step_per_eager_route():
+    """Before a point's timed steps, one step of each eager route (decode and mixed apart, then by
+    token count and launch count): an eager step at a new token count or launch count compiles
+    kernels, which must not land in a timed step. Batches a graph serves are not run."""
     from lorabench.runtime.dispatch import MixedBatch
 
     d = build()
@@ -247,12 +247,13 @@ def test_warm_eager_runs_one_step_per_eager_token_count():
         step = mixed_step(tokens, 2, 4, 16, rng, 1)
         return MixedBatch(step.token_adapters, MixedLayout.of(step, {p.request: p.request for p in step.pieces}))
 
-    batches = [[0, 1], [0] * 10, mixed(4), [1] * 10, mixed(10), mixed(10), [0] * 11, mixed(12), [2] * 8]
-    want = [batches[1], batches[4], batches[6], batches[7]]
+    batches = [[0, 1], [0] * 10, mixed(4), [1] * 10, mixed(10), mixed(10), [0] * 5 + [1] * 5, [0] * 11, mixed(12),
+               [2] * 8]
+    want = [batches[1], batches[4], batches[6], batches[7], batches[8]]  # [0] * 5 + [1] * 5: 10 tokens, a new launch count
     assert d.eager_batches(batches) == want
     ran = []
     real = d.launch
     d.launch = lambda prep, every_token=False: ran.append((prep.batch_tokens, prep.route)) or real(prep, every_token)
-    assert d.warm_eager(batches) == 4
-    assert [t for t, _ in ran] == [10, 10, 11, 12]
-    assert all(not route.graphed for _, route in ran) and [r.mixed for _, r in ran] == [False, True, False, True]
+    assert d.warm_eager(batches) == 5
+    assert [(t, r.launch) for t, r in ran] == [(10, 1), (10, 2), (10, 2), (11, 1), (12, 2)]
+    assert all(not route.graphed for _, route in ran) and [r.mixed for _, r in ran] == [False, True, False, False, True]

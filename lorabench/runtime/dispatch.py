@@ -201,21 +201,23 @@ class Dispatcher:
             torch.cuda.synchronize()
 
     def eager_batches(self, batches: "list[list[int]] | list[MixedBatch]") -> list:
-        """The first batch of each eager token count among ``batches`` (decode and mixed apart):
-        what ``warm_eager`` runs."""
-        first: dict[tuple[bool, int], object] = {}
+        """The first batch of each eager route among ``batches`` (decode and mixed apart, then by
+        token count and launch count): what ``warm_eager`` runs."""
+        first: dict[tuple[bool, int, int], object] = {}
         for batch in batches:
             mixed = isinstance(batch, MixedBatch)
             tokens = len(batch.slots) if mixed else len(batch)
             if choose_bucket(tokens, self.mixed_sizes if mixed else self.capture_sizes) is None:
-                first.setdefault((mixed, tokens), batch)
+                route = self.prepare_step(batch).route
+                first.setdefault((mixed, tokens, route.launch), batch)
         return list(first.values())
 
     def warm_eager(self, batches: "list[list[int]] | list[MixedBatch]") -> int:
-        """Run one untimed step of each eager token count among ``batches``; returns how many.
-        Why: an eager step at a token count not run before JIT-compiles kernels (Triton
-        specialises on it, and the kernels' configs are chosen by it) inside whichever step meets
-        it first; in a serving loop on an H100 such steps took 0.4-1.2 s against ~60 ms."""
+        """Run one untimed step of each eager route among ``batches``; returns how many.
+        Why: an eager step at a token count or launch count not run before JIT-compiles kernels
+        (Triton specialises on them, and the kernels' configs are chosen by them) inside whichever
+        step meets it first; in a serving loop on an H100 such steps took 0.4-1.2 s against ~60 ms,
+        and keyed by token count alone one step of 1615 tokens at a new launch count still took 1 s."""
         todo = self.eager_batches(batches)
         for batch in todo:
             self.launch(self.prepare_step(batch))
