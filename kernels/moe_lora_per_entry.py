@@ -71,9 +71,13 @@ def _per_entry_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    UNROLL: tl.constexpr,  # output tiles a step of the tile loop walks unrolled (a runtime loop alone ran its
-    # tiles one after another: Mixtral-8x7B's 7 tiles a program took 1.8x as long, H100)
+    UNROLL: tl.constexpr,  # output tiles a step of the runtime tile loop walks unrolled
     USE_PDL: tl.constexpr,  # PDL-launched after the expert GEMM: h first, then wait before touching y
+    # > 0: N_LOOP (= STATIC_TILES) known to the compiler, the tiles walked in a static loop; 0: the runtime loop.
+    # Why: with a runtime tile count ptxas (Triton 3.6) gave w2's K loop 106 registers instead of 128 and kept
+    # 4 of A's and x's 128-bit loads in flight instead of 12; Mixtral-8x7B's expert LoRA at 2 tokens, an
+    # ordinary launch, took 2.05 ms against 1.15 (H100, git a4b6911 and b7856f1 against 0e5ab06).
+    STATIC_TILES: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -108,18 +112,28 @@ def _per_entry_kernel(
     if MUL_WEIGHT:
         weight = tl.load(routed_ptr + entry)
     pdl_wait(USE_PDL)  # y is the GEMM's output: touched only once the GEMM is done (h computed before)
-    first = (pid_n % GROUPS) * N_LOOP  # this program's first output tile
-    end = tl.minimum(NS, (first + N_LOOP) * BLOCK_N)  # past its last tile, or the slice's end
-    for t0 in range(0, N_LOOP, UNROLL):  # UNROLL tiles at a time, unrolled: their loads in flight together
-        for u in tl.static_range(UNROLL):  # past the program's tiles or the slice's last: masked off
-            offs_n = (first + t0 + u) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                        other=0.0).to(tl.float32)
-            delta = tl.sum(b * h[None, :], axis=1) * weight
-            out = y_ptr + entry * stride_ym + s * NS + offs_n
-            cur = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(out, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+    if STATIC_TILES > 0:  # tiles past the slice's last masked off (offs_n >= NS)
+        for t in tl.static_range(STATIC_TILES):
+            offs_n = ((pid_n % GROUPS) * STATIC_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _add_tile(b_base, y_ptr + entry * stride_ym + s * NS, offs_n, offs_n < NS, offs_r, r_mask, h, weight, stride_bn)
+    else:
+        first = (pid_n % GROUPS) * N_LOOP  # this program's first output tile
+        end = tl.minimum(NS, (first + N_LOOP) * BLOCK_N)  # past its last tile, or the slice's end
+        for t0 in range(0, N_LOOP, UNROLL):  # UNROLL tiles at a time, unrolled: their loads in flight together
+            for u in tl.static_range(UNROLL):  # past the program's tiles or the slice's last: masked off
+                offs_n = (first + t0 + u) * BLOCK_N + tl.arange(0, BLOCK_N)
+                _add_tile(b_base, y_ptr + entry * stride_ym + s * NS, offs_n, offs_n < end, offs_r, r_mask, h, weight,
+                          stride_bn)
+
+
+@triton.jit
+def _add_tile(b_base, y_row, offs_n, n_mask, offs_r, r_mask, h, weight, stride_bn):
+    """y_row[offs_n] += (B tile @ h) · weight, masked by n_mask."""
+    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0).to(tl.float32)
+    delta = tl.sum(b * h[None, :], axis=1) * weight
+    cur = tl.load(y_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_row + offs_n, (cur + delta).to(y_row.dtype.element_ty), mask=n_mask)
 
 
 def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerEntryTiling = PerEntryTiling()) -> None:
@@ -137,16 +151,21 @@ def per_entry_apply(call: ExpertCall, meta: LoRAMeta, scale: float, tiling: PerE
         raise ValueError(f"{tiling}: a_elements at least BLOCK_R ({block_r}), num_warps a power of two, programs >= 1")
     block_k = max(16, min(next_pow2(k), next_pow2(tiling.a_elements // block_r)))
     n_tiles = cdiv(ns, block_n)
-    if tiling.programs is None and entries <= SPREAD_ENTRIES:
+    spread = tiling.programs is None and entries <= SPREAD_ENTRIES
+    if spread:
         split = PER_ENTRY_GROUPS  # programs an entry and slice, at most
     else:
         split = cdiv(tiling.programs or sm_count(call.y.device), entries * slices)
     n_loop = cdiv(n_tiles, min(split, PER_ENTRY_GROUPS))  # tiles a program walks, its h computed once
     groups = cdiv(n_tiles, n_loop)
+    # a static tile loop where the tiles a program walks are few and set by the entry's width alone (the default
+    # grid up to SPREAD_ENTRIES): at most PER_ENTRY_UNROLL variants; the SM-count grids keep the runtime loop
+    static_tiles = n_loop if spread and n_loop <= PER_ENTRY_UNROLL else 0
     pdl = PER_ENTRY_PDL and pdl_enabled(call.y.device)
     _per_entry_kernel[(entries, slices * groups)](
         call.x, call.lora_a, call.lora_b, call.y, call.topk_ids, call.topk_weights, meta.token_slot, call.enabled,
         k, ns, rank, experts, entries, top_k, scale, groups, n_loop, *call.shrink_strides(), *call.expand_strides(),
         X_PER_ENTRY=call.x_per_entry, MUL_WEIGHT=call.mul_weight, UNROLL=min(next_pow2(n_loop), PER_ENTRY_UNROLL),
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, USE_PDL=pdl, num_warps=tiling.num_warps, **pdl_launch(pdl),
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, USE_PDL=pdl, STATIC_TILES=static_tiles,
+        num_warps=tiling.num_warps, **pdl_launch(pdl),
     )

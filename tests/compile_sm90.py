@@ -4,7 +4,7 @@ Triton's CPU interpreter accepts code the GPU compiler rejects (e.g. a variable 
 in one branch and an integer in the other). Compiling ahead of time with the ptxas that Triton
 ships catches those without a GPU. The launchers are recorded, not run: their argument lists
 give each kernel's signature at Llama-2-7B shapes, in every dtype and config the sweeps use.
-The variants compile in COMPILE_JOBS forked workers (default: one per core).
+The variants compile in COMPILE_JOBS forked workers (default: one per core this process may use).
 """
 
 import gc
@@ -313,7 +313,10 @@ VARIANTS: list = []  # (kernel name, its function, compile_inputs, its launch's 
 def check_variant(i: int) -> tuple[bool, str]:
     """Compile VARIANTS[i] for sm_90 and check its PTX and resources: (passed, the line to print)."""
     name, fn, (signature, constexprs, attrs, options), kwargs = VARIANTS[i]
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
+    try:
+        kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
+    except Exception as e:  # the variant's name and keywords with the compiler's message, not a bare traceback
+        return False, f"{name} {sorted(kwargs.items())} does not compile: {e!r}"
     ptx = kernel.asm["ptx"]
     waits, triggers = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
     # LoRA kernels wait on both paths (early exit, write) and let dependents launch once;
@@ -384,17 +387,18 @@ def main(part: str) -> int:
         rec.calls.clear()
     VARIANTS[:] = variants
     gc.collect()  # the recorded launches' tensors: a fork of a process that holds them may be refused (ENOMEM)
-    jobs = max(1, min(len(variants), int(os.environ.get("COMPILE_JOBS", 0)) or os.cpu_count() or 1))
-    # Each variant compiles in its own forked worker (they inherit VARIANTS; an index goes over): the compiles are
+    jobs = max(1, min(len(variants), int(os.environ.get("COMPILE_JOBS", 0)) or len(os.sched_getaffinity(0))))
+    # A pool of forked workers compiles the variants (they inherit VARIANTS; an index goes over): the compiles are
     # independent and take minutes one after another.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(check_variant, range(len(variants))))
-    compiled = 0
-    for ok, line in results:
+    for _, line in results:
         print(line)
-        if not ok:
-            return 1
-        compiled += 1
+    failed = [line for ok, line in results if not ok]
+    if failed:
+        print(f"{len(failed)} of {len(results)} variants failed; the first: {failed[0]}")
+        return 1
+    compiled = len(results)
     print(f"compiled {compiled} kernel variants for sm_90 ({part})")
     return 0
 

@@ -4,7 +4,7 @@ Triton's CPU interpreter accepts code the GPU compiler rejects (e.g. a variable 
 in one branch and an integer in the other), so CI also compiles ahead of time with the ptxas that
 Triton ships. It runs in a fresh process: Triton must be imported without TRITON_INTERPRET for that.
 Launches that differ only in runtime integers give the compiler the same input and are compiled
-once; Triton's cache (~/.triton/cache) makes a second run take seconds.
+once; Triton's cache (TRITON_CACHE_DIR, else ~/.triton/cache) makes a second run take seconds.
 """
 
 import os

@@ -10,6 +10,7 @@ from lorabench.kernels import get_backend, reference, torch_lora
 from lorabench.kernels.moe_align import align_blocks
 from lorabench.kernels.moe_gemm import BLOCK_M, expert_gemm, route
 from lorabench.kernels.expert_call import ExpertCall
+from lorabench.kernels.launch import cdiv
 from lorabench.kernels.moe_lora import PER_ENTRY, SORTED, SortedTiling, expand_groups, moe_lora_apply
 from lorabench.kernels.moe_lora import moe_path as path
 from lorabench.kernels import moe_gemm as moe_gemm_module, moe_lora as moe_lora_module, moe_lora_per_entry
@@ -99,12 +100,16 @@ def test_expert_lora_matches_the_reference_at_every_active_count_with_base_token
 
 
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
-def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2, monkeypatch):
-    """Wide outputs (Mixtral's 14336) make each per-entry program walk several tiles with one h."""
-    monkeypatch.setattr(moe_lora_per_entry, "PER_ENTRY_GROUPS", 1)
+@pytest.mark.parametrize("groups, n_out", [(1, 72), (2, 150)], ids=["one-program-3-tiles", "two-programs-of-3-tiles"])
+def test_per_entry_programs_of_the_default_grid_walking_several_tiles_match_the_reference(w2, groups, n_out, monkeypatch):
+    """Wide outputs (Mixtral's 14336) make each per-entry program walk several tiles with one h;
+    under the default grid of few entries, in a loop the compiler knows the length of: 3 tiles of
+    32 walked by one program, and 5 tiles by two programs of 3 (the second's last past the slice's
+    end), each from its own first tile."""
+    monkeypatch.setattr(moe_lora_per_entry, "PER_ENTRY_GROUPS", groups)
     gen = torch.Generator().manual_seed(13)
     slots = [0, -1, 3, 1]
-    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=72)  # 3 tiles of 32 on the CPU
+    call, meta, n = expert_case(len(slots), slots, DTYPES[0], w2, gen, n_out=n_out)
     want = fresh(call)
     reference.moe_lora_apply(want, meta, n, 0.5)
     got = fresh(call)
@@ -229,6 +234,33 @@ def test_per_entry_programs_walking_several_output_tiles_match_the_reference(w2,
     torch.testing.assert_close(got.y.float(), want.y.float(), atol=TOL[DTYPES[0]] * 4, rtol=TOL[DTYPES[0]])
     rows = torch.tensor(slots, device=DEVICE).repeat_interleave(2)
     assert torch.equal(got.y[(rows < 0) | (rows == 2)], call.y[(rows < 0) | (rows == 2)])
+
+
+@pytest.mark.parametrize("tokens, w13, w2", [(2, 7, 2), (8, 7, 2), (9, 0, 0), (64, 0, 0)])
+def test_the_tile_loop_is_static_for_the_default_grid_of_few_entries(monkeypatch, tokens, w13, w2):
+    """At Mixtral-8x7B's shapes on a GPU (128-wide tiles; recorded, not run), up to 16 routed entries
+    each program walks a count of tiles the compiler is given (w13: 112 tiles over 16 programs, 7
+    each; w2: 32 tiles, 2 each): with a runtime count, ptxas kept a third of w2's K-loop loads in
+    flight (tests/compile_sm90.py compiles both loops). Above, the SM-count grid's runtime loop."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(moe_lora_per_entry, "_per_entry_kernel", Recorder())
+    monkeypatch.setattr(moe_lora_per_entry, "INTERPRET", False)  # a GPU's tiles
+    monkeypatch.setattr(moe_lora_per_entry, "sm_count", lambda device: 132)
+    gen = torch.Generator().manual_seed(2)
+    for is_w2, want in ((False, w13), (True, w2)):
+        n, k = (4096, 14336) if is_w2 else (14336, 4096)
+        call, meta, count = expert_case(tokens, [0] * tokens, torch.bfloat16, is_w2, gen, experts=8, n_out=n, k_in=k)
+        launches.clear()
+        moe_lora_apply(call, meta, count, 0.5, PER_ENTRY)
+        (grid, kwargs), = launches
+        assert kwargs["STATIC_TILES"] == want
+        if want:
+            assert grid == (tokens * 2, (1 if is_w2 else 2) * cdiv(cdiv(n, 128), want))
 
 
 def test_a_per_entry_tiling_that_cannot_run_is_refused():

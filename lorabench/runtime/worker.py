@@ -288,7 +288,7 @@ class Worker:
         timed alone); a loop's steps make their loads."""
         n = min(TURN, self.steps_wanted(point) - timed.steps)
         warmup = self.lead.warmup if timed.steps == 0 else (0 if alone else SWITCH_WARMUP)
-        if timed.steps == 0:  # the compiles an eager step at a new token count makes, outside the timed steps
+        if timed.steps == 0:  # the compiles an eager step at a new token or launch count makes, outside the timed steps
             arm.dispatcher.warm_eager(steps.batches)
         loads = steps.loads
         start = steps.start_slots.get(timed.steps) if loads else None
