@@ -80,3 +80,22 @@ def test_a_step_timed_at_the_hosts_pace_says_so():
     ms, us = np.array([8.0] * 97 + [60.0] * 3), np.array([40.0] * 97 + [59_000.0] * 3)
     assert host_bound(us, ms).startswith("host-bound: 19 %")
     assert host_bound(np.array([0.0]), np.array([0.0])) is None
+
+
+def test_a_loops_stalled_step_says_so():
+    """A serving loop's step that took 1 s among 47 ms steps of its size (it compiled kernels, H100):
+    one such step sets a TTFT p99 of few requests, so the row says it; loads and prompt steps
+    beside decode steps are not stalls. A step with few others of its size is held against the
+    larger steps."""
+    import numpy as np
+    from lorabench.runtime.rows import stalls
+
+    tokens = np.array([16] * 95 + [2048, 2048, 1615, 1616, 2048])
+    ms = np.array([8.4] * 90 + [23.0] * 5 + [47.0, 46.5, 1001.5, 47.2, 48.0])  # 5 decode steps with a load
+    assert stalls(ms, tokens) == ("1 step(s) took >= 5x the median of steps of their size, the longest 1002 ms at "
+                                  "1615 tokens (a compile or a stall: latency tails read high)")
+    ms[97] = 47.1
+    assert stalls(ms, tokens) is None
+    lone = np.append(tokens, 313)  # no other step of 157 to 626 tokens: against the steps of 157 or more
+    assert stalls(np.append(ms, 366.0), lone).startswith("1 step(s) took >= 5x") and stalls(np.append(ms, 30.0), lone) is None
+    assert stalls(np.array([0.0, 0.0]), np.array([0, 1])) is None  # a size of no time: nothing stands out

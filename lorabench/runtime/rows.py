@@ -52,10 +52,35 @@ def host_bound(launch_us: np.ndarray, step_ms: np.ndarray) -> str | None:
     return None
 
 
+STALL = 5  # a loop's step this many times its reference or more: a compile or a stall, not its work
+PEERS = 5  # steps of about its size a step's reference needs; with fewer, the steps at least half its size
+
+
+def stalls(step_ms: np.ndarray, tokens: np.ndarray) -> str | None:
+    """Why a loop's latencies read high: steps that took ``STALL`` times the median of the other
+    steps of about their size (half to twice their tokens) or more, or, with fewer than ``PEERS``
+    of those, of the other steps of at least half their size; e.g. a step that compiled kernels
+    (on an H100: 0.4-1.2 s among 50-60 ms steps). One such step sets a TTFT p99 of few requests.
+    None when there are none."""
+    slow = np.zeros(len(step_ms), dtype=bool)
+    for t in np.unique(tokens):
+        near, larger = (tokens * 2 >= t) & (tokens <= 2 * t), tokens * 2 >= t
+        for i in np.flatnonzero(tokens == t):
+            others = np.delete(step_ms, i)[np.delete(near, i)]
+            if others.size < PEERS:
+                others = np.delete(step_ms, i)[np.delete(larger, i)]
+            slow[i] = others.size > 0 and step_ms[i] > 0 and step_ms[i] >= STALL * np.median(others)
+    if not slow.any():
+        return None
+    worst = int(np.argmax(np.where(slow, step_ms, -np.inf)))
+    return (f"{int(slow.sum())} step(s) took >= {STALL}x the median of steps of their size, the longest "
+            f"{step_ms[worst]:.0f} ms at {int(tokens[worst])} tokens (a compile or a stall: latency tails read high)")
+
+
 def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served: Served | None = None) -> tuple[dict, Steps]:
-    """The columns an ok row adds to the point's, and its steps. ``noisy_iqr`` and ``noisy_host``
-    (not columns): why the step times are too spread (``lorabench.runtime.timing.summarize``), why
-    they are the host's (``host_bound``), or None.
+    """The columns an ok row adds to the point's, and its steps. ``noisy_iqr``, ``noisy_host`` and
+    ``noisy_stall`` (not columns): why the step times are too spread (``lorabench.runtime.timing.summarize``),
+    why they are the host's (``host_bound``), why a loop's tails read high (``stalls``), or None.
     ``served``: a serving point's requests over its timed steps (``Schedule.served``)."""
     c, s = point.concurrency, t.samples()
     stats = summarize(s.step_ms)
@@ -68,6 +93,11 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served
            "tokens_per_s": c / (stats["step_ms_median"] / 1e3),
            "n_active_mean": float(s.n_active.mean()), "graph_loras_mean": float(s.launch_counts.mean())}
     row["noisy_host"] = host_bound(s.launch_us, s.step_ms) if d.use_graphs else None
+    if point.mode in LOOPS:  # among the steps that loaded or read no adapter: those spend their time on it
+        quiet = (s.loads == 0) & (s.reads == 0)
+        row["noisy_stall"] = stalls(s.step_ms[quiet], s.tokens[quiet])
+    else:
+        row["noisy_stall"] = None
     if d.model.cfg.moe is not None:
         row["moe_lora_path"] = d.moe_path(row["graph_tokens"])
     if predicted and point.mode == WORKLOAD:

@@ -360,7 +360,7 @@ class Worker:
                 SWEEP.emit(measured)
                 continue
             columns, steps = measured
-            reasons = [r for r in (columns.pop("noisy_iqr"), columns.pop("noisy_host"), why) if r]
+            reasons = [r for r in (columns.pop("noisy_iqr"), columns.pop("noisy_host"), columns.pop("noisy_stall"), why) if r]
             noisy = {"noisy": bool(reasons), "noisy_why": "; ".join(reasons) or None}
             SWEEP.emit(Measured(Row(**{**columns, **readings, **noisy}), steps))  # the readings' GPU: the point's
 

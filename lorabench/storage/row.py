@@ -67,7 +67,7 @@ class Row:
     graph_mem_bytes: int | None = column("free device memory consumed by the capture (null on the CPU)")
     pool_bytes: int | None = column("growth of torch's reserved memory over the capture (null on the CPU)")
     num_graphs: int | None = column("graphs captured, no-LoRA graphs included")
-    noisy: bool | None = column("IQR / median ≥ 10 %, host-bound steps (launches ≥ 90 % of the GPU time), a slowdown or a clock drop")
+    noisy: bool | None = column("IQR / median ≥ 10 %, host-bound steps (launches ≥ 90 % of the GPU time), a loop's stalled steps (≥ 5x steps of their size), a slowdown or a clock drop")
     status: str | None = column("`ok` or `failed`")
     error: str | None = column("failed rows: the error, or the end of the worker's log")
     point: int | None = column("index of the point in its run's plan")
@@ -115,7 +115,7 @@ class Row:
     arms: str | None = column(
         "the strategies timed in alternating turns at this point (`max,pow2,dense`); a point re-measured by "
         "`--resume` lists only those timed with it then")
-    noisy_why: str | None = column("why `noisy` is set: a wide IQR, host-bound steps, a slowdown reason, a clock drop")
+    noisy_why: str | None = column("why `noisy` is set: a wide IQR, host-bound steps, a loop's stalled steps, a slowdown reason, a clock drop")
     host: str | None = column("the machine the worker ran on")
     gpu_uuid: str | None = column("the GPU the point ran on (`GPU-…`, as NVML and nvidia-smi write it)")
     sm_mhz_start: int | None = column("NVML's SM and memory clocks before the point's first step and after its last")
