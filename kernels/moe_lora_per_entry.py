@@ -112,18 +112,18 @@ def _per_entry_kernel(
     if MUL_WEIGHT:
         weight = tl.load(routed_ptr + entry)
     pdl_wait(USE_PDL)  # y is the GEMM's output: touched only once the GEMM is done (h computed before)
+    y_row = y_ptr + entry * stride_ym + s * NS  # this entry's slice of y
     if STATIC_TILES > 0:  # tiles past the slice's last masked off (offs_n >= NS)
         for t in tl.static_range(STATIC_TILES):
             offs_n = ((pid_n % GROUPS) * STATIC_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            _add_tile(b_base, y_ptr + entry * stride_ym + s * NS, offs_n, offs_n < NS, offs_r, r_mask, h, weight, stride_bn)
+            _add_tile(b_base, y_row, offs_n, offs_n < NS, offs_r, r_mask, h, weight, stride_bn)
     else:
         first = (pid_n % GROUPS) * N_LOOP  # this program's first output tile
         end = tl.minimum(NS, (first + N_LOOP) * BLOCK_N)  # past its last tile, or the slice's end
         for t0 in range(0, N_LOOP, UNROLL):  # UNROLL tiles at a time, unrolled: their loads in flight together
             for u in tl.static_range(UNROLL):  # past the program's tiles or the slice's last: masked off
                 offs_n = (first + t0 + u) * BLOCK_N + tl.arange(0, BLOCK_N)
-                _add_tile(b_base, y_ptr + entry * stride_ym + s * NS, offs_n, offs_n < end, offs_r, r_mask, h, weight,
-                          stride_bn)
+                _add_tile(b_base, y_row, offs_n, offs_n < end, offs_r, r_mask, h, weight, stride_bn)
 
 
 @triton.jit

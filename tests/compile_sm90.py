@@ -72,9 +72,14 @@ def compile_inputs(fn, args, kwargs, specialise=False):
     return signature, constexprs, attrs, options
 
 
-def compile_call(fn, args, kwargs, specialise=False):
-    signature, constexprs, attrs, options = compile_inputs(fn, args, kwargs, specialise)
+def compile_inputs_for_hopper(fn, inputs):
+    """Compile ``fn`` for sm_90 from what ``compile_inputs`` gave."""
+    signature, constexprs, attrs, options = inputs
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
+
+
+def compile_call(fn, args, kwargs, specialise=False):
+    return compile_inputs_for_hopper(fn, compile_inputs(fn, args, kwargs, specialise))
 
 
 def vector_loads(ptx: str) -> int:
@@ -312,9 +317,9 @@ VARIANTS: list = []  # (kernel name, its function, compile_inputs, its launch's 
 
 def check_variant(i: int) -> tuple[bool, str]:
     """Compile VARIANTS[i] for sm_90 and check its PTX and resources: (passed, the line to print)."""
-    name, fn, (signature, constexprs, attrs, options), kwargs = VARIANTS[i]
+    name, fn, inputs, kwargs = VARIANTS[i]
     try:
-        kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER, options=options)
+        kernel = compile_inputs_for_hopper(fn, inputs)
     except Exception as e:  # the variant's name and keywords with the compiler's message, not a bare traceback
         return False, f"{name} {sorted(kwargs.items())} does not compile: {e!r}"
     ptx = kernel.asm["ptx"]

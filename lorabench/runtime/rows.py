@@ -64,11 +64,12 @@ def stalls(step_ms: np.ndarray, tokens: np.ndarray) -> str | None:
     None when there are none."""
     slow = np.zeros(len(step_ms), dtype=bool)
     for t in np.unique(tokens):
-        near, larger = (tokens * 2 >= t) & (tokens <= 2 * t), tokens * 2 >= t
+        near = np.flatnonzero((tokens * 2 >= t) & (tokens <= 2 * t))
+        larger = np.flatnonzero(tokens * 2 >= t)
         for i in np.flatnonzero(tokens == t):
-            others = np.delete(step_ms, i)[np.delete(near, i)]
+            others = step_ms[near[near != i]]
             if others.size < PEERS:
-                others = np.delete(step_ms, i)[np.delete(larger, i)]
+                others = step_ms[larger[larger != i]]
             slow[i] = others.size > 0 and step_ms[i] > 0 and step_ms[i] >= STALL * np.median(others)
     if not slow.any():
         return None
