@@ -158,7 +158,7 @@ def recommend(
     max_cpu_loras: MaxCpuLoras = None,
     gpu_memory_budget: str = typer.Option(None, "--gpu-memory-budget", help="With --adapters: most GPU memory the LoRA configuration may take (its graphs and adapter slots, which come out of the KV cache), GiB [default: no limit]."),
     host_memory_budget: str = typer.Option(None, "--host-memory-budget", help="With --adapters and without --max-cpu-loras: most host memory vLLM's CPU cache of adapters may take per worker, GiB; the cache is the smallest within 2 % of the fastest that fits, misses priced at the run's cold read of an adapter's file [default: no limit]."),
-    ttft_p99_ms: str = typer.Option(None, "--ttft-p99-ms", help="Choose among the run's serving runs (--input-tokens): per workload and kernels, the configuration with the most output tokens/s whose TTFT p99 is shown within this many ms (its 95 % interval below it; where the loop served too few requests for one, that of the same loop priced longer from the run's points, marked predicted)."),
+    ttft_p99_ms: str = typer.Option(None, "--ttft-p99-ms", help="Choose among the run's serving runs (--input-tokens): per workload and kernels, the configuration with the most output tokens/s whose TTFT p99 is shown within this many ms (its 95 % interval below it)."),
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
     workload within the budgets, from what a run measured; compare it with max, pow2 and dense.

@@ -189,61 +189,6 @@ def test_a_serving_run_is_priced_on_its_own_schedule():
     assert no_prefill.predicted == {} and "with a prompt" in no_prefill.why
 
 
-def tiny_priced_run(ttft_p99_low=None, ttft_p99_high=None):
-    """The rows of a tiny serving run whose points price every step at 1 + n ms and every load at
-    0.5 ms (fixed and prefill alike), and its loop's measured figures: a 120-step loop that counted
-    20 requests, its TTFT p99 with the interval given (none: too few requests for one)."""
-    spec = dict(workload="zipf:1", adapters=8, max_cpu_loras=8, output_tokens=6, concurrency=4, max_loras=2,
-                timed_steps=120, input_tokens="6-14", max_num_batched_tokens=16, seed=3)
-    points = [{"status": "ok", "mode": mode, "kernels": "torch", "max_loras": 2, "strategy": "max", "concurrency": 4,
-               "n_active": n, "prefill_tokens": t, "step_ms_median": ms}
-              for n in range(3) for mode, t, ms in (("fixed", None, 1.0 + n), ("prefill", 16, 1.0 + n))]
-    row = {"status": "ok", "mode": "serving", "workload": "zipf:1", "kernels": "torch", "strategy": "max", "point": 99,
-           "capture_sizes": [4], "load_ms_median": 0.5, **spec, "max_cudagraph_capture_size": 32, "iters": 120,
-           "output_tokens_per_s": 900.0, "step_ms_mean": 2.0, "ttft_ms_p50": 8.0, "ttft_ms_p99": 30.0,
-           "ttft_ms_p99_low": ttft_p99_low, "ttft_ms_p99_high": ttft_p99_high, "itl_ms_p50": 2.0, "itl_ms_p99": 3.0,
-           "ttft_pending": 0, "ttft_requests": 20, "graph_mem_bytes": 2**20, "mixed_graph_mem_bytes": 0,
-           "startup_s": 1.0, "mixed_capture_s": 0.0}
-    return pd.DataFrame(points + [row]), spec
-
-
-def test_a_loop_with_too_few_requests_is_priced_longer_for_its_ttft_p99_interval():
-    """A fifth more than the 368 requests a p99 interval needs, at the measured loop's rate (20 in
-    120 steps): 2650 steps, priced as the measured loop is, and the interval of their TTFTs."""
-    from lorabench.analysis.serving_price import long_loop
-    from lorabench.stats import quantile_interval_samples
-
-    rows, spec = tiny_priced_run()
-    loop = long_loop(rows, next(rows[rows["mode"] == "serving"].itertuples()))
-    need = quantile_interval_samples(0.99)
-    assert loop.why is None and loop.steps == int(np.ceil(1.2 * 120 * need / 20)) and loop.requests >= need
-    steps = simulate_prompts(parse_workload("zipf:1"), Adapters(8, 8, 6), 4, 2, loop.steps, Lengths(6, 14), 16, seed=3)
-    want = latencies(steps.served, 1.0 + steps.n_active + 0.5 * steps.n_loads).ttft(99)
-    assert loop.ttft_p99 == want and want.low <= want.estimate <= want.high
-    # a row that does not record its loop's length gets a reason, not a guess
-    bare = long_loop(rows, next(rows.drop(columns=["timed_steps"])[rows["mode"] == "serving"].itertuples()))
-    assert bare.ttft_p99 is None and "no timed steps" in bare.why
-
-
-def test_under_a_target_a_loop_without_a_p99_interval_is_decided_on_its_longer_prediction():
-    from lorabench.analysis.serving import MET, MET_PREDICTED, MISSED_PREDICTED, UNCLEAR, choices
-
-    rows, _ = tiny_priced_run()
-    p99 = choices(rows, 1e6)[0].runs[0].predicted.ttft_p99
-    (met,) = choices(rows, p99.high + 1)
-    assert met.runs[0].against(p99.high + 1) == MET_PREDICTED and met.chosen is met.runs[0]
-    assert "predicted: its loop priced from the run's points over" in met.why
-    assert met.runs[0].prediction_error_pct is not None  # how close the measured loop came to its own
-    assert choices(rows, p99.low - 1e-6)[0].runs[0].against(p99.low - 1e-6) == MISSED_PREDICTED
-    (spans,) = choices(rows, (p99.low + p99.high) / 2)
-    assert spans.chosen is None and spans.runs[0].against((p99.low + p99.high) / 2) == UNCLEAR
-    # a measured interval decides alone: the loop is not priced again
-    rows, _ = tiny_priced_run(25.0, 35.0)
-    (measured,) = choices(rows, 40.0)
-    assert measured.runs[0].predicted is None and measured.runs[0].against(40.0) == MET
-    assert choices(rows)[0].runs[0].predicted is None  # nor without a target
-
-
 def test_a_configuration_found_wrong_is_never_chosen():
     from lorabench.analysis.serving import choices
 

@@ -9,12 +9,6 @@ when the 95 % interval of its TTFT p99 lies at or below it, *misses* it when the
 above, and is *unclear* when the interval spans it or the run had too few requests for an interval
 (its estimate is shown beside the verdict, never taken for one). Runs with requests still waiting for
 their first token at the end are marked: their percentiles read low.
-
-Where a loop served too few requests for its TTFT p99 to have an interval, the same loop is priced
-from the run's own points over enough steps for one (``serving_price.long_loop``, the prediction
-the report checks against every measured loop), and the verdict is taken from that interval,
-marked *predicted* (``MET_PREDICTED``, ``MISSED_PREDICTED``), beside how close the measured loop
-came to its own prediction.
 """
 
 import math
@@ -23,11 +17,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from lorabench.analysis.points import not_found_wrong
-from lorabench.analysis.serving_price import LongLoop, long_loop, predict
 from lorabench.stats import quantile_interval_samples
 
 MET, MISSED, UNCLEAR = "met", "missed", "unclear"
-MET_PREDICTED, MISSED_PREDICTED = "met (predicted)", "missed (predicted)"
 
 
 @dataclass(frozen=True)
@@ -49,9 +41,6 @@ class ServingRun:
     startup_s: float | None  # build, compile and both captures
     ttft_requests: int = 0  # the requests its TTFT percentiles count
     iters: int = 0  # the loop's timed steps
-    predicted: LongLoop | None = None  # its loop priced over more steps, where the measured p99 has no interval
-    prediction_error_pct: float | None = None  # the measured loop against its own prediction: the larger of
-    # the errors in output tokens/s and TTFT p50
 
     @property
     def too_few_requests(self) -> bool:
@@ -66,9 +55,6 @@ class ServingRun:
             return UNCLEAR
         if self.ttft_p99_high is not None and self.ttft_p99_low is not None:
             return MET if self.ttft_p99_high <= target_ms else MISSED if self.ttft_p99_low > target_ms else UNCLEAR
-        p99 = self.predicted.ttft_p99 if self.predicted is not None else None
-        if p99 is not None:
-            return MET_PREDICTED if p99.high <= target_ms else MISSED_PREDICTED if p99.low > target_ms else UNCLEAR
         return UNCLEAR
 
 
@@ -97,57 +83,30 @@ def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingC
     """Per (workload, kernels) of the run's serving rows: the choice (see the module's docstring)."""
     out = []
     for (w, k), g in served_runs(rows).groupby(["workload", "kernels"], sort=False):
-        runs = tuple(sorted((_run(rows, r, k, target_ms) for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
+        runs = tuple(sorted((ServingRun(
+            k, int(r.max_loras), r.strategy, int(r.max_cudagraph_capture_size), int(r.point), float(r.output_tokens_per_s),
+            _value(r.ttft_ms_p99), _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high), _value(r.itl_ms_p99),
+            int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),
+            _sum(r.startup_s, r.mixed_capture_s), int(_value(r.ttft_requests) or 0), int(r.iters))
+            for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
         if target_ms is None:
             out.append(ServingChoice(w, k, None, runs, runs[0], "the most output tokens/s (no TTFT target)"))
             continue
-        met = [s for s in runs if s.against(target_ms) in (MET, MET_PREDICTED)]
+        met = [s for s in runs if s.against(target_ms) == MET]
         if met:
             chosen = met[0]
             faster = [s for s in runs if s.output_tokens_per_s > chosen.output_tokens_per_s]
-            why = (f"the most output tokens/s whose TTFT p99 is within {target_ms:g} ms (its 95 % interval below it"
-                   + (f", {_predicted_why(chosen)}" if chosen.against(target_ms) == MET_PREDICTED else "") + ")"
+            why = (f"the most output tokens/s whose TTFT p99 is within {target_ms:g} ms (its 95 % interval below it)"
                    + (f"; {len(faster)} faster configuration(s) miss it or are not shown to meet it" if faster else "")
-                   + few_requests(_unpriced(faster)))
+                   + few_requests(faster))
             out.append(ServingChoice(w, k, target_ms, runs, chosen, why))
             continue
         unclear = [s for s in runs if s.against(target_ms) == UNCLEAR]
         why = (f"none is shown to meet TTFT p99 <= {target_ms:g} ms"
-               + (f"; {len(unclear)} not shown either way (interval spans it, measured or predicted, or too few "
-                  f"requests for one)" if unclear else "") + few_requests(_unpriced(unclear)))
+               + (f"; {len(unclear)} not shown either way (interval spans it, or too few requests for one)"
+                  if unclear else "") + few_requests(unclear))
         out.append(ServingChoice(w, k, target_ms, runs, None, why))
     return out
-
-
-def _run(rows: pd.DataFrame, r, kernels: str, target_ms: float | None) -> ServingRun:
-    """Serving row ``r`` as the choice reads it; under a target, with its loop priced over more
-    steps where its measured TTFT p99 has no interval."""
-    low, high = _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high)
-    predicted, error = None, None
-    if target_ms is not None and _value(r.ttft_ms_p99) is not None and (low is None or high is None):
-        predicted = long_loop(rows, r)
-        if predicted.ttft_p99 is not None:
-            check = predict(rows, r)
-            errors = [check.error_pct(f) for f in ("output_tokens_per_s", "ttft_ms_p50")]
-            error = max((abs(e) for e in errors if e is not None), default=None)
-    return ServingRun(kernels, int(r.max_loras), r.strategy, int(r.max_cudagraph_capture_size), int(r.point),
-                      float(r.output_tokens_per_s), _value(r.ttft_ms_p99), low, high, _value(r.itl_ms_p99),
-                      int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),
-                      _sum(r.startup_s, r.mixed_capture_s), int(_value(r.ttft_requests) or 0), int(r.iters),
-                      predicted, error)
-
-
-def _unpriced(runs) -> list[ServingRun]:
-    """Those of ``runs`` with no TTFT p99 interval, measured or predicted."""
-    return [s for s in runs if s.predicted is None or s.predicted.ttft_p99 is None]
-
-
-def _predicted_why(s: ServingRun) -> str:
-    """How a predicted verdict was reached, in a few words."""
-    error = "" if s.prediction_error_pct is None else (
-        f"; the measured loop came within {s.prediction_error_pct:.1f} % of its own prediction in tokens/s and TTFT p50")
-    return (f"predicted: its loop priced from the run's points over {s.predicted.steps} steps, "
-            f"{s.predicted.requests} requests{error}")
 
 
 def few_requests(runs) -> str:

@@ -7,13 +7,8 @@ chunk, of T tokens, by linear interpolation in T between the points measured at 
 (the fixed points at their c tokens, the prefill points at theirs; past the largest, along the
 last two); plus its loads at the run's timed load. The predicted steps then give the latencies the
 same requests would see (``config.serving_latency``), set against the measured ones.
-
-The same pricing over a longer loop (``long_loop``) gives a TTFT p99 with an interval where the
-measured loop served too few requests for one: ``recommend --ttft-p99-ms`` decides on it then,
-saying that it is a prediction.
 """
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +21,7 @@ from lorabench.config.serving import simulate_prompts
 from lorabench.config.serving_latency import latencies
 from lorabench.config.strategies import choose_bucket
 from lorabench.config.workload import parse_workload
-from lorabench.stats import Interval, quantile_interval_samples
 
-LONG_LOOP_MAX_STEPS = 100_000  # a predicted loop's most steps (about 15 s of pricing on one core)
 FIGURES = ("output_tokens_per_s", "step_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
 
 
@@ -66,21 +59,21 @@ def _interpolate(tokens: float, xs: np.ndarray, ys: np.ndarray) -> float | None:
     return float(ys[-1] + slope * (tokens - xs[-1]))
 
 
-def _priced(view_rows: pd.DataFrame, row, n_steps: int):
-    """The loop of serving row ``row`` simulated again over ``n_steps`` steps and each step's price
-    from the same configuration's points: (schedule, ms per step), or why it cannot be priced."""
+def predict(view_rows: pd.DataFrame, row) -> ServingPrediction:
+    """One serving row against its prediction (see the module's docstring)."""
+    measured = {f: (None if pd.isna(getattr(row, f)) else float(getattr(row, f))) for f in FIGURES}
     ok = ok_points(view_rows)
     mine = ok[(ok.kernels == row.kernels) & (ok.max_loras == row.max_loras) & (ok.strategy == row.strategy)]
     points = mine[mine["mode"].isin(["fixed", "prefill"])]
-    fixed = points[points["mode"] == "fixed"].set_index(["concurrency", "n_active"]).step_ms_median
+    fixed = points[points["mode"] == "fixed"].set_index(["concurrency", "n_active"]).step_ms_median.to_dict()
     try:
         steps = simulate_prompts(parse_workload(row.workload), Adapters(int(row.adapters), int(row.max_cpu_loras),
                                                                         int(row.output_tokens)),
-                                 int(row.concurrency), int(row.max_loras), n_steps,
+                                 int(row.concurrency), int(row.max_loras), int(row.timed_steps),
                                  parse_lengths(row.input_tokens, "input_tokens"), int(row.max_num_batched_tokens),
                                  int(row.seed))
-    except (ValueError, TypeError, AttributeError) as e:  # AttributeError: rows without the loop's columns
-        return f"its loop cannot be simulated again: {e}"
+    except (ValueError, TypeError) as e:
+        return ServingPrediction(int(row.point), measured, {}, f"its loop cannot be simulated again: {e}")
     load_ms = 0.0 if pd.isna(row.load_ms_median) else float(row.load_ms_median)
     sizes = sorted(int(b) for b in row.capture_sizes)
     anchors: dict[int, tuple] = {}
@@ -91,56 +84,19 @@ def _priced(view_rows: pd.DataFrame, row, n_steps: int):
             bucket = choose_bucket(tokens, sizes)
             t = fixed.get((bucket, n)) if bucket is not None else None
         else:
-            if n not in anchors:
+            if n not in anchors:  # not setdefault: its default would be built for every step
                 anchors[n] = _anchors(points, n)
             t = _interpolate(tokens, *anchors[n])
         if t is None or pd.isna(t):
             what = f"a decode step of {tokens} tokens" if step.prefill_tokens == 0 else f"a {tokens}-token step with a prompt"
-            return f"no point prices {what} at n = {n} (fixed or prefill points missing)"
+            return ServingPrediction(int(row.point), measured, {},
+                                     f"no point prices {what} at n = {n} (fixed or prefill points missing)")
         predicted_ms[k] = t + steps.n_loads[k] * load_ms
-    return steps, predicted_ms
-
-
-def predict(view_rows: pd.DataFrame, row) -> ServingPrediction:
-    """One serving row against its prediction (see the module's docstring)."""
-    measured = {f: (None if pd.isna(getattr(row, f)) else float(getattr(row, f))) for f in FIGURES}
-    priced = _priced(view_rows, row, int(row.timed_steps))
-    if isinstance(priced, str):
-        return ServingPrediction(int(row.point), measured, {}, priced)
-    steps, predicted_ms = priced
     lat = latencies(steps.served, predicted_ms)
     predicted = {"output_tokens_per_s": lat.tokens_per_s, "step_ms_mean": float(predicted_ms.mean())}
     for p in (50, 99):
         predicted[f"ttft_ms_p{p}"], predicted[f"itl_ms_p{p}"] = lat.ttft_value(p), lat.itl_value(p)
     return ServingPrediction(int(row.point), measured, predicted)
-
-
-@dataclass(frozen=True)
-class LongLoop:
-    """A serving row's loop priced over more steps than were timed, for a TTFT p99 with an interval."""
-
-    steps: int  # the steps simulated and priced
-    requests: int  # the requests its TTFT counts
-    ttft_p99: Interval | None  # None: still too few requests (or not priced: ``why``)
-    why: str | None = None
-
-
-def long_loop(view_rows: pd.DataFrame, row) -> LongLoop:
-    """Serving row ``row``'s loop priced from its run's points (as ``predict``) over enough steps
-    that its TTFT p99 gets an interval: the measured loop's requests per step scaled up to the
-    requests one needs, with a fifth more, at most ``LONG_LOOP_MAX_STEPS``."""
-    need = quantile_interval_samples(0.99)
-    timed = int(getattr(row, "timed_steps", 0) or 0)
-    served = int(getattr(row, "ttft_requests", 0) or 0)
-    if timed <= 0 or served <= 0:
-        return LongLoop(0, 0, None, "the measured loop recorded no timed steps or counted requests to scale from")
-    n_steps = min(LONG_LOOP_MAX_STEPS, math.ceil(1.2 * timed * need / served))
-    priced = _priced(view_rows, row, n_steps)
-    if isinstance(priced, str):
-        return LongLoop(0, 0, None, priced)
-    steps, predicted_ms = priced
-    lat = latencies(steps.served, predicted_ms)
-    return LongLoop(n_steps, int(lat.ttft_ms.size + lat.ttft_censored), lat.ttft(99))
 
 
 def predictions(rows: pd.DataFrame) -> list[ServingPrediction]:
