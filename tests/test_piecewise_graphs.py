@@ -250,7 +250,7 @@ def test_warm_eager_runs_one_step_per_eager_route():
     batches = [[0, 1], [0] * 10, mixed(4), [1] * 10, mixed(10), mixed(10), [0] * 5 + [1] * 5, [0] * 11, mixed(12),
                [2] * 8]
     want = [batches[1], batches[4], batches[6], batches[7], batches[8]]  # [0] * 5 + [1] * 5: 10 tokens, a new launch count
-    assert d.eager_batches(batches) == want
+    assert [batch for batch, _ in d.eager_steps(batches)] == want
     ran = []
     real = d.launch
     d.launch = lambda prep, every_token=False: ran.append((prep.batch_tokens, prep.route)) or real(prep, every_token)

@@ -200,9 +200,9 @@ class Dispatcher:
         if self.use_graphs:
             torch.cuda.synchronize()
 
-    def _first_eager(self, batches: "list[list[int]] | list[MixedBatch]") -> list[tuple[object, Prepared]]:
+    def eager_steps(self, batches: "list[list[int]] | list[MixedBatch]") -> list[tuple[object, Prepared]]:
         """The first batch of each eager route among ``batches`` (decode and mixed apart, then by
-        token count and launch count), each with its prepared step."""
+        token count and launch count), each with its prepared step: what ``warm_eager`` runs."""
         first: dict[tuple[bool, int, int], tuple[object, Prepared]] = {}
         for batch in batches:
             mixed = isinstance(batch, MixedBatch)
@@ -212,17 +212,13 @@ class Dispatcher:
                 first.setdefault((mixed, tokens, prep.route.launch), (batch, prep))
         return list(first.values())
 
-    def eager_batches(self, batches: "list[list[int]] | list[MixedBatch]") -> list:
-        """The first batch of each eager route among ``batches``: what ``warm_eager`` runs."""
-        return [batch for batch, _ in self._first_eager(batches)]
-
     def warm_eager(self, batches: "list[list[int]] | list[MixedBatch]") -> int:
         """Run one untimed step of each eager route among ``batches``; returns how many.
         Why: an eager step at a token count or launch count not run before JIT-compiles kernels
         (Triton specialises on them, and the kernels' configs are chosen by them) inside whichever
         step meets it first; in a serving loop on an H100 such steps took 0.4-1.2 s against ~60 ms,
         and keyed by token count alone one step of 1615 tokens at a new launch count still took 1 s."""
-        todo = self._first_eager(batches)
+        todo = self.eager_steps(batches)
         for _, prep in todo:
             self.launch(prep)
         if self.use_graphs and todo:
