@@ -137,7 +137,7 @@ def test_a_sweep_with_adapters_runs_residency_points_at_its_largest_concurrency(
     assert (df.status == "ok").all()
     runs = df[df["mode"] == "residency"]
     assert len(runs) == 2 * 2 * 2 and set(runs.concurrency) == {4} and not (df["mode"] == "workload").any()
-    assert (runs.adapters == 12).all() and (runs.max_cpu_loras == 12).all() and (runs.output_tokens == 6).all()
+    assert (runs.adapters == 12).all() and (runs.max_cpu_loras == 12).all() and (runs.output_tokens == "6").all()
     assert (runs.timed_steps == 30).all() and (runs.loads_per_step > 0).all()
     assert (runs[runs.max_loras == 2].tokens_per_step < 4).all()  # two slots: requests wait
     assert ((runs.tokens_per_s - 1e3 * runs.tokens_per_step / runs.step_ms_mean).abs() < 1e-6 * runs.tokens_per_s).all()

@@ -65,11 +65,12 @@ def test_base_requests_need_no_slot():
 
 @pytest.mark.parametrize("workload", ["uniform", "zipf:1.2", "zipf:1+base:0.3", "single"])
 @pytest.mark.parametrize("max_loras", [1, 4, 16])
-def test_every_step_is_a_batch_the_slots_can_serve(workload, max_loras):
-    """Whatever the workload: at most max_loras adapters per batch, every adapter request on
-    the slot its adapter was loaded into, loads only into slots the step does not already use,
-    and the tokens never more than the clients."""
-    s = simulate(parse_workload(workload), Adapters(40, output_tokens=16), 12, max_loras, 500, seed=3, burn_in=0)
+@pytest.mark.parametrize("output", ["16", "4-28"])
+def test_every_step_is_a_batch_the_slots_can_serve(workload, max_loras, output):
+    """Whatever the workload and request lengths: at most max_loras adapters per batch, every
+    adapter request on the slot its adapter was loaded into, loads only into slots the step does
+    not already use, and the tokens never more than the clients."""
+    s = simulate(parse_workload(workload), Adapters(40, output_tokens=output), 12, max_loras, 500, seed=3, burn_in=0)
     held: dict[int, int] = {}  # slot -> adapter, as the loads say
     for batch, requests, loads, n, tokens in zip(s.batches, s.requests, s.loads, s.n_active, s.tokens):
         assert len(batch) == len(requests) == tokens <= 12

@@ -7,13 +7,14 @@ import random
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import H200_CARD
 
 from lorabench.cli import main
 from lorabench.config.chunked import Request, Served, Step
 from lorabench.config.flags import Machine
-from lorabench.config.lengths import Lengths, parse_lengths
-from lorabench.config.residency import Adapters
-from lorabench.config.serving import simulate_prompts
+from lorabench.config.lengths import Lengths, as_lengths, parse_lengths
+from lorabench.config.residency import Adapters, Requests
+from lorabench.config.serving import default_burn_in, simulate_prompts
 from lorabench.config.serving_latency import latencies
 from lorabench.config.spec import build_spec
 from lorabench.config.workload import parse_workload
@@ -72,9 +73,55 @@ def test_lengths_parse():
     for bad in ("0", "a", "9-3", "1-x"):
         with pytest.raises(UserError, match="--x"):
             parse_lengths(bad, "--x")
+    assert parse_lengths("8", "--x", most=8) == Lengths(8, 8)
+    with pytest.raises(UserError, match="above 8 tokens"):
+        parse_lengths("2-9", "--x", most=8)
+    # a row's: a count, a whole float beside nulls, or the text; a ValueError otherwise
+    assert as_lengths(600) == as_lengths(600.0) == as_lengths("600") == Lengths(600, 600)
+    assert as_lengths("300-900") == Lengths(300, 900) and Adapters(4, None, "2-5").output_tokens == Lengths(2, 5)
+    for bad in (None, 2.5, "nan"):
+        with pytest.raises(ValueError):
+            as_lengths(bad)
+
+
+def test_output_lengths_drawn_from_a_range_decode_as_drawn():
+    """--output-tokens LO-HI: every request's length uniform over the range, both ends reached, and
+    every request that finishes has made exactly its tokens; the default burn-in covers the longest."""
+    s = simulate_prompts(parse_workload("zipf:1"), Adapters(6, None, "3-9"), 4, 2, 600, Lengths(4, 10), 16, seed=1,
+                         burn_in=0)
+    lengths = [r.output_tokens for r in s.served.requests]
+    assert min(lengths) == 3 and max(lengths) == 9 and len(set(lengths)) == 7
+    assert all(len(r.emitted_at) == r.output_tokens for r in s.served.requests if r.done)
+    assert sum(r.done for r in s.served.requests) > 100
+    assert default_burn_in(Adapters(6, None, "3-9"), 4, Lengths(4, 10), 16) == 2 * (9 + 3)
+
+
+def test_a_fixed_output_length_draws_nothing():
+    """A fixed length leaves the generator alone: the requests' adapters are those a loop of another
+    fixed length draws (so runs recorded before ranges existed re-simulate as they ran)."""
+    def adapters(out):
+        nxt = Requests(parse_workload("zipf:1+base:0.2"), Adapters(16, None, out), 5)
+        return [nxt.with_prompt(Lengths(8, 24))[0] for _ in range(200)]
+
+    assert adapters(7) == adapters(600) != adapters("7-9")
+
+
+def test_a_committed_serving_run_re_simulates_as_it_ran():
+    """The frozen H100 serving run (fixed 600 output tokens, recorded as an integer column): its
+    loops, simulated again from their rows, have the very mix and loads its steps were timed with."""
+    df = pd.read_parquet(DATA / "h100-serving" / "points.parquet")
+    for r in df[df["mode"] == "serving"].itertuples():
+        s = simulate_prompts(parse_workload(r.workload), Adapters(int(r.adapters), int(r.max_cpu_loras), r.output_tokens),
+                             int(r.concurrency), int(r.max_loras), int(r.timed_steps),
+                             parse_lengths(r.input_tokens, "input_tokens"), int(r.max_num_batched_tokens), int(r.seed))
+        steps = s.served.steps
+        assert s.tokens.mean() == pytest.approx(r.tokens_per_step, abs=1e-9)
+        assert s.n_loads.mean() == pytest.approx(r.loads_per_step, abs=1e-9)
+        assert np.mean([st.prefill_tokens > 0 for st in steps]) == pytest.approx(r.mixed_step_share, abs=1e-9)
 
 
 CPU = Machine(cuda=False)
+DATA = H200_CARD.parent
 
 
 @pytest.mark.parametrize("flags,says", [
@@ -91,7 +138,7 @@ def test_bad_serving_settings_get_one_line(flags, says):
 @pytest.mark.e2e
 def test_a_serving_sweep_reports_its_latencies(tmp_path):
     code = main(["sweep", "--out", str(tmp_path), "--device", "cpu", "--max-loras", "2", "--concurrency", "4",
-                 "--adapters", "8", "--input-tokens", "8-24", "--output-tokens", "8", "--context-len", "64",
+                 "--adapters", "8", "--input-tokens", "8-24", "--output-tokens", "6-10", "--context-len", "64",
                  "--iters", "60", "--warmup", "2", "--workload", "zipf:1,base:1", "--max-num-batched-tokens", "32",
                  "--strategy", "max,pow2"])
     assert code == 0
@@ -99,6 +146,7 @@ def test_a_serving_sweep_reports_its_latencies(tmp_path):
     df = pd.read_parquet(run)
     srv = df[df["mode"] == "serving"]
     assert len(srv) == 4 and (srv.status == "ok").all() and set(srv.input_tokens) == {"8-24"}
+    assert set(srv.output_tokens) == {"6-10"}
     assert (srv.ttft_requests > 0).all() and (srv.ttft_ms_p50 > 0).all() and (srv.itl_ms_p50 > 0).all()
     assert (srv.ttft_ms_p50_low <= srv.ttft_ms_p50).all() and (srv.ttft_ms_p50 <= srv.ttft_ms_p50_high).all()
     assert ((srv.prefill_token_share > 0) & (srv.mixed_step_share > 0) & (srv.mixed_step_share < 1)).all()

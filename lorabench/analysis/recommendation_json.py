@@ -159,7 +159,7 @@ def residency_json(d: ResidencyDecision) -> dict:
                 "expected_step_ms": round(d.card.step_ms, 4), "gain_pct": round(d.card_gain.pct, 2),
                 "gain_interval_pct": _interval(d.card_gain), "verdict": versus_card(d)}
     return {"kernels": d.kernels, "workload": d.workload, "adapters": a.count, "max_cpu_loras": a.cpu_slots,
-            "output_tokens": a.output_tokens, "clients": d.clients, "gpu_memory_budget_bytes": d.gpu_memory_bytes,
+            "output_tokens": str(a.output_tokens), "clients": d.clients, "gpu_memory_budget_bytes": d.gpu_memory_bytes,
             "at": {m: set_choice_json(s) for m, s in d.at.items()}, "configs": [priced_json(p) for p in d.configs],
             "chosen": None if d.chosen is None else priced_json(d.chosen), "versus_best": _interval(d.fewer),
             "versus_card": card, "reason": reason(d), "notes": list(d.notes),

@@ -269,7 +269,7 @@ def validation(view: RunView, steps: int = STEPS) -> pd.DataFrame:
             read_bytes = own["read_bytes"] if read and "read_bytes" in own else None
             same = occupancy(own.tokens, own.n_active, own.loads, sizes, int(r.max_loras), cpu_misses=reads,
                              miss_bytes=read_bytes)
-            adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), int(r.output_tokens),
+            adapters = Adapters(int(r.adapters), int(r.max_cpu_loras), r.output_tokens,
                                 tuple(int(b) for b in files) if files is not None and len(files) else ())
             long = simulated(r.workload, adapters, int(r.concurrency), int(r.max_loras), sizes, steps)
             load_ms = _path_load_ms(view, r.kernels, path)

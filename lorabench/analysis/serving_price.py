@@ -68,7 +68,7 @@ def predict(view_rows: pd.DataFrame, row) -> ServingPrediction:
     fixed = points[points["mode"] == "fixed"].set_index(["concurrency", "n_active"]).step_ms_median.to_dict()
     try:
         steps = simulate_prompts(parse_workload(row.workload), Adapters(int(row.adapters), int(row.max_cpu_loras),
-                                                                        int(row.output_tokens)),
+                                                                        row.output_tokens),
                                  int(row.concurrency), int(row.max_loras), int(row.timed_steps),
                                  parse_lengths(row.input_tokens, "input_tokens"), int(row.max_num_batched_tokens),
                                  int(row.seed))

@@ -27,8 +27,9 @@ from lorabench.commands.tables import mib
 from lorabench.config.flags import to_int, to_positive
 from lorabench.config.limits import DTYPE_BYTES
 from lorabench.config.peft import WEIGHTS_FILE, adapter_elements, adapter_folders, is_count
+from lorabench.config.lengths import parse_lengths
 from lorabench.config.residency import OUTPUT_TOKENS, Adapters, check_residency
-from lorabench.config.spec import coerce
+from lorabench.config.spec import MAX_STEPS, coerce
 from lorabench.config.strategies import STRATEGIES
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
@@ -158,7 +159,7 @@ def recommend_residency(run_dir: Path, workload: str, adapters: str, clients: st
     # a folder of PEFT adapters: their count (the run's slots, padded to its rank, price their loads)
     folders = None if is_count(adapters) else adapter_folders(adapters, "--adapters")
     n = coerce("adapters", adapters if folders is None else len(folders))
-    out = coerce("output_tokens", output_tokens) if output_tokens is not None else OUTPUT_TOKENS
+    out = parse_lengths(output_tokens if output_tokens is not None else OUTPUT_TOKENS, "--output-tokens", MAX_STEPS)
     cpu = coerce("max_cpu_loras", max_cpu_loras) if max_cpu_loras is not None else None
     c = to_int("concurrency", clients, 1) if clients is not None else None
     budget = to_positive("gpu_memory_budget", gpu_memory_budget) * 2**30 if gpu_memory_budget is not None else None

@@ -78,7 +78,7 @@ class Job:
     adapters: int | None = None  # --adapters: residency points serve this many adapters from the slots
     adapter_dir: str | None = None  # --adapters DIR: the PEFT adapters the slots hold (slot i: adapter i)
     max_cpu_loras: int | None = None  # --max-cpu-loras (None: every adapter in the CPU cache)
-    output_tokens: int = OUTPUT_TOKENS  # --output-tokens: decode steps per request of a residency run
+    output_tokens: str = str(OUTPUT_TOKENS)  # --output-tokens: tokens each request of a residency run decodes (N or LO-HI)
     load_path: str = "per-slice"  # --load-path: how a residency run's loads reach the slots
     mixed_sizes: tuple[int, ...] = ()  # the mixed steps' PIECEWISE buckets (vLLM's sizes to --max-cudagraph-capture-size)
     cache_rows: int | None = None  # the KV cache's requests (None: max_tokens)

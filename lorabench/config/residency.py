@@ -4,7 +4,7 @@ needs one loaded (``--adapters N``).
 A closed loop, as a benchmark client with ``--max-concurrency C`` drives a server: C clients each
 keep one request in flight. A request asks for an adapter (drawn from the workload over the N
 adapters, adapter 0 the most popular under zipf; or read in order from a trace) or for the base
-model, and decodes ``output_tokens`` tokens, one per step; when it ends, its client sends the next
+model, and decodes ``output_tokens`` tokens (fixed, or drawn uniformly from a range), one per step; when it ends, its client sends the next
 one at once. The server schedules as vLLM's does (requests with prompts: ``lorabench.config.serving``):
 
 - **admission** (first come, first served, with skips): a waiting request joins the running batch
@@ -35,19 +35,22 @@ import numpy as np
 
 from lorabench.config.sweep_spec import OUTPUT_TOKENS  # noqa: F401 - the default, declared with --output-tokens
 from lorabench.config.chunked import Served, Step
-from lorabench.config.lengths import Lengths
+from lorabench.config.lengths import Lengths, as_lengths
 from lorabench.config.trace import TraceWorkload
 
 
 @dataclass(frozen=True)
 class Adapters:
     """``--adapters``: how many adapters the requests choose from, vLLM's CPU cache, and how
-    many tokens each request decodes."""
+    many tokens each request decodes (``output_tokens``: Lengths, or a count or its text, made Lengths)."""
 
     count: int
     max_cpu_loras: int | None = None  # None: every adapter fits in the CPU cache
-    output_tokens: int = OUTPUT_TOKENS
+    output_tokens: Lengths = Lengths(OUTPUT_TOKENS, OUTPUT_TOKENS)
     file_bytes: tuple[int, ...] = ()  # the user's adapters: each one's file, what a miss reads (empty: random adapters)
+
+    def __post_init__(self):
+        object.__setattr__(self, "output_tokens", as_lengths(self.output_tokens))
 
     @property
     def cpu_slots(self) -> int:
@@ -90,7 +93,9 @@ class Schedule:
 
 class Requests:
     """The next request's (adapter, tokens to decode): a workload's draw over ``adapters.count``
-    adapters (``single``: every request the same adapter), or the trace's requests in order."""
+    adapters (``single``: every request the same adapter), or the trace's requests in order; its
+    length drawn after its adapter, from the same generator (a fixed length draws nothing, so loops
+    of fixed lengths run as they ran before ranges existed)."""
 
     def __init__(self, workload, adapters: Adapters, seed: int):
         self.workload, self.adapters = workload, adapters
@@ -111,14 +116,17 @@ class Requests:
         if self.trace is not None:
             i = self.next_row % len(self.trace)
             self.next_row += 1
-            return self.trace[i], self.lengths[i] if self.lengths else self.adapters.output_tokens
+            return self.trace[i], self.lengths[i] if self.lengths else self.adapters.output_tokens.draw(self.rng)
+        return self._adapter(), self.adapters.output_tokens.draw(self.rng)
+
+    def _adapter(self) -> int:
         wl, rng = self.workload, self.rng
         if rng.random() < wl.base_frac:
-            return -1, self.adapters.output_tokens
+            return -1
         if wl.adapters == "single":
-            return 0, self.adapters.output_tokens
+            return 0
         # the first adapter whose cumulative weight exceeds the draw (the last: float rounding)
-        return min(bisect.bisect_right(self.cum, rng.random()), len(self.cum) - 1), self.adapters.output_tokens
+        return min(bisect.bisect_right(self.cum, rng.random()), len(self.cum) - 1)
 
     def with_prompt(self, lengths: Lengths) -> tuple[int, int, int]:
         """The next request's (adapter, input tokens, output tokens): its prompt from the trace's
@@ -212,12 +220,12 @@ def check_loop(adapters: Adapters, clients: int, max_loras: int, steps: int) -> 
 def simulate(workload, adapters: Adapters, clients: int, max_loras: int, steps: int, seed: int = 0,
              burn_in: int | None = None) -> Schedule:
     """``steps`` decode steps of ``clients`` clients served from ``max_loras`` slots, after
-    ``burn_in`` untimed ones (default: twice the output length, so that every first request has
+    ``burn_in`` untimed ones (default: twice the longest output, so that every first request has
     ended and the slots have filled)."""
     check_loop(adapters, clients, max_loras, steps)
     nxt = Requests(workload, adapters, seed)
     start = random.Random(f"residency-start-{seed}")
-    burn_in = 2 * adapters.output_tokens if burn_in is None else burn_in
+    burn_in = 2 * adapters.output_tokens.high if burn_in is None else burn_in
     waiting: deque[list[int]] = deque()
     for _ in range(clients):
         a, length = nxt()

@@ -18,9 +18,9 @@ from lorabench.config.residency import Adapters, Schedule, Slots, Requests, chec
 
 
 def default_burn_in(adapters: Adapters, clients: int, input_tokens: Lengths, budget: int) -> int:
-    """Steps until every first request has ended, twice over: its output tokens, after the steps the
-    clients' prompts take at ``budget`` tokens per step."""
-    return 2 * (adapters.output_tokens + -(-clients * input_tokens.high // budget))
+    """Steps until every first request has ended, twice over: its output tokens (the longest), after
+    the steps the clients' prompts take at ``budget`` tokens per step."""
+    return 2 * (adapters.output_tokens.high + -(-clients * input_tokens.high // budget))
 
 
 def simulate_prompts(workload, adapters: Adapters, clients: int, max_loras: int, steps: int, input_tokens: Lengths,

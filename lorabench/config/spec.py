@@ -97,7 +97,8 @@ def check_mixed_steps(spec: SweepSpec, names: Names) -> None:
             except ValueError:  # a bad workload: said in its own line below
                 continue
             prompt = int(df.input_tokens.max()) if df is not None and "input_tokens" in df else lengths.high
-            output = int(df.output_tokens.max()) if df is not None and "output_tokens" in df else spec.output_tokens
+            output = (int(df.output_tokens.max()) if df is not None and "output_tokens" in df
+                      else parse_lengths(spec.output_tokens, names("output_tokens")).high)
             if prompt + output > spec.context_len:
                 raise UserError(f"{names('input_tokens')}: a request of {prompt} prompt and {output} output tokens"
                                 f"{f' (trace {w})' if df is not None else ''} does not fit --context-len {spec.context_len}")

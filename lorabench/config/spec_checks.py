@@ -11,10 +11,11 @@ from pathlib import Path
 from lorabench.config.backends import KernelsLabel
 from lorabench.config.flags import Machine
 from lorabench.config.models import check_moe_options
+from lorabench.config.lengths import parse_lengths
 from lorabench.config.limits import Shape, culprit, estimate, graph_count, model_bytes, size
 from lorabench.config.residency import check_residency
 from lorabench.config.strategies import AUTO, Vllm
-from lorabench.config.sweep_spec import LOAD_PATHS
+from lorabench.config.sweep_spec import LOAD_PATHS, MAX_STEPS
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
 
@@ -81,6 +82,7 @@ def check_adapters(spec, names) -> None:
     only mean something with it."""
     if spec.load_path not in LOAD_PATHS:
         raise UserError(f"{names('load_path')}: {spec.load_path!r} is not one of {', '.join(LOAD_PATHS)}")
+    spec.output_tokens = str(parse_lengths(spec.output_tokens, names("output_tokens"), MAX_STEPS))
     if spec.adapters is None:
         given = [n for n in ("max_cpu_loras", "output_tokens", "load_path") if getattr(spec, n) != getattr(type(spec), n)]
         if given:

@@ -104,8 +104,8 @@ class SweepSpec:
                                        maximum=MAX_ADAPTERS)
     load_path: str = option("per-slice", f"With --adapters: how the residency runs load an adapter into its slot: "
                             f"{'; '.join(f'{k} ({v})' for k, v in LOAD_PATHS.items())}", column=True)
-    output_tokens: int = option(OUTPUT_TOKENS, "With --adapters: tokens each request decodes (a trace's output_tokens "
-                                "column overrides it)", maximum=MAX_STEPS)
+    output_tokens: str = option(str(OUTPUT_TOKENS), "With --adapters: tokens each request decodes, N or LO-HI (uniform; "
+                                "a trace's output_tokens column overrides it)")
     input_tokens: str | None = option(None, "With --adapters: each request's prompt, N tokens or LO-HI (uniform; a "
                                       "trace's input_tokens column overrides it): the residency runs become serving "
                                       "runs, scheduled with chunked prefill as vLLM's (at most --max-num-batched-tokens "

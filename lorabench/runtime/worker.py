@@ -86,7 +86,7 @@ class Worker:
             **({"experts": cfg.moe.experts, "top_k": cfg.moe.top_k, "moe_intermediate": cfg.moe.intermediate,
                 "shared_intermediate": cfg.moe.shared_intermediate} if cfg.moe else {}),
             "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
-            "output_tokens": job.output_tokens if job.residency else None,
+            "output_tokens": str(job.output_tokens) if job.residency else None,
             "timing": "cuda_events" if self.cuda else "cpu_wall",
             "vllm": self.backend.version() if job.label.vllm else None, "tuned": job.tuned,
             "pdl": (self.backend.pdl_enabled(torch.device(job.device))  # lorabench's Triton kernels

@@ -151,11 +151,12 @@ class Row:
     slot_ranks: list[int] | None = column()
     fully_sharded_loras: bool | None = column("LoRA cut as vLLM's `--fully-sharded-loras` cuts it")
     allreduce: str | None = column("`left out` when `tp` > 1: the rank's collectives are not in its step times")
-    adapters: int | None = column("`--adapters`: the residency runs' adapters, CPU cache and request length")
+    adapters: int | None = column("`--adapters`: the residency runs' adapters and CPU cache")
     adapter_dir: str | None = column("`--adapters DIR`: the folder of PEFT adapters whose own weights fill the slots "
                                      "(slot i: its adapter i); empty: random adapters")
     max_cpu_loras: int | None = column()
-    output_tokens: int | None = column()
+    output_tokens: str | None = column("residency and serving runs: tokens each request decodes, N or LO-HI "
+                                       "(uniform); a trace's output_tokens column overrides it")
     tokens_per_step: float | None = column(
         "residency rows: mean running requests and adapter loads per timed step (`tokens_per_s` = all tokens / all "
         "step time)")

@@ -38,7 +38,7 @@ def build(view: RunView) -> ResidencyReport | None:
                "load_host_us_median", "load_ops", "lora_bytes_per_slot"]].sort_values(["kernels", "max_loras"]))
     decisions = []
     for (w, n, cpu, out, c), _ in runs.groupby(["workload", "adapters", "max_cpu_loras", "output_tokens", "concurrency"]):
-        adapters = Adapters(int(n), int(cpu), int(out))
+        adapters = Adapters(int(n), int(cpu), out)
         try:
             decisions += residency_decisions(view, w, adapters, int(c))
         except ValueError as e:

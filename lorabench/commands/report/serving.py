@@ -31,7 +31,7 @@ def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> lis
     r0 = runs.iloc[0]
     out = ["## Serving with prompts: throughput, time to first token, inter-token latency", "",
            f"Each serving run is a closed loop of {int(r0.concurrency)} clients over {int(r0.adapters)} adapters, each "
-           f"request a prompt of {r0.input_tokens} tokens and {int(r0.output_tokens)} output tokens, scheduled as vLLM "
+           f"request a prompt of {r0.input_tokens} tokens and {r0.output_tokens} output tokens, scheduled as vLLM "
            f"schedules chunked prefill (at most {int(r0.max_num_batched_tokens)} tokens per step, decode first, prompts "
            "chunked; a request waits while the running ones hold max_loras other adapters); adapters are loaded into "
            "slots least recently used, inside the step that needs them. A step with a prompt chunk replays PIECEWISE "
