@@ -70,6 +70,7 @@
 #   prefill - sweeps/prefill.toml (PF_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably; on a warm machine the
 #            stage resumes the run a stopped call left), reported: results/prefill/
 #   serving - sweeps/serving.toml (SV_ARGS adds sweep options, STAGE_TIMEOUT stops it; resumed as prefill), reported: results/serving/
+#   serving-ranges - sweeps/serving-ranges.toml (request lengths drawn from ranges), as serving: results/serving-ranges/
 #   moe-adapters - sweeps/moe-adapters.toml (Qwen3-30B-A3B, 64 adapters), then recommend --adapters 64: results/moe-adapters/
 #   load-paths - every load path (per-slice, one-copy, pageable, overlapped, storage cold/warm) and the host link, for
 #            Llama-3.1-8B with 4 PEFT adapters (scripts/peft_adapters.py) at each rank of LP_RANKS (16 64 128): results/load-paths/
@@ -223,11 +224,11 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
         $(sweep_args results/prefill sweeps/prefill.toml ${PF_ARGS:-}) 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
       for run in results/prefill/2*/; do lorabench report "$run" >/dev/null 2>&1; done
       tar czf "$OUT/prefill.tgz" results/prefill ;;
-    serving)  # sweeps/serving.toml: TTFT, ITL and tokens/s of a loop with prompts, lorabench's kernels and vLLM's: results/serving/
-      /usr/bin/time -f "serving wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
-        $(sweep_args results/serving sweeps/serving.toml ${SV_ARGS:-}) 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
-      for run in results/serving/2*/; do lorabench report "$run" >/dev/null 2>&1; done
-      tar czf "$OUT/serving.tgz" results/serving ;;
+    serving|serving-ranges)  # sweeps/$stage.toml: TTFT, ITL and tokens/s of a loop with prompts, lorabench's kernels and vLLM's: results/$stage/
+      /usr/bin/time -f "$stage wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
+        $(sweep_args results/$stage sweeps/$stage.toml ${SV_ARGS:-}) 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
+      for run in results/$stage/2*/; do lorabench report "$run" >/dev/null 2>&1; done
+      tar czf "$OUT/$stage.tgz" results/$stage ;;
     moe-adapters)  # how many expert-LoRA slots for 64 adapters of Qwen3-30B-A3B: results/moe-adapters/
       /usr/bin/time -f "moe-adapters wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
         --spec sweeps/moe-adapters.toml --out results/moe-adapters 2>&1 | tail -n 12 | tee -a "$OUT/stages.log"
