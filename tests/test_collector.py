@@ -22,6 +22,32 @@ def test_the_heap_is_frozen_in_the_block_and_thawed_after_even_on_error():
     assert gc.get_freeze_count() == before
 
 
+def test_a_freeze_made_outside_is_left_as_it_was():
+    gc.freeze()
+    try:
+        outer = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == outer
+        assert gc.get_freeze_count() == outer
+    finally:
+        gc.unfreeze()
+
+
+def test_garbage_made_between_freezes_is_still_collected():
+    """Many short freezes (one a turn) with cycles made between them: the cycles are freed, not
+    parked in the oldest generation until a full collection."""
+    gc.collect()
+    base = len(gc.get_objects())
+    for _ in range(200):
+        for _ in range(50):
+            a = []
+            a.append(a)
+        with frozen_heap():
+            pass
+    del a
+    assert len(gc.get_objects()) - base < 500
+
+
 def test_the_clock_counts_collections_only_while_it_is_entered():
     callbacks = len(gc.callbacks)
     with CollectorClock() as clock:

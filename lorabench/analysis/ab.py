@@ -40,8 +40,9 @@ from lorabench.storage.results import load_run
 from lorabench.storage.samples import has_samples, read_samples, step_times
 
 KEY = ("model", "rank", "dtype", "kernels", "max_loras", "strategy", "mode", "concurrency", "n_active", "workload",
-       "prefill_tokens", "input_tokens", "max_num_batched_tokens")
-INT_KEYS = frozenset({"rank", "max_loras", "concurrency", "n_active", "prefill_tokens", "max_num_batched_tokens"})
+       "prefill_tokens", "input_tokens", "max_num_batched_tokens", "adapters", "output_tokens")
+INT_KEYS = frozenset({"rank", "max_loras", "concurrency", "n_active", "prefill_tokens", "max_num_batched_tokens",
+                      "adapters"})
 # What a whole run is set to: when each run holds one value and the values differ (rank 8 against
 # rank 64), that difference is what the A/B measures, and points are matched on the rest of KEY.
 RUN_SETTINGS = ("model", "rank", "dtype")

@@ -24,7 +24,7 @@ recommend`` adds ``auto``, ``recommend --adapters`` ``residency``; each keeps th
   ``more_measuring``, ``decided_on``, ``baselines`` (max, pow2, dense priced: the same fields,
   fits_budgets, auto_gain_pct, measured), ``vllm`` (flags, note), ``validate``;
 - ``residency``: "WORKLOAD over N adapters" -> per kernels (``residency_json``): ``kernels``,
-  ``workload``, ``adapters``, ``max_cpu_loras``, ``output_tokens``, ``clients``,
+  ``workload``, ``adapters``, ``max_cpu_loras``, ``output_tokens`` (text: N or LO-HI), ``clients``,
   ``gpu_memory_budget_bytes``, ``at`` (max_loras -> chosen, reason, gain_interval_pct),
   ``configs`` (every configuration priced: ``priced_json``), ``chosen``, ``versus_best``,
   ``versus_card``, ``reason``, ``notes``, ``vllm``, ``validate``.

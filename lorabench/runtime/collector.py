@@ -16,7 +16,14 @@ from contextlib import contextmanager
 @contextmanager
 def frozen_heap():
     """Every object the collector tracks now is left out of its collections until the block
-    ends (``gc.freeze``: no collection, a list moved), then handed back (``gc.unfreeze``)."""
+    ends (``gc.freeze``: a list moved), then handed back (``gc.unfreeze``). The young generations
+    are collected first (about a millisecond): garbage frozen with them would rejoin the oldest
+    generation after, uncounted, and wait for a full collection. Under a freeze already made
+    (``gc.get_freeze_count()``), nothing is done: unfreezing would thaw the outer one's objects."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect(1)
     gc.freeze()
     try:
         yield

@@ -23,7 +23,7 @@ then includes queueing the loads.
 
 Python's collector: the heap is frozen while the steps run (``runtime.collector``: as vLLM freezes
 its heap after startup, so a collection walks only what the steps made), and ``gc`` is the time
-collections took within each step's host work, part of its three parts.
+collections took within each step (from its metadata to the wait for its events).
 """
 
 import time
@@ -92,7 +92,7 @@ class StepSamples:
     loads: np.ndarray
     reads: np.ndarray
     read_bytes: np.ndarray
-    gc_us: np.ndarray  # the collector's time within the step's host work
+    gc_us: np.ndarray  # the collector's time within the step (its host work and the wait for its events)
 
 
 def time_steps(d: Dispatcher, batches: list[list[int]] | list[MixedBatch], iters: int, warmup: int, first: int = 0,

@@ -18,7 +18,7 @@ time), ``host_us``, ``copy_us``, ``launch_us`` (the host's parts of the step), `
 step's active adapters), ``launches`` (the launch count its LoRA kernels ran with), ``tokens``
 (the batch's requests), ``loads`` (adapters loaded into slots within the step: residency runs),
 ``reads`` and ``read_bytes`` (adapter files read from storage within it) and ``gc_us`` (Python's
-collector's time within the step's host work); files written before a column existed have it null.
+collector's time within the step: its host work and the wait for its events); files written before a column existed have it null.
 
 ``loads-<group>.parquet``: each worker group's timed adapter loads (``kernels``, ``max_loras``,
 ``load``, ``load_ms``: what one load adds to the step it blocks, ``alone_ms`` and ``host_us``: the
