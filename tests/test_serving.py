@@ -155,6 +155,7 @@ def test_a_serving_sweep_reports_its_latencies(tmp_path):
     assert main(["report", str(run.parent)]) == 0
     md = (run.parent / "report.md").read_text()
     assert "## Serving with prompts" in md and "**zipf:1**" in md and "**base:1**" in md
+    assert "keep the phases" not in md  # output lengths drawn: no lockstep note
 
 
 def serving_row(max_loras, tokens_s, p99, low, high, point):
@@ -191,7 +192,7 @@ def test_recommend_under_a_ttft_target(tmp_path, capsys):
     run.mkdir()
     rows = pd.DataFrame([serving_row(32, 900.0, 520.0, 505.0, 540.0, 0), serving_row(4, 500.0, 300.0, 280.0, 330.0, 1)])
     rows = rows.assign(run_id="run", device="cpu", gpu_uuid=None, rank=16, tp=1, fully_sharded_loras=False,
-                       concurrency=16, n_active=None)
+                       concurrency=16, n_active=None, output_tokens="600")
     from conftest import with_schema
 
     from lorabench.storage.results import SCHEMA
@@ -202,6 +203,7 @@ def test_recommend_under_a_ttft_target(tmp_path, capsys):
     assert "max_loras 4, max" in out and "--max-loras 4" in out and "--max-cudagraph-capture-size 32" in out
     entry = json.loads((run / "recommendation.json").read_text())["serving"]["ttft_p99_ms=500"][0]
     assert entry["chosen"]["max_loras"] == 4 and [r["against_target"] for r in entry["runs"]] == ["missed", "met"]
+    assert "note: triton under zipf:1: every request decodes 600 tokens" in out and "keep the phases" in entry["note"]
     assert main(["recommend", str(run), "--ttft-p99-ms", "100"]) == 2
     assert main(["recommend", str(run), "--ttft-p99-ms", "500", "--adapters", "8"]) == 2
 
@@ -235,6 +237,20 @@ def test_a_serving_run_is_priced_on_its_own_schedule():
     assert p.error_pct("step_ms_mean") == pytest.approx(100 * (want.mean() - 1))
     no_prefill = predict(rows[rows["mode"] != "prefill"], next(rows[rows["mode"] == "serving"].itertuples()))
     assert no_prefill.predicted == {} and "with a prompt" in no_prefill.why
+
+
+def test_a_loop_of_fixed_output_lengths_says_what_its_ttft_tail_is():
+    from lorabench.analysis.serving import choices, lockstep_note
+
+    rows = pd.DataFrame([serving_row(32, 900.0, 300.0, 280.0, 330.0, 0)])
+    for fixed in ("600", 600, 600.0):
+        assert "every request decodes 600 tokens" in lockstep_note(rows.assign(output_tokens=fixed))
+    assert lockstep_note(rows.assign(output_tokens="300-900")) is None
+    assert lockstep_note(rows.assign(output_tokens="600", workload="trace:t.csv")) is None  # a trace's own lengths
+    (c,) = choices(rows.assign(output_tokens="600"), 500.0)
+    assert c.chosen is not None and "--output-tokens LO-HI" in c.note
+    (c,) = choices(rows.assign(output_tokens="300-900"), 500.0)
+    assert c.note is None
 
 
 def test_a_configuration_found_wrong_is_never_chosen():

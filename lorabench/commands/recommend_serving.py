@@ -41,7 +41,7 @@ def serving_table(c: ServingChoice) -> Table:
 
 def choice_json(c: ServingChoice, first) -> dict:
     chosen = c.chosen
-    return {"workload": c.workload, "kernels": c.kernels, "ttft_p99_ms_target": c.target_ms, "why": c.why,
+    return {"workload": c.workload, "kernels": c.kernels, "ttft_p99_ms_target": c.target_ms, "why": c.why, "note": c.note,
             "chosen": None if chosen is None else {
                 **asdict(chosen),
                 "vllm_flags": f"{run_flags(first, chosen.max_loras, chosen.strategy == 'pow2')} "
@@ -63,6 +63,8 @@ def recommend_serving(run_dir: Path, ttft_p99_ms: str, kernels: str | None, cons
                                                                         for c in found))
     for c in found:
         console.print(serving_table(c))
+        if c.note:
+            console.print(f"note: {c.kernels} under {c.workload}: {c.note}")
         if c.chosen is None:
             console.print(f"{c.kernels} under {c.workload}: nothing to recommend: {c.why}")
             continue

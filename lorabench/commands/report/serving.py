@@ -3,6 +3,7 @@ throughput and the latencies their clients see, per configuration."""
 
 import pandas as pd
 
+from lorabench.analysis.serving import lockstep_note
 from lorabench.analysis.serving_price import FIGURES
 from lorabench.commands.report.labels import in_order
 from lorabench.commands.tables import markdown_table
@@ -53,6 +54,9 @@ def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> lis
                 markdown_table(["kernels", "max_loras", "strategy", "output tokens/s", "tokens/s", "TTFT p50", "TTFT p90",
                                 "TTFT p99", "ITL p50", "ITL p99", "mean step", "prompt tokens", "steps with prompts",
                                 "loads/1k steps", "TTFT requests (still waiting) / pending"], rows), ""]
+        note = lockstep_note(g)
+        if note:
+            out += [f"Note: {note}.", ""]
     return out + _predicted_md(runs, predicted or [])
 
 
