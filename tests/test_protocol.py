@@ -9,8 +9,7 @@ from lorabench.storage.row import COLUMNS, ENV_COLUMNS, Env, Row
 from lorabench.storage.samples import PER_STEP, Loads, Steps
 
 STEPS = Steps(turn=[0, 0], step_ms=[1.5, 1.25], host_us=[3.0, 3.5], copy_us=[1.0, 1.0], launch_us=[2.0, 2.5],
-              n_active=[1, 1], launches=[2, 2], tokens=[4, 4], loads=[0, 0], reads=[0, 0], read_bytes=[0, 0],
-              gc_us=[0.0, 0.0])
+              n_active=[1, 1], launches=[2, 2], tokens=[4, 4], loads=[0, 0], reads=[0, 0], read_bytes=[0, 0])
 MESSAGES = [
     Measured(Row(run_id="r", kernels="triton", max_loras=4, strategy="[1,4]", point=3, status="ok",
                  captured_counts=[1, 4], step_ms_median=1.375, noisy=False), STEPS),

@@ -120,5 +120,5 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served
     steps = Steps(turn=t.turns(), step_ms=s.step_ms.tolist(), host_us=s.host_us.tolist(), copy_us=s.copy_us.tolist(),
                   launch_us=s.launch_us.tolist(), n_active=s.n_active.tolist(), launches=s.launch_counts.tolist(),
                   tokens=s.tokens.tolist(), loads=s.loads.tolist(), reads=s.reads.tolist(),
-                  read_bytes=s.read_bytes.tolist(), gc_us=s.gc_us.tolist())
+                  read_bytes=s.read_bytes.tolist())
     return row, steps

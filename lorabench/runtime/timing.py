@@ -20,10 +20,6 @@ Residency steps (``loads`` given) load adapters into slots before the replay, as
 step that needs them: their CUDA events enclose the loads and the replay (the metadata's copy is
 queued before, as for every step), so each sample is the whole step a request waits for; ``copy``
 then includes queueing the loads.
-
-Python's collector: the heap is frozen while the steps run (``runtime.collector``: as vLLM freezes
-its heap after startup, so a collection walks only what the steps made), and ``gc`` is the time
-collections took within each step (from its metadata to the wait for its events).
 """
 
 import time
@@ -32,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lorabench.runtime.collector import CollectorClock, frozen_heap
 from lorabench.runtime.dispatch import Dispatcher, MixedBatch
 
 NOISY_IQR = 0.10  # IQR / median at or above this flags a point as noisy
@@ -92,7 +87,6 @@ class StepSamples:
     loads: np.ndarray
     reads: np.ndarray
     read_bytes: np.ndarray
-    gc_us: np.ndarray  # the collector's time within the step (its host work and the wait for its events)
 
 
 def time_steps(d: Dispatcher, batches: list[list[int]] | list[MixedBatch], iters: int, warmup: int, first: int = 0,
@@ -107,13 +101,7 @@ def time_steps(d: Dispatcher, batches: list[list[int]] | list[MixedBatch], iters
     after the warm-up). ``reads``: per batch, the adapters whose files ``storage``
     (``lorabench.runtime.load_paths.StorageReads``) reads before the step's loads, inside its
     events, their pages dropped from the page cache before the step (untimed): the timed steps'
-    CPU-cache misses (the warm-up reads nothing). The heap is frozen throughout (``frozen_heap``)."""
-    with frozen_heap(), CollectorClock() as collector:
-        return _time_steps(d, batches, iters, warmup, first, loads, loader, start_slots, reads, storage, collector)
-
-
-def _time_steps(d, batches, iters, warmup, first, loads, loader, start_slots, reads, storage,
-                collector: CollectorClock) -> StepSamples:
+    CPU-cache misses (the warm-up reads nothing)."""
     cuda = d.use_graphs
     for i in range(warmup):
         k = (first + i) % len(batches)
@@ -125,7 +113,7 @@ def _time_steps(d, batches, iters, warmup, first, loads, loader, start_slots, re
     if cuda:
         torch.cuda.synchronize()
         events = Events(iters)
-    step_ms, host_us, copy_us, launch_us, gc_us = (np.empty(iters) for _ in range(5))
+    step_ms, host_us, copy_us, launch_us = (np.empty(iters) for _ in range(4))
     n_active, launches, tokens, loaded, read, read_bytes = (np.zeros(iters, dtype=np.int64) for _ in range(6))
     clock = time.perf_counter_ns
     for i in range(iters):
@@ -133,7 +121,6 @@ def _time_steps(d, batches, iters, warmup, first, loads, loader, start_slots, re
         missed = reads[k] if reads else ()
         for adapter in missed:
             storage.drop(adapter)
-        gc0 = collector.ns()
         t0 = clock()
         prep = d.prepare_step(batches[k])
         tc = clock()
@@ -155,13 +142,13 @@ def _time_steps(d, batches, iters, warmup, first, loads, loader, start_slots, re
             events.wait(i)
         else:
             step_ms[i] = (t2 - t_start) / 1e6
-        host_us[i], launch_us[i], gc_us[i] = (tc - t0) / 1e3, (t2 - t1) / 1e3, (collector.ns() - gc0) / 1e3
+        host_us[i], launch_us[i] = (tc - t0) / 1e3, (t2 - t1) / 1e3
         copy_us[i] = (t1 - tc - (t_read - t_start)) / 1e3  # the metadata's copy and the loads, not the storage reads
         n_active[i], launches[i], tokens[i] = prep.n_active, d.grid_of(prep.route), prep.batch_tokens
         loaded[i], read[i] = len(loads[k]) if loads else 0, len(missed)
     if cuda and iters:
         step_ms[:] = events.ms()
-    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded, read, read_bytes, gc_us)
+    return StepSamples(step_ms, host_us, copy_us, launch_us, n_active, launches, tokens, loaded, read, read_bytes)
 
 
 def summarize(step_ms: np.ndarray) -> dict:

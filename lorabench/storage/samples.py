@@ -16,9 +16,8 @@ round of the interleaving the step was timed in: configurations compared with ea
 timed in alternating turns), ``step_ms`` (GPU time of the step from CUDA events, or the CPU's wall
 time), ``host_us``, ``copy_us``, ``launch_us`` (the host's parts of the step), ``n_active`` (the
 step's active adapters), ``launches`` (the launch count its LoRA kernels ran with), ``tokens``
-(the batch's requests), ``loads`` (adapters loaded into slots within the step: residency runs),
-``reads`` and ``read_bytes`` (adapter files read from storage within it) and ``gc_us`` (Python's
-collector's time within the step: its host work and the wait for its events); files written before a column existed have it null.
+(the batch's requests) and ``loads`` (adapters loaded into slots within the step: residency runs);
+files written before the last two have them null.
 
 ``loads-<group>.parquet``: each worker group's timed adapter loads (``kernels``, ``max_loras``,
 ``load``, ``load_ms``: what one load adds to the step it blocks, ``alone_ms`` and ``host_us``: the

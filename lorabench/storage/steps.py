@@ -20,7 +20,6 @@ class Steps:
     loads: list[int]
     reads: list[int]  # adapters' files read from storage within the step (its CPU-cache misses, --adapters DIR)
     read_bytes: list[int]  # their bytes
-    gc_us: list[float]  # Python's collector's time within the step (its host work and the wait for its events)
 
 
 @dataclass(frozen=True)
