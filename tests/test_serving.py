@@ -286,3 +286,30 @@ def test_a_serving_runs_prefill_points_stop_at_their_own_cap(tmp_path):
     w = Worker([job], 0.0)
     wanted = {p.mode: w.steps_wanted(p) for p in job.points}
     assert wanted == {"fixed": 3000, "prefill": PREFILL_STEPS, "serving": 3000} and PREFILL_STEPS < 3000
+
+
+def test_the_what_if_script_prices_a_run_at_its_own_lengths_as_the_report_does():
+    """scripts/serving_what_if.py at the run's own lengths gives the report's prediction; at other
+    lengths it prices the loop again (here: the frozen H100 run, outputs drawn from a range)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lorabench.analysis.serving_price import predictions
+    from lorabench.storage.results import load_run
+
+    root = Path(__file__).resolve().parent.parent
+    run = DATA / "h100-serving"
+    script = [sys.executable, str(root / "scripts" / "serving_what_if.py"), str(run), "--max-loras", "32",
+              "--workload", "zipf:1"]
+    out = subprocess.run(script, capture_output=True, text=True, timeout=300, check=True).stdout.splitlines()
+    rows = load_run(run)
+    want = {rows.set_index("point").loc[p.point].kernels: p.predicted for p in predictions(rows)
+            if rows.set_index("point").loc[p.point].max_loras == 32 and rows.set_index("point").loc[p.point].workload == "zipf:1"}
+    assert len(out) == 2
+    for line in out:
+        kernels = line.split()[0]
+        assert f"p99 {want[kernels]['ttft_ms_p99']:.1f}," in line and "(80 requests)" in line
+    ranged = subprocess.run(script + ["--output-tokens", "300-900", "--steps", "1000"], capture_output=True, text=True,
+                            timeout=300, check=True).stdout
+    assert ranged.count("out 300-900 steps   1000") == 2
