@@ -84,7 +84,7 @@ def test_bad_prefill_settings_get_one_line(flags, says):
         spec_of(**flags)
 
 
-def test_a_prefill_sweep_writes_checked_rows(tmp_path):
+def test_a_prefill_sweep_writes_checked_rows(tmp_path, capsys):
     code = main(["sweep", "--out", str(tmp_path), "--device", "cpu", "--max-loras", "2", "--concurrency", "1,2",
                  "--strategy", "max,pow2", "--prefill-tokens", "16,40", "--max-cudagraph-capture-size", "16",
                  "--context-len", "32", "--iters", "4", "--warmup", "1", "--workload", "uniform"])
@@ -107,6 +107,17 @@ def test_a_prefill_sweep_writes_checked_rows(tmp_path):
     section = md.split("## Prefill steps: LoRA overhead by prompt tokens")[1].split("\n## ")[0]
     assert "overhead_vs_tokens.png" in section and section.count("| 40 | 2 |") == 2  # one row per strategy
     assert (run.parent / "overhead_vs_tokens.png").stat().st_size > 0
+    # the recommendation counts the PIECEWISE graphs beside the FULL ones, chosen and max alike
+    rec = md.split("## Recommendation")[1].split("\n## ")[0]
+    assert rec.count("PIECEWISE graphs") >= 2 and "for max)" in rec
+    (entry, *_) = json.loads((run.parent / "recommendation.json").read_text())["recommendations"]
+    by_strategy = df.drop_duplicates("strategy").set_index("strategy").num_mixed_graphs
+    assert entry["num_mixed_graphs"] == by_strategy[entry["strategy"]] and entry["num_mixed_graphs_max"] == by_strategy["max"]
+    assert entry["mixed_capture_s"] > 0 and "mixed_graph_mem_bytes" in entry  # the memory: a GPU's (null here)
+    capsys.readouterr()
+    assert main(["recommend", str(run.parent), "--workload", "uniform"]) == 0  # strategy auto says what it leaves out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nor in the budgets: the mixed steps' PIECEWISE graphs" in out
 
 
 def prefill_rows(kernels, speed, first_point):

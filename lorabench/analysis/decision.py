@@ -45,12 +45,28 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Costs:
-    """What a measured configuration's graphs cost."""
+    """What a measured configuration's graphs cost: its FULL graphs (decode), its build and their
+    capture; and, where the run has mixed steps, its PIECEWISE graphs (None without), which vLLM
+    captures per active count too and which a server pays for at startup beside the FULL ones."""
 
     counts: list[int]
     graphs: int | None
     graph_mem_bytes: int | None
-    startup_s: float | None
+    startup_s: float | None  # build, compile and the FULL graphs' capture
+    mixed_graphs: int | None = None
+    mixed_graph_mem_bytes: int | None = None
+    mixed_capture_s: float | None = None
+
+    def describe(self) -> str:
+        """'N graphs', or with PIECEWISE graphs 'N FULL + M PIECEWISE graphs, X MiB, Y s to capture them'."""
+        if not self.mixed_graphs:
+            return f"{self.graphs} graphs"
+        out = f"{self.graphs} FULL + {self.mixed_graphs} PIECEWISE graphs"
+        if self.mixed_graph_mem_bytes is not None:
+            out += f", PIECEWISE {self.mixed_graph_mem_bytes / 2**20:.0f} MiB"
+        if self.mixed_capture_s is not None:
+            out += f" captured in {self.mixed_capture_s:.2f} s"
+        return out
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,10 @@ def measured_decisions(view: RunView, workloads: list[str] | None = None) -> lis
 
 def config_costs(view: RunView) -> dict[tuple[str, int, str], Costs]:
     """(kernels, max_loras, strategy) -> what the configuration's graphs cost."""
-    return {(r.kernels, int(r.max_loras), r.strategy): Costs(list(r.captured_counts), _int(r.num_graphs),
-                                                             _int(r.graph_mem_bytes), float(r.startup_s))
-            for r in view.configs.itertuples()}
+    return {(r.kernels, int(r.max_loras), r.strategy): Costs(
+        list(r.captured_counts), _int(r.num_graphs), _int(r.graph_mem_bytes), float(r.startup_s),
+        _int(r.num_mixed_graphs), _int(r.mixed_graph_mem_bytes), _float(r.mixed_capture_s))
+        for r in view.configs.itertuples()}
 
 
 def _gain(cmp: Comparison, strategy: str) -> Gain:
@@ -146,3 +147,7 @@ def _vllm(view: RunView, kernels: str, max_loras: int, chosen: str, passing: dic
 
 def _int(v):
     return None if v is None or pd.isna(v) else int(v)
+
+
+def _float(v):
+    return None if v is None or pd.isna(v) else float(v)

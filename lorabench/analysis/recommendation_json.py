@@ -13,7 +13,9 @@ recommend`` adds ``auto``, ``recommend --adapters`` ``residency``; each keeps th
   ``captured_counts``, ``capture_sizes``, ``expected_step_ms`` and ``expected_step_ms_max`` (by
   concurrency), ``gain_over_max_pct``, ``gain_by_strategy_pct``, ``gain_interval_pct``
   (estimate, low, high, level), ``versus_max`` (words), ``inconclusive``, ``more_measuring``,
-  ``decided_on``, ``graph_mem_bytes``, ``startup_s``, ``num_graphs`` (each with ``_max``),
+  ``decided_on``, ``graph_mem_bytes``, ``startup_s``, ``num_graphs`` and, with mixed steps, the
+  PIECEWISE graphs' ``num_mixed_graphs``, ``mixed_graph_mem_bytes``, ``mixed_capture_s`` (null
+  without; each with ``_max``),
   ``rejected`` (strategy, reason), ``comparison`` (``Comparison.to_dict``), ``reason``, ``vllm``
   (flags, realises, note);
 - ``auto``: workload -> per (kernels, max_loras), strategy auto (``auto_json``): ``kernels``,
@@ -86,6 +88,11 @@ def measured_json(d: MeasuredDecision) -> dict:
         "startup_s": round(costs.startup_s, 3) if costs else None,
         "startup_s_max": round(mc.startup_s, 3) if mc else None,
         "num_graphs": costs.graphs if costs else None, "num_graphs_max": mc.graphs if mc else None,
+        "num_mixed_graphs": costs.mixed_graphs if costs else None, "num_mixed_graphs_max": mc.mixed_graphs if mc else None,
+        "mixed_graph_mem_bytes": costs.mixed_graph_mem_bytes if costs else None,
+        "mixed_graph_mem_bytes_max": mc.mixed_graph_mem_bytes if mc else None,
+        "mixed_capture_s": _round3(costs.mixed_capture_s) if costs else None,
+        "mixed_capture_s_max": _round3(mc.mixed_capture_s) if mc else None,
         "rejected": [{"strategy": r.strategy, "reason": r.why} for r in d.rejected],
         "comparison": cmp.to_dict(),
         "reason": reason(d),
@@ -192,3 +199,7 @@ def _clean(obj):
 
 def _int(v):
     return None if v is None or pd.isna(v) else int(v)
+
+
+def _round3(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)

@@ -94,6 +94,10 @@ def recommend(run_dir: Path, workload: str, graph_memory_budget: str | None, sta
         m = d.measured
         chosen = "nothing proposed" if m.chosen is None else f"{m.chosen} {m.costs.counts}"
         console.print(f"{where}: measured, as lorabench report says: {chosen}: {reason(m)}")
+        if m.max_costs is not None and m.max_costs.mixed_graphs:
+            mixed = m.costs if m.costs is not None else m.max_costs
+            console.print(f"  not in the model's graphs, memory and startup above, nor in the budgets: the mixed steps' "
+                          f"PIECEWISE graphs, measured: {mixed.describe()} ({m.max_costs.describe()} for max)")
         console.print(f"  model values: {', '.join(f'{v} {k}' for k, v in plan_json(d.chosen)['model_values'].items())}")
         console.print(f"  validate with  {d.validate}")
         console.print(f"  vLLM: {d.vllm.flags}  ({d.vllm.note})")

@@ -27,9 +27,9 @@ def recommendation_md(decisions: list[MeasuredDecision], incomplete: str | None 
             out.append(head + f"nothing proposed: {reason(d)}.")
         else:
             mark = " (**inconclusive**)" if d.inconclusive else ""
-            graphs_max = d.max_costs.graphs if d.max_costs else None
+            graphs_max = d.max_costs.describe() if d.max_costs else None
             out.append(head + f"`{d.chosen}` {d.costs.counts}{mark}, {round(d.gains[d.chosen].pct, 2):+.1f} % vs max, "
-                       f"{d.costs.graphs} graphs ({graphs_max} for max). {reason(d)}. vLLM: `{d.vllm.flags}`")
+                       f"{d.costs.describe()} ({graphs_max} for max). {reason(d)}. vLLM: `{d.vllm.flags}`")
         out += [f"  - rejected `{r.strategy}`: {r.why}" for r in d.rejected]
         out += versus_md(d)
         out += coverage_md(d.comparison)
