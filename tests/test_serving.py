@@ -156,6 +156,7 @@ def test_a_serving_sweep_reports_its_latencies(tmp_path):
     md = (run.parent / "report.md").read_text()
     assert "## Serving with prompts" in md and "**zipf:1**" in md and "**base:1**" in md
     assert "keep the phases" not in md  # output lengths drawn: no lockstep note
+    assert "| ITL p50 | ITL p90 | ITL p99 |" in md
 
 
 def serving_row(max_loras, tokens_s, p99, low, high, point):
@@ -163,7 +164,7 @@ def serving_row(max_loras, tokens_s, p99, low, high, point):
             "strategy": "max", "max_cudagraph_capture_size": 32, "point": point, "output_tokens_per_s": tokens_s,
             "ttft_ms_p99": p99, "ttft_ms_p99_low": low, "ttft_ms_p99_high": high, "itl_ms_p99": 12.0, "ttft_pending": 0,
             "graph_mem_bytes": 2**30, "mixed_graph_mem_bytes": 2**29, "startup_s": 10.0, "mixed_capture_s": 2.0,
-            "ttft_requests": 400 if low is not None else 20, "iters": 3000}
+            "ttft_requests": 400 if low is not None else 20, "iters": 3000, "ttft_ms_p50": p99 / 4, "itl_ms_p50": 8.0}
 
 
 def test_the_serving_choice_is_the_fastest_shown_within_the_target():
@@ -204,6 +205,7 @@ def test_recommend_under_a_ttft_target(tmp_path, capsys):
     entry = json.loads((run / "recommendation.json").read_text())["serving"]["ttft_p99_ms=500"][0]
     assert entry["chosen"]["max_loras"] == 4 and [r["against_target"] for r in entry["runs"]] == ["missed", "met"]
     assert "note: triton under zipf:1: every request decodes 600 tokens" in out and "keep the phases" in entry["note"]
+    assert [(r["ttft_p50_ms"], r["itl_p50_ms"]) for r in entry["runs"]] == [(130.0, 8.0), (75.0, 8.0)]
     assert main(["recommend", str(run), "--ttft-p99-ms", "100"]) == 2
     assert main(["recommend", str(run), "--ttft-p99-ms", "500", "--adapters", "8"]) == 2
 

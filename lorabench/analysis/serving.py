@@ -43,6 +43,8 @@ class ServingRun:
     startup_s: float | None  # build, compile and both captures
     ttft_requests: int = 0  # the requests its TTFT percentiles count
     iters: int = 0  # the loop's timed steps
+    ttft_p50_ms: float | None = None
+    itl_p50_ms: float | None = None
 
     @property
     def too_few_requests(self) -> bool:
@@ -118,7 +120,8 @@ def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingC
             k, int(r.max_loras), r.strategy, int(r.max_cudagraph_capture_size), int(r.point), float(r.output_tokens_per_s),
             _value(r.ttft_ms_p99), _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high), _value(r.itl_ms_p99),
             int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),
-            _sum(r.startup_s, r.mixed_capture_s), int(_value(r.ttft_requests) or 0), int(r.iters))
+            _sum(r.startup_s, r.mixed_capture_s), int(_value(r.ttft_requests) or 0), int(r.iters),
+            _value(getattr(r, "ttft_ms_p50", None)), _value(getattr(r, "itl_ms_p50", None)))
             for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
         if target_ms is None:
             out.append(ServingChoice(w, k, None, runs, runs[0], "the most output tokens/s (no TTFT target)", note))

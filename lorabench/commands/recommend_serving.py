@@ -27,14 +27,15 @@ def _ms(v) -> str:
 def serving_table(c: ServingChoice) -> Table:
     table = Table(title=f"{c.kernels} under {c.workload}: serving runs, most output tokens/s first", box=box.SIMPLE_HEAD,
                   padding=(0, 1), pad_edge=False)
-    for col in ["L", "set", "PIECEWISE to", "out tok/s", "TTFT p99 ms", "95 % CI", "target", "ITL p99 ms", "pending",
-                "graph MiB", "startup s"]:
+    for col in ["L", "set", "PIECEWISE to", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "95 % CI", "target", "ITL p50 ms",
+                "ITL p99 ms", "pending", "graph MiB", "startup s"]:
         table.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
     for s in c.runs:
         mark = " *" if s == c.chosen else ""
         ci = "-" if s.ttft_p99_low is None else f"{_ms(s.ttft_p99_low)}…{_ms(s.ttft_p99_high)}"
         table.add_row(str(s.max_loras), s.strategy + mark, str(s.max_cudagraph_capture_size), f"{s.output_tokens_per_s:,.0f}",
-                      _ms(s.ttft_p99_ms), ci, s.against(c.target_ms) or "-", _ms(s.itl_p99_ms), str(s.ttft_pending),
+                      _ms(s.ttft_p50_ms), _ms(s.ttft_p99_ms), ci, s.against(c.target_ms) or "-", _ms(s.itl_p50_ms),
+                      _ms(s.itl_p99_ms), str(s.ttft_pending),
                       mib(s.graph_mem_bytes) or "-", "-" if s.startup_s is None else f"{s.startup_s:.1f}")
     return table
 

@@ -47,12 +47,13 @@ def serving_md(runs: pd.DataFrame, u: str, predicted: list | None = None) -> lis
         g = in_order(g, by=("kernels", "max_loras", "strategy"))
         rows = [[r.kernels, int(r.max_loras), r.strategy, r.output_tokens_per_s, r.tokens_per_s,
                  _with_interval(r, "ttft_ms_p50"), _with_interval(r, "ttft_ms_p90"), _with_interval(r, "ttft_ms_p99"),
-                 _with_interval(r, "itl_ms_p50"), _with_interval(r, "itl_ms_p99"), r.step_ms_mean,
+                 _with_interval(r, "itl_ms_p50"), _with_interval(r, "itl_ms_p90"), _with_interval(r, "itl_ms_p99"),
+                 r.step_ms_mean,
                  f"{100 * r.prefill_token_share:.0f} %", f"{100 * r.mixed_step_share:.0f} %", 1000 * r.loads_per_step,
                  f"{int(r.ttft_requests)} ({int(r.ttft_censored)}) / {int(r.ttft_pending)}"] for r in g.itertuples()]
         out += [f"**{w}**\n",
                 markdown_table(["kernels", "max_loras", "strategy", "output tokens/s", "tokens/s", "TTFT p50", "TTFT p90",
-                                "TTFT p99", "ITL p50", "ITL p99", "mean step", "prompt tokens", "steps with prompts",
+                                "TTFT p99", "ITL p50", "ITL p90", "ITL p99", "mean step", "prompt tokens", "steps with prompts",
                                 "loads/1k steps", "TTFT requests (still waiting) / pending"], rows), ""]
         note = lockstep_note(g)
         if note:
