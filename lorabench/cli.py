@@ -159,6 +159,7 @@ def recommend(
     gpu_memory_budget: str = typer.Option(None, "--gpu-memory-budget", help="With --adapters: most GPU memory the LoRA configuration may take (its graphs and adapter slots, which come out of the KV cache), GiB [default: no limit]."),
     host_memory_budget: str = typer.Option(None, "--host-memory-budget", help="With --adapters and without --max-cpu-loras: most host memory vLLM's CPU cache of adapters may take per worker, GiB; the cache is the smallest within 2 % of the fastest that fits, misses priced at the run's cold read of an adapter's file [default: no limit]."),
     ttft_p99_ms: str = typer.Option(None, "--ttft-p99-ms", help="Choose among the run's serving runs (--input-tokens): per workload and kernels, the configuration with the most output tokens/s whose TTFT p99 is shown within this many ms (its 95 % interval below it)."),
+    also: list[Path] = typer.Option(None, "--also", help="With --ttft-p99-ms: another run whose serving runs to choose among too (e.g. one per --max-cudagraph-capture-size), of the same GPU model; repeatable."),
 ):
     """Choose the capture set (strategy auto) that minimises the expected step time under a
     workload within the budgets, from what a run measured; compare it with max, pow2 and dense.
@@ -176,8 +177,10 @@ def recommend(
             raise UserError(f"{given[0]}: not with --ttft-p99-ms (it chooses among the run's serving runs as measured)")
         from lorabench.commands.recommend_serving import recommend_serving
 
-        return recommend_serving(run_dir, ttft_p99_ms, kernels, console)
+        return recommend_serving(run_dir, ttft_p99_ms, kernels, console, also)
 
+    if also:
+        raise UserError("--also: goes with --ttft-p99-ms (other runs' serving runs to choose among)")
     if adapters is not None:
         given = [f for f, v in (("--graph-memory-budget", graph_memory_budget), ("--startup-budget", startup_budget)) if v is not None]
         if given:

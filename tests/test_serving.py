@@ -210,6 +210,37 @@ def test_recommend_under_a_ttft_target(tmp_path, capsys):
     assert main(["recommend", str(run), "--ttft-p99-ms", "500", "--adapters", "8"]) == 2
 
 
+def test_recommend_chooses_among_runs_of_other_capture_sizes(tmp_path, capsys):
+    """A sweep has one --max-cudagraph-capture-size; --also adds another run's serving runs (its own
+    size) to the choice, of the same GPU model only."""
+    import json
+
+    from conftest import with_schema
+
+    from lorabench.storage.results import SCHEMA
+
+    def write(name, size, tokens_s, gpu):
+        run = tmp_path / name
+        run.mkdir()
+        row = serving_row(32, tokens_s, 300.0, 280.0, 330.0, 0)
+        rows = pd.DataFrame([row]).assign(run_id=name, device="cuda", gpu_name=gpu, gpu_uuid=f"GPU-{name}", rank=16,
+                                          tp=1, fully_sharded_loras=False, concurrency=16, n_active=None,
+                                          max_cudagraph_capture_size=size, output_tokens="300-900")
+        with_schema(rows).to_parquet(run / "points.parquet", schema=SCHEMA)
+        return run
+
+    a, b = write("a", 32, 900.0, "NVIDIA H100"), write("b", 64, 950.0, "NVIDIA H100")
+    assert main(["recommend", str(a), "--ttft-p99-ms", "500", "--also", str(b)]) == 0
+    entry = json.loads((a / "recommendation.json").read_text())["serving"]["ttft_p99_ms=500"][0]
+    assert entry["chosen"]["max_cudagraph_capture_size"] == 64 and entry["chosen"]["run_id"] == "b"
+    assert [r["run_id"] for r in entry["runs"]] == ["b", "a"] and "--max-cudagraph-capture-size 64" in capsys.readouterr().out
+    other = write("c", 64, 990.0, "NVIDIA H200")
+    assert main(["recommend", str(a), "--ttft-p99-ms", "500", "--also", str(other)]) == 2
+    assert "measured on NVIDIA H100" in capsys.readouterr().err
+    assert main(["recommend", str(a), "--also", str(b)]) == 2
+    assert "--also: goes with --ttft-p99-ms" in capsys.readouterr().err
+
+
 def test_steps_with_a_prompt_are_priced_between_the_points_at_their_active_count():
     from lorabench.analysis.serving_price import _interpolate
 

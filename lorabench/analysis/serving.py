@@ -45,6 +45,7 @@ class ServingRun:
     iters: int = 0  # the loop's timed steps
     ttft_p50_ms: float | None = None
     itl_p50_ms: float | None = None
+    run_id: str | None = None  # the run it was measured in (choices may span runs: ``recommend --also``)
 
     @property
     def too_few_requests(self) -> bool:
@@ -121,7 +122,7 @@ def choices(rows: pd.DataFrame, target_ms: float | None = None) -> list[ServingC
             _value(r.ttft_ms_p99), _value(r.ttft_ms_p99_low), _value(r.ttft_ms_p99_high), _value(r.itl_ms_p99),
             int(r.ttft_pending), _sum(r.graph_mem_bytes, r.mixed_graph_mem_bytes),
             _sum(r.startup_s, r.mixed_capture_s), int(_value(r.ttft_requests) or 0), int(r.iters),
-            _value(getattr(r, "ttft_ms_p50", None)), _value(getattr(r, "itl_ms_p50", None)))
+            _value(getattr(r, "ttft_ms_p50", None)), _value(getattr(r, "itl_ms_p50", None)), getattr(r, "run_id", None))
             for r in g.itertuples()), key=lambda s: -s.output_tokens_per_s))
         if target_ms is None:
             out.append(ServingChoice(w, k, None, runs, runs[0], "the most output tokens/s (no TTFT target)", note))

@@ -1,10 +1,14 @@
 """``lorabench recommend RUN --ttft-p99-ms X``: among a run's serving runs (requests with prompts),
 per workload and kernels, the configuration with the most output tokens/s whose TTFT p99 is shown
 within X ms (``lorabench.analysis.serving``); written to the run's ``recommendation.json`` under
-``"serving"``. Exit status 0 when one (workload, kernels) gets a choice; 2 and one line otherwise."""
+``"serving"``. ``--also RUN2 ...`` adds other runs' serving runs to choose among (a sweep has one
+``--max-cudagraph-capture-size``: each size is its own run), on the same GPU model only. Exit
+status 0 when one (workload, kernels) gets a choice; 2 and one line otherwise."""
 
 from dataclasses import asdict
 from pathlib import Path
+
+import pandas as pd
 
 from rich import box
 from rich.console import Console
@@ -27,13 +31,14 @@ def _ms(v) -> str:
 def serving_table(c: ServingChoice) -> Table:
     table = Table(title=f"{c.kernels} under {c.workload}: serving runs, most output tokens/s first", box=box.SIMPLE_HEAD,
                   padding=(0, 1), pad_edge=False)
-    for col in ["L", "set", "PIECEWISE to", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "95 % CI", "target", "ITL p50 ms",
+    runs = len({s.run_id for s in c.runs}) > 1
+    for col in ["run"] * runs + ["L", "set", "PIECEWISE to", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "95 % CI", "target", "ITL p50 ms",
                 "ITL p99 ms", "pending", "graph MiB", "startup s"]:
         table.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
     for s in c.runs:
         mark = " *" if s == c.chosen else ""
         ci = "-" if s.ttft_p99_low is None else f"{_ms(s.ttft_p99_low)}…{_ms(s.ttft_p99_high)}"
-        table.add_row(str(s.max_loras), s.strategy + mark, str(s.max_cudagraph_capture_size), f"{s.output_tokens_per_s:,.0f}",
+        table.add_row(*[str(s.run_id)] * runs, str(s.max_loras), s.strategy + mark, str(s.max_cudagraph_capture_size), f"{s.output_tokens_per_s:,.0f}",
                       _ms(s.ttft_p50_ms), _ms(s.ttft_p99_ms), ci, s.against(c.target_ms) or "-", _ms(s.itl_p50_ms),
                       _ms(s.itl_p99_ms), str(s.ttft_pending),
                       mib(s.graph_mem_bytes) or "-", "-" if s.startup_s is None else f"{s.startup_s:.1f}")
@@ -50,10 +55,26 @@ def choice_json(c: ServingChoice, first) -> dict:
             "runs": [{**asdict(s), "against_target": s.against(c.target_ms)} for s in c.runs]}
 
 
-def recommend_serving(run_dir: Path, ttft_p99_ms: str, kernels: str | None, console: Console) -> int:
+def serving_rows(views: list[tuple[Path, RunView]]) -> pd.DataFrame:
+    """The serving rows of every run, one GPU model's only: one line and exit 2 when they differ (a
+    throughput measured on another model of GPU is not one to choose by)."""
+    frames = [v.compared for _, v in views]
+    models = {}
+    for (path, _), f in zip(views, frames):
+        served = f[f["mode"] == "serving"]
+        name = served.gpu_name.dropna().iloc[0] if "gpu_name" in served and served.gpu_name.notna().any() else "no GPU"
+        models.setdefault(name, path)
+    if len(models) > 1:
+        (a, pa), (b, pb) = list(models.items())[:2]
+        raise UserError(f"--also: {pa} measured on {a}, {pb} on {b}: choose among runs of one GPU model")
+    return pd.concat(frames, ignore_index=True)
+
+
+def recommend_serving(run_dir: Path, ttft_p99_ms: str, kernels: str | None, console: Console,
+                      also: list[Path] | None = None) -> int:
     target = to_positive("ttft_p99_ms", ttft_p99_ms)
     view = RunView.read(run_dir)
-    rows = view.compared
+    rows = serving_rows([(run_dir, view)] + [(p, RunView.read(p)) for p in also or []])
     if kernels:
         rows = rows[rows.kernels.isin(coerce("kernels", kernels))]
     found = choices(rows, target)
