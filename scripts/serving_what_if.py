@@ -12,10 +12,8 @@ p99, ITL p50 and p99 (ms), and the requests the TTFT percentiles count.
 
 import argparse
 
-import numpy as np
-
-import lorabench.analysis.serving_price as serving_price
 from lorabench.analysis.points import ok_points
+from lorabench.analysis.serving_price import predict
 from lorabench.storage.results import load_run
 
 
@@ -35,20 +33,11 @@ def main() -> None:
         runs = runs[runs.max_loras == args.max_loras]
     if args.workload is not None:
         runs = runs[runs.workload == args.workload]
-    requests = {}
-    latencies = serving_price.latencies
-
-    def counted(served, ms):  # the pricing's own latencies, their request count kept
-        lat = latencies(served, ms)
-        requests["n"] = int(np.size(lat.ttft_ms))
-        return lat
-
-    serving_price.latencies = counted
     for r in runs.itertuples():
         inp = args.input_tokens or r.input_tokens
         out = args.output_tokens or str(r.output_tokens)
         for steps in [int(s) for s in args.steps.split(",")] if args.steps else [int(r.timed_steps)]:
-            p = serving_price.predict(rows, r._replace(input_tokens=inp, output_tokens=out, timed_steps=steps))
+            p = predict(rows, r._replace(input_tokens=inp, output_tokens=out, timed_steps=steps))
             if p.why:
                 print(f"{r.kernels} {int(r.max_loras)} {r.workload}: not priced: {p.why}")
                 continue
@@ -56,7 +45,7 @@ def main() -> None:
             print(f"{r.kernels:>8} max_loras {int(r.max_loras):>3} {r.workload:>8} in {inp:>9} out {out:>7} steps {steps:>6}: "
                   f"{f['output_tokens_per_s']:7.1f} tok/s, step {f['step_ms_mean']:.2f}, TTFT p50 {f['ttft_ms_p50']:.1f} "
                   f"p99 {f['ttft_ms_p99']:.1f}, ITL p50 {f['itl_ms_p50']:.2f} p99 {f['itl_ms_p99']:.1f} ms "
-                  f"({requests['n']} requests)")
+                  f"({p.ttft_requests} requests)")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class Costs:
     mixed_capture_s: float | None = None
 
     def describe(self) -> str:
-        """'N graphs', or with PIECEWISE graphs 'N FULL + M PIECEWISE graphs, X MiB, Y s to capture them'."""
+        """'N graphs', or with PIECEWISE graphs 'N FULL + M PIECEWISE graphs, PIECEWISE X MiB captured in Y s'."""
         if not self.mixed_graphs:
             return f"{self.graphs} graphs"
         out = f"{self.graphs} FULL + {self.mixed_graphs} PIECEWISE graphs"

@@ -31,6 +31,7 @@ class ServingPrediction:
     measured: dict  # FIGURES -> the row's value
     predicted: dict  # FIGURES -> the prediction's (None: not predicted)
     why: str | None = None  # why not predicted
+    ttft_requests: int = 0  # the requests the predicted TTFT percentiles count
 
     def error_pct(self, name: str) -> float | None:
         m, p = self.measured.get(name), self.predicted.get(name)
@@ -96,7 +97,7 @@ def predict(view_rows: pd.DataFrame, row) -> ServingPrediction:
     predicted = {"output_tokens_per_s": lat.tokens_per_s, "step_ms_mean": float(predicted_ms.mean())}
     for p in (50, 99):
         predicted[f"ttft_ms_p{p}"], predicted[f"itl_ms_p{p}"] = lat.ttft_value(p), lat.itl_value(p)
-    return ServingPrediction(int(row.point), measured, predicted)
+    return ServingPrediction(int(row.point), measured, predicted, ttft_requests=int(np.size(lat.ttft_ms)))
 
 
 def predictions(rows: pd.DataFrame) -> list[ServingPrediction]:

@@ -58,16 +58,14 @@ def choice_json(c: ServingChoice, first) -> dict:
 def serving_rows(views: list[tuple[Path, RunView]]) -> pd.DataFrame:
     """The serving rows of every run, one GPU model's only: one line and exit 2 when they differ (a
     throughput measured on another model of GPU is not one to choose by)."""
-    frames = [v.compared for _, v in views]
-    models = {}
-    for (path, _), f in zip(views, frames):
-        served = f[f["mode"] == "serving"]
-        name = served.gpu_name.dropna().iloc[0] if "gpu_name" in served and served.gpu_name.notna().any() else "no GPU"
-        models.setdefault(name, path)
+    models = {}  # GPU model -> the first run measured on it
+    for path, view in views:
+        names = view.compared.loc[view.compared["mode"] == "serving", "gpu_name"].dropna()
+        models.setdefault(names.iloc[0] if len(names) else "no GPU", path)
     if len(models) > 1:
         (a, pa), (b, pb) = list(models.items())[:2]
         raise UserError(f"--also: {pa} measured on {a}, {pb} on {b}: choose among runs of one GPU model")
-    return pd.concat(frames, ignore_index=True)
+    return pd.concat([view.compared for _, view in views], ignore_index=True)
 
 
 def recommend_serving(run_dir: Path, ttft_p99_ms: str, kernels: str | None, console: Console,
