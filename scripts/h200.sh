@@ -192,12 +192,11 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       tar czf "$OUT/moe-smoke.tgz" results/moe-smoke ;;
     moe-qwen3 | moe-mixtral)  # sweeps/moe-*.toml: lorabench's expert LoRA vs vLLM's fused_moe_lora: results/moe/
       # One spec takes longer than a 10-minute call: MOE_LORAS (e.g. 4, then 16) splits it, STAGE_TIMEOUT stops
-      # it with its finished rows kept (then: lorabench sweep --resume results/moe/<run>).
+      # it with its finished rows kept; the next call resumes a run it left unfinished in results/moe/ (as prefill).
       # MOE_ARGS adds sweep options (e.g. "--concurrency 1,2,4,8,16 --active-counts 1,8,16").
-      lor=(); [ -n "${MOE_LORAS:-}" ] && lor=(--max-loras "$MOE_LORAS")
-      read -r -a more <<<"${MOE_ARGS:-}"
+      lor=; [ -n "${MOE_LORAS:-}" ] && lor="--max-loras $MOE_LORAS"
       /usr/bin/time -f "$stage wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
-        --spec sweeps/$stage.toml "${lor[@]}" "${more[@]}" --out results/moe 2>&1 | tail -n 60 | tee -a "$OUT/stages.log"
+        $(sweep_args results/moe sweeps/$stage.toml $lor ${MOE_ARGS:-}) 2>&1 | tail -n 60 | tee -a "$OUT/stages.log"
       tar czf "$OUT/$stage.tgz" results/moe ;;
     moe-bench)  # the expert LoRA alone: which path, which expand grouping, and vLLM's specialised sorted path's check
       l=${MB_LORAS:-16}; points="2:1,2:1:$l,8:4,8:4:$l,64:$l"  # every point fits l >= 4
