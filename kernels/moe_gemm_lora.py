@@ -201,7 +201,7 @@ def tile_n(ns: int, slices: int) -> int | None:
     return next((w for w in widths if slices == 1 or ns % w == 0), None)
 
 
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int, launch_count: int) -> str:
     """The gemm backend's rule: h per output tile while the routed entries are at most one per
     expert (a block then holds about one entry, so one slot: its h costs R·K of A per tile), the
     shrink first above (blocks of several entries and slots would recompute h for each slot in
@@ -210,7 +210,7 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
     loses to the per-entry path launched as the GEMM's PDL successor and to the sorted path
     (Qwen3-30B-A3B at 2 tokens 0.57 against 0.21 ms, at 64 tokens 4.22 against 4.07; Mixtral-8x7B
     at 64 tokens 11.6 against 4.4 ms over the GEMM)."""
-    del max_loras
+    del max_loras, launch_count
     return IN_GEMM_SHRUNK if tokens * top_k > SHRINK_FIRST_ENTRIES_PER_EXPERT * experts else IN_GEMM
 
 
@@ -238,7 +238,7 @@ def expert_gemm_lora(w: torch.Tensor, call: ExpertCall, meta: LoRAMeta, launch_c
     tokens, top_k = call.topk_ids.shape
     numel = tokens * top_k
     if shrink_first is None:
-        shrink_first = moe_path(tokens, top_k, experts, call.lora_a.shape[1]) == IN_GEMM_SHRUNK
+        shrink_first = moe_path(tokens, top_k, experts, call.lora_a.shape[1], launch_count) == IN_GEMM_SHRUNK
     y = torch.empty((numel, n), dtype=x.dtype, device=x.device)
     if numel == 0:
         return y

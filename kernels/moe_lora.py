@@ -20,7 +20,7 @@ Layouts as ``expert_call.ExpertCall`` says. Two Triton paths:
   about 512 programs per adapter column).
 
 Which one a step takes is the backend's rule (``moe_path``), a function of the bucket's tokens and
-the layer's experts.
+the graph's launch count (its adapter columns).
 """
 
 from typing import NamedTuple
@@ -36,26 +36,31 @@ from .moe_gemm import BLOCK_M, gathered_dot
 from .moe_lora_per_entry import PerEntryTiling, per_entry_apply
 
 PER_ENTRY, SORTED = "per-entry", "sorted"
-PER_ENTRY_ANY_EXPERTS = 16  # lorabench's rule: up to this many routed entries take the per-entry path,
-PER_ENTRY_PER_EXPERT = 4  # and up to this many per expert of the layer (see moe_path)
+PER_ENTRY_TOKENS = 32  # lorabench's rule: buckets of up to this many tokens take the per-entry path,
+PER_ENTRY_TOKENS_WIDE = 64  # and of up to this many where the graph launches WIDE_LAUNCH adapter columns or more
+WIDE_LAUNCH = 16
 
 
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    """lorabench's choice: per-entry for few routed entries (the sorted path's four launches and
-    its chain of dependent loads then cost more than per-entry's rereads of x, launched as the
-    expert GEMM's PDL successor), or up to four per expert (the per-entry programs compute h while
-    the GEMM runs; the sorted path's blocks hold few entries of one adapter each); sorted
-    otherwise, where each block's h is computed once for the entries it holds. Every layer's expert
-    LoRA after its GEMM, 16 slots, one base token, n = tokens / 4 active, H100, ms (per-entry with
-    today's defaults / sorted, git b7856f1): Qwen3-30B-A3B (128 experts, top-8) 0.21 / 1.05 at 2
-    tokens, 0.61 / 1.54 at 8, 1.69 / 2.76 at 32, 3.58 / 4.16 at 64 (512 entries, four an expert);
-    Mixtral-8x7B (8 experts, top-2) 0.39 / 2.31 at 2 tokens, 1.46 / 2.52 at 8, 2.44 / 3.07 at 32,
-    4.16 / 4.44 at 64. Untimed: many entries of one adapter per expert (n = 1 at 32 or more
-    tokens), where the sorted blocks share more; Mixtral stays sorted from 17 tokens until then."""
-    del max_loras
-    entries = tokens * top_k
-    few = entries <= PER_ENTRY_ANY_EXPERTS or entries <= PER_ENTRY_PER_EXPERT * experts
-    return PER_ENTRY if few else SORTED
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int, launch_count: int) -> str:
+    """lorabench's choice for a graph of ``tokens`` tokens launched for ``launch_count`` adapter
+    columns: per-entry up to 32 tokens, and up to 64 where it launches 16 columns or more; sorted
+    otherwise. Per-entry's cost grows with the routed entries (each rereads its expert's A and B,
+    mostly from L2) and not with the columns; the sorted path's grows with the columns (an adapter
+    column of programs over every block) and shares each block's A and B among its entries, so it
+    wins at many tokens over few columns. Every layer's expert LoRA after its grouped GEMM, 16 slots,
+    one base token, ms over the GEMM alone, per-entry (the GEMM's PDL successor) / sorted, H100, git
+    8cb194b (``moe/expert-lora-gemm``): Qwen3-30B-A3B (128 experts, top-8) 32 tokens, 1 column 1.43
+    / 1.79, 8 columns 1.69 / 2.84; 64 tokens, 1 column 2.84 / **1.92**, 16 columns 3.57 / 4.15;
+    Mixtral-8x7B (8 experts, top-2) 32 tokens, 1 column 1.75 / 2.51, 8 columns 2.42 / 3.05; 64
+    tokens, 1 column 2.92 / **2.62**, 16 columns 4.15 / 4.40; per-entry wins at 2 and 8 tokens by
+    2-6x on both. Between 32 and 64 tokens with 2 to 8 columns neither is timed (the sorted path's
+    cost per column there, ~0.15 ms on Qwen3, puts it ahead at 4). Above 64 tokens (mixed steps'
+    prompts) sorted, where blocks fill. The experts and top-k do not enter: the crossover sat near
+    the same token count on both models, at 4 and at 16 entries an expert."""
+    del top_k, experts, max_loras
+    if tokens <= PER_ENTRY_TOKENS or (tokens <= PER_ENTRY_TOKENS_WIDE and launch_count >= WIDE_LAUNCH):
+        return PER_ENTRY
+    return SORTED
 
 
 @triton.jit
@@ -289,7 +294,7 @@ def moe_lora_apply(call: ExpertCall, meta: LoRAMeta, launch_count: int, scale: f
     numel = tokens * top_k
     if numel == 0:
         return
-    path_name = path_name or moe_path(tokens, top_k, experts, max_loras)
+    path_name = path_name or moe_path(tokens, top_k, experts, max_loras, launch_count)
     if path_name == PER_ENTRY:
         per_entry_apply(call, meta, scale, per_entry)
         return

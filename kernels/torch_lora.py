@@ -43,7 +43,7 @@ def moe_lora_apply(call, meta: LoRAMeta, launch_count, scale) -> None:
     slices, max_loras, experts = call.lora_a.shape[:3]
     slot = meta.token_slot[:tokens].long().repeat_interleave(top_k)
     served = slot >= 0
-    if moe_path(tokens, top_k, experts, max_loras) == _moe_lora.SORTED:
+    if moe_path(tokens, top_k, experts, max_loras, launch_count) == _moe_lora.SORTED:
         launched = meta.active_slots[:launch_count].long()
         served &= (slot[:, None] == launched[None, :]).any(dim=1)
     s, e = slot.clamp(min=0), call.topk_ids.reshape(-1).long().clamp(0, experts - 1)

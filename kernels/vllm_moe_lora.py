@@ -91,8 +91,9 @@ def vllm_configs(experts: int, inter: int, rank: int, tokens: int, device: torch
     return shrink, expand
 
 
-def moe_path(tokens: int, top_k: int, experts: int, max_loras: int) -> str:
-    """vLLM's choice (``moe_align.uses_per_token_path``)."""
+def moe_path(tokens: int, top_k: int, experts: int, max_loras: int, launch_count: int) -> str:
+    """vLLM's choice (``moe_align.uses_per_token_path``): the launch count does not enter it."""
+    del launch_count
     return PER_ENTRY if uses_per_token_path(tokens, top_k, experts, max_loras) else SORTED
 
 
@@ -113,7 +114,7 @@ def moe_lora_apply(call, meta, launch_count: int, scale: float, load_ops) -> Non
     if bool(no_lora.item()):
         return
     enabled = call.enabled
-    if moe_path(tokens, top_k, experts, max_loras) == PER_ENTRY:
+    if moe_path(tokens, top_k, experts, max_loras, launch_count) == PER_ENTRY:
         sorted_ids, expert_ids, post_pad = None, call.topk_ids.reshape(-1), None
     else:
         sorted_ids, expert_ids, post_pad = align_blocks(call.topk_ids, experts, int(shrink.get("BLOCK_SIZE_M") or 64),

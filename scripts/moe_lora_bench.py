@@ -101,7 +101,7 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
     n = launch or n
     e, k = cfg.moe.experts, cfg.moe.top_k
     out = {
-        "lorabench": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0), moe_path(tokens, k, e, max_loras)),
+        "lorabench": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0), moe_path(tokens, k, e, max_loras, n)),
         "lorabench per-entry": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY), PER_ENTRY),
         "lorabench sorted": (lambda c: moe_lora_apply(c, buf.meta, n, 1.0, SORTED), SORTED),
         "lorabench per-entry no pdl": (ordinary_launch(lambda c: moe_lora_apply(c, buf.meta, n, 1.0, PER_ENTRY)), PER_ENTRY),
@@ -120,7 +120,7 @@ def variants(cfg, tokens: int, max_loras: int, slots: list[int], tilings: list[S
 
         kernel_meta = load_ops()[2].make(max_loras, tokens, torch.device(DEVICE))
         kernel_meta.prepare_tensors(torch.tensor(slots, dtype=torch.int32, device=DEVICE))
-        vpath = vllm_moe_lora.moe_path(tokens, k, e, max_loras)
+        vpath = vllm_moe_lora.moe_path(tokens, k, e, max_loras, max_loras + 1)
         for name, specialize in (("vllm", False), ("vllm --specialize-active-lora", True)):
             meta = VllmMeta(kernel_meta, specialize)
             out[name] = (lambda c, m=meta: vllm_moe_lora.moe_lora_apply(c, m, max_loras + 1, 1.0, load_ops), vpath)
@@ -256,7 +256,7 @@ def main() -> None:
         slots = fixed_batch(tokens, active, args.max_loras, random.Random(tokens), args.base_tokens)
         chosen, meta = variants(cfg, tokens, args.max_loras, slots, tilings, launch, per_entry)
         if args.with_gemm:
-            rule = gemm_path(tokens, cfg.moe.top_k, cfg.moe.experts, args.max_loras)
+            rule = gemm_path(tokens, cfg.moe.top_k, cfg.moe.experts, args.max_loras, launch or active)
             chosen = with_gemm(chosen, weights, meta, launch or active, rule)
             gemm = chosen["gemm alone"][0]
             errs = {name: check_projection(apply, gemm, calls, meta) for name, (apply, _) in chosen.items()}

@@ -115,8 +115,8 @@ def test_no_launch_is_the_base_gemm_and_an_odd_slice_width_falls_back():
 def test_the_gemm_backend_takes_it_and_names_its_path():
     gemm = get_backend("gemm")
     assert gemm.expert_gemm_lora is expert_gemm_lora
-    assert gemm.moe_path(1, 8, 128, 4) == gemm.moe_path(16, 8, 128, 4) == IN_GEMM  # at most an entry per expert
-    assert gemm.moe_path(17, 8, 128, 4) == gemm.moe_path(5, 2, 8, 16) == IN_GEMM_SHRUNK  # Mixtral: from 5 tokens
+    assert gemm.moe_path(1, 8, 128, 4, 1) == gemm.moe_path(16, 8, 128, 4, 4) == IN_GEMM  # at most an entry per expert
+    assert gemm.moe_path(17, 8, 128, 4, 1) == gemm.moe_path(5, 2, 8, 16, 16) == IN_GEMM_SHRUNK  # Mixtral: from 5 tokens
     assert not hasattr(get_backend("triton"), "expert_gemm_lora")
 
 

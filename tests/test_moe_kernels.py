@@ -346,12 +346,12 @@ def test_a_short_grid_drops_slots_on_the_sorted_path_only(w2):
 @pytest.mark.parametrize("w2", [False, True], ids=["w13", "w2"])
 def test_the_torch_backend_follows_the_same_paths(w2):
     gen = torch.Generator().manual_seed(5)
-    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 9):  # 8 entries over 16 experts: per-entry; 72: sorted
+    for slots in ([0, 1, 3, -1], [0, 1, 3, -1] * 9):  # 4 tokens: per-entry; 36 over a few columns: sorted
         call, meta, n = expert_case(len(slots), slots, torch.float32, w2, gen, experts=16)
-        assert path(len(slots), 2, 16, 4) == (PER_ENTRY if len(slots) == 4 else SORTED)
         for count in (1, n):
+            assert path(len(slots), 2, 16, 4, count) == (PER_ENTRY if len(slots) == 4 else SORTED)
             want = fresh(call)
-            moe_lora_apply(want, meta, count, 0.5, path(len(slots), 2, 16, 4))
+            moe_lora_apply(want, meta, count, 0.5, path(len(slots), 2, 16, 4, count))
             got = fresh(call)
             torch_lora.moe_lora_apply(got, meta, count, 0.5)
             torch.testing.assert_close(got.y, want.y, atol=TOL[torch.float32], rtol=TOL[torch.float32])
@@ -366,14 +366,17 @@ def test_experts_without_entries_and_a_batch_of_base_tokens_leave_y_alone():
         assert torch.equal(got.y, call.y)
 
 
-def test_lorabenchs_rule_takes_the_per_entry_path_for_few_entries_over_many_experts():
-    assert path(64, 8, 128, 4) == PER_ENTRY and path(65, 8, 128, 4) == SORTED  # Qwen3-30B-A3B: four entries an expert
-    assert path(32, 8, 64, 4) == PER_ENTRY and path(33, 8, 64, 4) == SORTED  # OLMoE: 256 entries over 64 experts
-    assert path(16, 2, 8, 16) == PER_ENTRY and path(17, 2, 8, 16) == SORTED  # Mixtral: 32 entries over 8 experts
-    assert path(2, 8, 2, 4) == PER_ENTRY and path(3, 8, 2, 4) == SORTED  # 16 entries, whatever the experts
-    assert path(9, 8, 16, 4) == SORTED  # 72 entries over 16 experts
-    assert get_backend("triton").moe_path(2, 8, 128, 4) == PER_ENTRY
-    assert get_backend("vllm").moe_path(8, 8, 128, 4) == PER_ENTRY  # vLLM's: tokens · top_k · 8 <= E · max_loras
+def test_lorabenchs_rule_takes_per_entry_up_to_32_tokens_and_up_to_64_over_16_columns_or_more():
+    for top_k, experts in ((8, 128), (2, 8), (8, 64), (2, 16)):  # Qwen3-30B-A3B, Mixtral, OLMoE, tiny: the same
+        assert path(32, top_k, experts, 16, 1) == path(32, top_k, experts, 4, 4) == PER_ENTRY
+        assert path(33, top_k, experts, 16, 1) == path(64, top_k, experts, 16, 15) == SORTED
+        assert path(64, top_k, experts, 16, 16) == path(64, top_k, experts, 32, 32) == PER_ENTRY
+        assert path(65, top_k, experts, 32, 32) == path(8192, top_k, experts, 4, 1) == SORTED
+    assert path(1, 8, 128, 4, 0) == PER_ENTRY  # nothing launched: the rule still answers
+    assert get_backend("triton").moe_path(64, 8, 128, 4, 1) == SORTED
+    assert get_backend("triton").moe_path(64, 8, 128, 16, 16) == PER_ENTRY
+    # vLLM's: tokens · top_k · 8 <= E · max_loras, whatever it launches
+    assert get_backend("vllm").moe_path(8, 8, 128, 4, 1) == get_backend("vllm").moe_path(8, 8, 128, 4, 4) == PER_ENTRY
 
 
 def vllm_available() -> bool:

@@ -20,9 +20,12 @@ def test_a_moe_sweep_checks_every_graph_and_records_the_expert_lora_path(tmp_pat
     assert (df.experts == {"tiny-moe": 16, "tiny-moe-shared": 6}[model]).all() and (df.top_k == 2).all()
     assert (df.expert_lora_bytes_per_slot > 0).all()
     assert (df.lora_bytes_per_slot > df.expert_lora_bytes_per_slot).all()  # attention LoRA too
-    paths = df.groupby("concurrency").moe_lora_path.unique().to_dict()
-    # 2 routed entries: per-entry; 66, more than four per expert (16 or 6 experts): sorted
+    fixed = df["mode"] == "fixed"
+    launched = df[~fixed | (df.n_active > 0)]
+    paths = launched.groupby("concurrency").moe_lora_path.unique().to_dict()
+    # 1 token: per-entry; 33 over at most 2 columns: sorted
     assert list(paths[1]) == ["per-entry"] and list(paths[33]) == ["sorted"]
+    assert df[fixed & (df.n_active == 0)].moe_lora_path.isna().all()  # no adapter launched: no path
     if model == "tiny-moe-shared":
         return
     assert main(["report", str(next(tmp_path.glob("*/points.parquet")).parent)]) == 0
@@ -45,3 +48,14 @@ def test_the_expert_lora_section_is_left_out_without_n_1_points_and_compares_onl
     text = "\n".join(moe_md(over, "GPU ms"))  # no max: overheads only, no "vs max" column
     assert "| c | bucket | expert-LoRA path | dense overhead | pow2 overhead |" in text and "vs max" not in text
     assert "| 1 | 1 | per-entry | 0.400 | 0.500 |" in text and "at c = 1" in text
+
+
+def test_the_expert_lora_section_names_each_sets_path_where_the_launch_count_changes_it():
+    from lorabench.commands.report.moe import moe_md
+
+    rows = [dict(kernels="triton", max_loras=16, strategy=s, concurrency=64, n_active=1, graph_tokens=64,
+                 moe_lora_path=p, step_ms_median=ms, base_ms=1.0)
+            for s, p, ms in [("max", "per-entry", 2.0), ("pow2", "sorted", 1.5)]]
+    text = "\n".join(moe_md(pd.DataFrame(rows), "GPU ms"))
+    assert "| 64 | 64 | max: per-entry; pow2: sorted | 1.000 | 0.500 | -25.0 % |" in text
+    assert "moot" not in text  # specialising changed the experts' path: not moot

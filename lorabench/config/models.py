@@ -101,8 +101,8 @@ BUILT_IN = {
     "llama-2-7b": ModelConfig("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
     "llama-3-8b": ModelConfig("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, rope_theta=500000.0),
     "tiny": ModelConfig("tiny", 2, 128, 4, 2, 256, 512),
-    # Mixtral-like: every layer routed, top-2, no shared expert; 16 experts, so that one token's two
-    # entries take lorabench's per-entry path and a dozen tokens the sorted one.
+    # Mixtral-like: every layer routed, top-2, no shared expert, 16 experts; up to 32 tokens take
+    # lorabench's per-entry path, 33 over few adapter columns the sorted one.
     "tiny-moe": ModelConfig("tiny-moe", 2, 128, 4, 2, 256, 512, architecture="MixtralForCausalLM",
                             moe=MoE(experts=16, top_k=2, intermediate=64, renormalize=True)),
     # Qwen2-MoE-like: q, k, v biases, a gated shared expert, layer 1 dense.

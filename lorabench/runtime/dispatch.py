@@ -338,12 +338,13 @@ class Dispatcher:
         finally:
             self.model.reuse_routing = False
 
-    def moe_path(self, tokens: int) -> str | None:
-        """The expert-LoRA path the backend takes for a bucket of ``tokens`` (None: a dense model)."""
+    def moe_path(self, tokens: int, launch_count: int) -> str | None:
+        """The expert-LoRA path the backend takes for a graph of ``tokens`` launched for
+        ``launch_count`` adapter columns (None: a dense model)."""
         moe = self.model.cfg.moe
         if moe is None:
             return None
-        return self.backend.moe_path(tokens, moe.top_k, moe.experts, self.max_loras)
+        return self.backend.moe_path(tokens, moe.top_k, moe.experts, self.max_loras, launch_count)
 
     @property
     def num_graphs(self) -> int:

@@ -99,8 +99,6 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served
         row["noisy_stall"] = stalls(s.step_ms[quiet], s.tokens[quiet])
     else:
         row["noisy_stall"] = None
-    if d.model.cfg.moe is not None:
-        row["moe_lora_path"] = d.moe_path(row["graph_tokens"])
     if predicted and point.mode == WORKLOAD:
         row["predicted_ms"] = predicted.get((point.workload, c))
     if point.mode == FIXED:
@@ -111,6 +109,9 @@ def timed_columns(d: Dispatcher, point: Point, t: Timed, predicted: dict, served
         row.update(graph_tokens=route.tokens, graph_loras=int(s.launch_counts[0]), mixed_route="piecewise" if route.graphed
                    else "eager", base_tokens=point.prefill_tokens if point.n_active == 0 else 0,
                    tokens_per_s=point.prefill_tokens / (stats["step_ms_median"] / 1e3), tokens_per_step=float(s.tokens.mean()))
+    if d.model.cfg.moe is not None:  # the path of each count the steps launched (a workload's may differ; joined)
+        paths = dict.fromkeys(d.moe_path(row["graph_tokens"], n) for n in sorted(set(s.launch_counts.tolist())) if n > 0)
+        row["moe_lora_path"] = ", ".join(paths) or None  # None: no step launched an adapter column
     if point.mode in LOOPS:  # tokens per second over the whole run: a step of few tokens counts as few
         row.update(tokens_per_s=float(s.tokens.sum() / (s.step_ms.sum() / 1e3)), tokens_per_step=float(s.tokens.mean()),
                    loads_per_step=float(s.loads.mean()), storage_reads_per_step=float(s.reads.mean()),

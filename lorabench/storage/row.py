@@ -209,7 +209,9 @@ class Row:
     moe_lora_path: str | None = column("the expert-LoRA path the bucket's graph runs: `per-entry` (its grid ignores "
                                        "the active count), `sorted` (it follows it), `in-gemm` (inside the expert "
                                        "GEMM, its walk over the slots bounded by the launch count) or `in-gemm+shrink` "
-                                       "(the same after the sorted shrink), the backend's rule")
+                                       "(the same after the sorted shrink), the backend's rule for the bucket's tokens and the "
+                                       "graph's launch count; several, joined by `, `, where the steps launched "
+                                       "counts that differ in it")
     prefill_tokens: int | None = column("prefill points: the step's prompt tokens (chunks of at most `context_len` "
                                         "from `concurrency` requests, `n_active` adapters among them; `mode` `prefill`)")
     max_num_batched_tokens: int | None = column("vLLM's `--max-num-batched-tokens`: the most tokens a step holds")

@@ -34,14 +34,14 @@ def moe_md(over: pd.DataFrame, u: str) -> list[str]:
         rows = []
         for c, at in g.groupby("concurrency"):
             by = at.drop_duplicates("strategy").set_index("strategy")
-            row = [int(c), int(at.graph_tokens.iloc[0]), at.moe_lora_path.iloc[0]]
+            row = [int(c), int(at.graph_tokens.iloc[0]), _paths(by, strats)]
             for s in strats:
                 row.append(f"{by.step_ms_median[s] - by.base_ms[s]:.3f}" if s in by.index else "-")
             for s in against:
                 row.append(f"{100 * (by.step_ms_median[s] / by.step_ms_median[BASELINE] - 1):+.1f} %"
                            if s in by.index and BASELINE in by.index else "-")
             rows.append(row)
-        per_entry = sorted(int(c) for c in g[g.moe_lora_path == PER_ENTRY].concurrency.unique())
+        per_entry = sorted(int(c) for c, at in g.groupby("concurrency") if (at.moe_lora_path == PER_ENTRY).all())
         if per_entry:
             moot.append(f"- {k}, max_loras = {m}: per-entry (specialisation moot for the experts) at c = "
                         f"{', '.join(map(str, per_entry))}")
@@ -49,3 +49,11 @@ def moe_md(over: pd.DataFrame, u: str) -> list[str]:
                 markdown_table(["c", "bucket", "expert-LoRA path", *(f"{s} overhead" for s in strats),
                                 *(f"{s} vs {BASELINE}" for s in against)], rows), ""]
     return out + (moot + [""] if moot else [])
+
+
+def _paths(by: pd.DataFrame, strats: list[str]) -> str:
+    """The bucket's path, or each set's where they differ (lorabench's rule reads the launch count)."""
+    paths = {s: by.moe_lora_path[s] for s in strats if s in by.index}
+    if len(set(paths.values())) == 1:
+        return next(iter(paths.values()))
+    return "; ".join(f"{s}: {p}" for s, p in paths.items())
