@@ -206,10 +206,11 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int, launch_count
     expert (a block then holds about one entry, so one slot: its h costs R·K of A per tile), the
     shrink first above (blocks of several entries and slots would recompute h for each slot in
     every tile: d·R/BLOCK_N more bytes than the GEMM's own). Timed after the GEMM alone
-    (``scripts/moe_lora_bench.py --with-gemm``, H100, 16 slots, as many launched as active): it
-    loses to the per-entry path launched as the GEMM's PDL successor and to the sorted path
-    (Qwen3-30B-A3B at 2 tokens 0.57 against 0.21 ms, at 64 tokens 4.22 against 4.07; Mixtral-8x7B
-    at 64 tokens 11.6 against 4.4 ms over the GEMM)."""
+    (``scripts/moe_lora_bench.py --with-gemm``, H100, 16 slots, as many launched as active, git
+    8cb194b): it wins at Qwen3-30B-A3B's 64 tokens of one adapter (1.43 against the sorted path's
+    1.92 ms over the GEMM) and loses elsewhere to the per-entry path launched as the GEMM's PDL
+    successor (Qwen3 at 2 tokens 0.55 against 0.21; Mixtral-8x7B at 64 tokens of 16 adapters 10.7
+    against 4.1)."""
     del max_loras, launch_count
     return IN_GEMM_SHRUNK if tokens * top_k > SHRINK_FIRST_ENTRIES_PER_EXPERT * experts else IN_GEMM
 

@@ -49,13 +49,15 @@ def moe_path(tokens: int, top_k: int, experts: int, max_loras: int, launch_count
     column of programs over every block) and shares each block's A and B among its entries, so it
     wins at many tokens over few columns. Every layer's expert LoRA after its grouped GEMM, 16 slots,
     one base token, ms over the GEMM alone, per-entry (the GEMM's PDL successor) / sorted, H100, git
-    8cb194b (``moe/expert-lora-gemm``): Qwen3-30B-A3B (128 experts, top-8) 32 tokens, 1 column 1.43
-    / 1.79, 8 columns 1.69 / 2.84; 64 tokens, 1 column 2.84 / **1.92**, 16 columns 3.57 / 4.15;
+    8cb194b (``moe/expert-lora-gemm``): Qwen3-30B-A3B (128 experts, top-8) 32 tokens, 1 column 1.45
+    / 1.79, 8 columns 1.71 / 2.84; 64 tokens, 1 column 2.84 / **1.92**, 16 columns 3.55 / 4.15;
     Mixtral-8x7B (8 experts, top-2) 32 tokens, 1 column 1.75 / 2.51, 8 columns 2.42 / 3.05; 64
-    tokens, 1 column 2.92 / **2.62**, 16 columns 4.15 / 4.40; per-entry wins at 2 and 8 tokens by
+    tokens, 1 column 2.92 / **2.62**, 16 columns 4.15 / 4.39; per-entry wins at 2 and 8 tokens by
     2-6x on both. Between 32 and 64 tokens with 2 to 8 columns neither is timed (the sorted path's
     cost per column there, ~0.15 ms on Qwen3, puts it ahead at 4). Above 64 tokens (mixed steps'
-    prompts) sorted, where blocks fill. The experts and top-k do not enter: the crossover sat near
+    prompts) sorted, where blocks fill. A ``max`` graph launches every slot's column whatever its
+    batch holds, so with few active it takes per-entry where sorted would likely win (64 tokens,
+    1 active, 16 launched is not timed). The experts and top-k do not enter: the crossover sat near
     the same token count on both models, at 4 and at 16 entries an expert."""
     del top_k, experts, max_loras
     if tokens <= PER_ENTRY_TOKENS or (tokens <= PER_ENTRY_TOKENS_WIDE and launch_count >= WIDE_LAUNCH):

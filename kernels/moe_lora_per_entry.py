@@ -4,7 +4,7 @@ One program per routed entry and group of output tiles, each recomputing its ent
 (a few entries: A comes from L2) and adding ``B[s, slot, e] @ h`` to its tiles of y. The grid does
 not depend on the adapters, so it serves every adapter token at any launch count (the launch
 count decides nothing here, as on vLLM's per-token path). ``moe_lora.moe_path`` decides when a
-step takes it: few routed entries, or a few more spread over as many experts.
+step takes it: buckets of up to 32 tokens, and up to 64 where the graph launches many adapter columns.
 """
 
 from typing import NamedTuple
