@@ -31,8 +31,10 @@ def moe_md(over: pd.DataFrame, u: str) -> list[str]:
            "median), and each set's n = 1 step against max's.", ""]
     moot = []
     for (k, m), g in sorted(one.groupby(["kernels", "max_loras"]), key=lambda kv: (label_order(kv[0][0]), kv[0][1])):
-        rows = []
-        for c, at in g.groupby("concurrency"):
+        rows, per_entry = [], []
+        for c, at in g.groupby("concurrency"):  # in order of c
+            if (at.moe_lora_path == PER_ENTRY).all():
+                per_entry.append(int(c))
             by = at.drop_duplicates("strategy").set_index("strategy")
             row = [int(c), int(at.graph_tokens.iloc[0]), _paths(by, strats)]
             for s in strats:
@@ -41,7 +43,6 @@ def moe_md(over: pd.DataFrame, u: str) -> list[str]:
                 row.append(f"{100 * (by.step_ms_median[s] / by.step_ms_median[BASELINE] - 1):+.1f} %"
                            if s in by.index and BASELINE in by.index else "-")
             rows.append(row)
-        per_entry = sorted(int(c) for c, at in g.groupby("concurrency") if (at.moe_lora_path == PER_ENTRY).all())
         if per_entry:
             moot.append(f"- {k}, max_loras = {m}: per-entry (specialisation moot for the experts) at c = "
                         f"{', '.join(map(str, per_entry))}")
