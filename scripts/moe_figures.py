@@ -2,8 +2,9 @@
 the LoRA overhead (step at n minus the no-LoRA step at the same c, same configuration) of
 lorabench's expert-LoRA kernels and of vLLM's, their ratio, the overhead as a share of the base
 step, and the bytes floor: the adapter bytes the step reads at least (its active experts' expert
-LoRA, at most c·top_k (slot, expert) pairs and at most n·E, plus n adapters' attention LoRA), over
-the worker's measured copy bandwidth. Then where specialisation pays: per c, the overhead at n = 1
+LoRA: the (slot, expert) pairs its tokens route to, expected under uniform routing as
+``analysis.roofline.expert_pairs`` counts them, plus n adapters' attention LoRA), over the worker's
+measured copy bandwidth. Then where specialisation pays: per c, the overhead at n = 1
 under max and pow2 for each backend, with the expert-LoRA path each took and pow2's step against
 max's (same worker, alternating turns).
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from lorabench.analysis.intervals import interval_of
+from lorabench.analysis.roofline import expert_pairs
 from lorabench.stats import Resampler, ratio_pct
 from lorabench.storage.samples import read_samples, step_times
 
@@ -68,7 +70,7 @@ def main() -> None:
             if strategy != "max" and point not in wanted:
                 continue
             o, t = ours.loc[key], theirs.loc[key]
-            pairs = min(point[1] * first.top_k, point[2] * first.experts)
+            pairs = expert_pairs(point[1], point[2], int(first.experts), int(first.top_k))
             floor_bytes = pairs * layers_bytes + point[2] * dense_bytes
             floor_us = floor_bytes / (o.probe_copy_gbs * 1e9) * 1e6 if pd.notna(o.probe_copy_gbs) else float("nan")
             on, o0, tn, t0 = o.point, o.base_point, t.point, t.base_point

@@ -400,3 +400,46 @@ def test_a_wrong_agnostic_is_never_called_good_enough(tmp_path, capsys):
     _, md = report(run)
     sec = section(md, "Count-agnostic vs specialised")
     assert "agnostic failed its correctness check" in sec and "| yes |" not in sec
+
+
+@pytest.mark.parametrize("tokens, n, experts, top_k, want", [
+    (1, 1, 128, 8, 8.0),  # one token: exactly its top_k experts
+    (4, 4, 128, 8, 32.0),  # one token an adapter: no two share a slot
+    (2, 1, 2, 2, 2.0),  # every expert taken by the first token
+    (3, 0, 8, 2, 0.0),
+])
+def test_expert_pairs_exact_cases(tokens, n, experts, top_k, want):
+    from lorabench.analysis.roofline import expert_pairs
+
+    assert expert_pairs(tokens, n, experts, top_k) == pytest.approx(want)
+
+
+def test_expert_pairs_is_the_fixed_batches_expectation():
+    """Tokens placed as fixed points place them, each routed to top_k experts at random: the
+    distinct (slot, expert) pairs average what ``expert_pairs`` says."""
+    import random
+
+    from lorabench.analysis.roofline import expert_pairs
+    from lorabench.config.batches import fixed_batch
+
+    rng = random.Random(0)
+    for tokens, n in ((64, 4), (32, 8), (16, 1)):
+        seen = []
+        for _ in range(2000):
+            slots = fixed_batch(tokens, n, 16, rng)
+            seen.append(len({(s, e) for s in slots for e in rng.sample(range(128), 8)}))
+        assert sum(seen) / len(seen) == pytest.approx(expert_pairs(tokens, n, 128, 8), rel=0.01)
+
+
+def test_moe_floor_counts_the_routed_experts_not_every_expert():
+    """An MoE row's floor reads n adapters' attention LoRA and the routed pairs' expert LoRA: at one
+    token of a 128-expert top-8 model, 8 of 128 experts' share, not the whole slot."""
+    from lorabench.analysis.roofline import expert_pairs, lora_bytes
+
+    pts = pd.DataFrame({"n_active": [1, 4], "concurrency": [1, 64], "lora_bytes_per_slot": [1_000_000 + 128_000] * 2,
+                        "expert_lora_bytes_per_slot": [128_000] * 2, "experts": [128] * 2, "top_k": [8] * 2})
+    got = lora_bytes(pts)
+    assert got[0] == pytest.approx(1_000_000 + 8 * 1_000)
+    assert got[1] == pytest.approx(4 * 1_000_000 + expert_pairs(64, 4, 128, 8) * 1_000)
+    dense = pts.drop(columns=["expert_lora_bytes_per_slot", "experts", "top_k"])
+    assert list(lora_bytes(dense)) == [1_128_000, 4 * 1_128_000]

@@ -10,12 +10,45 @@ same configuration's n = 0 step is
 
 and a point's distance from it is its measured overhead (step - the n = 0 step) over the floor.
 The probe's figures travel with every row (``probe_copy_gbs``, ``probe_kernel_us``).
+
+On an MoE model a step reads only the expert LoRA of the (slot, expert) pairs its tokens route to,
+not every expert's: the floor counts n adapters' attention LoRA and ``expert_pairs`` pairs' expert
+LoRA (each pair's A and B over every layer).
 """
 
 import pandas as pd
 
 from lorabench.analysis.points import lora_overhead, not_found_wrong
 from lorabench.config.models import LORA_LINEARS_PER_LAYER
+
+
+def expert_pairs(tokens: int, n_active: int, experts: int, top_k: int) -> float:
+    """The (slot, expert) pairs a decode step of ``tokens`` adapter tokens over ``n_active``
+    adapters routes to, expected when each token picks ``top_k`` of ``experts`` uniformly (random
+    router weights do) and the tokens are placed as a fixed point places them (one on each adapter,
+    the rest on one of them at random, ``config.batches.fixed_batch``). A slot leaves an expert
+    untouched with probability q · E[q^B], q = 1 - top_k / experts, B ~ Binomial(tokens - n_active,
+    1 / n_active) its further tokens: q · (1 - (1 - q) / n_active)^(tokens - n_active). One token:
+    exactly top_k pairs."""
+    if n_active <= 0 or tokens < n_active:
+        return 0.0
+    q = 1.0 - top_k / experts
+    return n_active * experts * (1.0 - q * (1.0 - (1.0 - q) / n_active) ** (tokens - n_active))
+
+
+def lora_bytes(pts: pd.DataFrame) -> pd.Series:
+    """The adapter bytes each point's step must read: n adapters' whole A and B on a dense model; on
+    an MoE model n adapters' attention LoRA and the expert LoRA of the pairs its tokens route to."""
+    dense = pts.n_active * pts.lora_bytes_per_slot
+    if "expert_lora_bytes_per_slot" not in pts:
+        return dense.astype(float)
+    moe = pts.expert_lora_bytes_per_slot.notna() & pts.experts.notna() & pts.top_k.notna()
+    out = dense.astype(float)
+    for i, r in pts[moe].iterrows():
+        pairs = expert_pairs(int(r.concurrency), int(r.n_active), int(r.experts), int(r.top_k))
+        out[i] = (r.n_active * (r.lora_bytes_per_slot - r.expert_lora_bytes_per_slot)
+                  + pairs * r.expert_lora_bytes_per_slot / r.experts)
+    return out
 
 
 def bandwidth_gbs(pts: pd.DataFrame) -> pd.Series:
@@ -37,7 +70,7 @@ def floors(df: pd.DataFrame) -> pd.DataFrame:
     pts = not_found_wrong(pts)
     if pts.empty:
         return pts
-    pts["lora_mb"] = pts.n_active * pts.lora_bytes_per_slot / 1e6
+    pts["lora_mb"] = lora_bytes(pts) / 1e6
     pts["min_kernels"] = LORA_LINEARS_PER_LAYER * pts.layers
     pts["bandwidth_gbs"] = bandwidth_gbs(pts)
     pts["bytes_us"] = pts.lora_mb * 1e6 / (pts.bandwidth_gbs * 1e9) * 1e6
