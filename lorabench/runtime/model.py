@@ -273,18 +273,18 @@ class LlamaLoRA(nn.Module):
         if lora is not None and lora.backend.NEEDS_ZEROED_SCRATCH:
             self.scratch[:, :, :t].zero_()
         qkv, x = self.layers[0].attention_input(self.embed[input_ids], None, lora, self.scratch[0], self.fused,
-                                                self._pdl(lora))
+                                                self._pdl(lora, t))
         return x, qkv
 
     def attention(self, i: int, qkv, positions, lora: LoRAStep | None, layout: MixedLayout | None, out=None):
         """Layer i's attention, between pieces i and i + 1 (into ``out`` when given)."""
-        return self.layers[i].attention(qkv, positions, (self.rope_cos, self.rope_sin), self.fused, self._pdl(lora),
-                                        layout, out)
+        return self.layers[i].attention(qkv, positions, (self.rope_cos, self.rope_sin), self.fused,
+                                        self._pdl(lora, qkv.shape[0]), layout, out)
 
     def piece(self, i: int, attn, x, lora: LoRAStep | None):
         """Piece i >= 1: layer i-1 from its attention's output on, then layer i up to attention:
         (x, qkv); the last piece (i = L) ends with the final norm instead: (x, hidden states)."""
-        pdl, prev = self._pdl(lora), self.layers[i - 1]
+        pdl, prev = self._pdl(lora, x.shape[0]), self.layers[i - 1]
         enabled = self.expert_lora_enabled
         moe_state = (None if enabled is None else enabled[i - 1], self.reuse_routing)
         x, delta = prev.after_attention(attn, x, lora, self.scratch[i - 1], self.fused, pdl, moe_state)
@@ -299,8 +299,12 @@ class LlamaLoRA(nn.Module):
         return F.linear(h, self.lm_head)
 
     @staticmethod
-    def _pdl(lora: LoRAStep | None) -> bool:
-        return lora is not None and getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False)
+    def _pdl(lora: LoRAStep | None, tokens: int) -> bool:
+        """Whether the base ops PDL-launch: under a backend whose kernels let them launch early, at
+        fewer tokens than its ``PDL_MAX_TOKENS`` (where it has one)."""
+        if lora is None or not getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False):
+            return False
+        return tokens < getattr(lora.backend, "PDL_MAX_TOKENS", float("inf"))
 
     def lora_bytes_per_slot(self) -> int:
         """One adapter's A and B over every LoRA linear and, in MoE layers, every expert."""
