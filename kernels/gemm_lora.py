@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import MAX_SLICES
-from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_trigger_late, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
+from .launch import cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, upcast  # noqa: F401 (pdl_enabled: the worker's pdl column)
 from .meta import LoRAMeta
 from .moe_gemm import gathered_dot
 from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA inside the expert GEMM, its rule)
@@ -154,8 +154,7 @@ def _gemm_lora_kernel(
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
     GROUP_M: tl.constexpr,  # M tiles walked together (L2 reuse of W across M tiles at prefill sizes)
     PRELOAD: tl.constexpr,  # load the first epilogue step's h and B before the K loop (else after it)
-    USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch (at once, or LATE)
-    LATE: tl.constexpr,  # USE_PDL: let the consumer launch after the K loop, not at the start
+    USE_PDL: tl.constexpr,  # PDL-launched: wait for the predecessor first; let the consumer launch at once
     UPCAST: tl.constexpr,  # dots in fp32 (interpreter + bf16 only)
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank (LoRAMeta.slot_rank)
     GATHER: tl.constexpr,  # the gathered epilogue (each token its own slot's B) instead of the walk over the active slots
@@ -175,7 +174,7 @@ def _gemm_lora_kernel(
     n_mask = offs_n < N
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
-    if USE_PDL and not LATE:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pdl_wait(USE_PDL)
 
@@ -197,8 +196,6 @@ def _gemm_lora_kernel(
     y_mask = m_mask[:, None] & n_mask[None, :]
     if not HAS_BASE:
         acc = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
-    if USE_PDL and LATE:
-        tl.extra.cuda.gdc_launch_dependents()
 
     if HAS_LORA and GATHER:
         acc = _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols, h_ptr, b_ptr, rank_ptr,
@@ -319,7 +316,7 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
     )
     flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
-                 LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, LATE=pdl and pdl_trigger_late(), UPCAST=up, RANKED=ranked,
+                 LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, UPCAST=up, RANKED=ranked,
                  **pdl_launch(pdl))
     while True:
         grid = (cdiv(tokens, cfg.block_m) * cdiv(n, cfg.block_n),)

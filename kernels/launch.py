@@ -72,15 +72,6 @@ def pdl_enabled(device: torch.device) -> bool:
     return _sm90_or_newer(_index(device))
 
 
-def pdl_trigger_late() -> bool:
-    """Whether the ``gemm`` backend's kernels (its GEMM and the producer shrink) let their
-    successor launch only after their main work (``LORABENCH_PDL_TRIGGER=late``) instead of at
-    their start (the default). An early trigger lets the successor's programs take SM slots while
-    a grid of several waves still has programs to place; a late one keeps them off until the
-    grid's last wave. Either way the successor waits for the whole grid before it reads."""
-    return os.environ.get("LORABENCH_PDL_TRIGGER", "early") == "late"
-
-
 def pdl_launch(use: bool) -> dict:
     """Launch options for a kernel that takes ``USE_PDL``: ``launch_pdl`` only when used (the
     interpreter and older Triton launchers do not know it)."""

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_trigger_late, pdl_wait  # noqa: F401
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401
 from .meta import LoRAMeta
 from .tiles import own_rank
 
@@ -53,11 +53,10 @@ def _producer_shrink_kernel(
     CHUNK: tl.constexpr,  # input features per program
     BLOCK_N: tl.constexpr,  # A rows per step
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
-    USE_PDL: tl.constexpr,  # PDL-launched: wait first; let the consumer launch (at once, or LATE)
-    LATE: tl.constexpr,  # USE_PDL: let the consumer launch once x's chunk is stored, not at the start
+    USE_PDL: tl.constexpr,  # PDL-launched: wait first; let the consumer launch at once
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank
 ):
-    if USE_PDL and not LATE:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the consumer (the GEMM) waits before it reads
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -82,8 +81,6 @@ def _producer_shrink_kernel(
         u = tl.load(x_ptr + t * 2 * K + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xo = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * K + offs_k, xo, mask=k_mask)
-    if USE_PDL and LATE:
-        tl.extra.cuda.gdc_launch_dependents()
 
     slot = tl.load(token_slot_ptr + t)
     offs_l = tl.arange(0, LAUNCH_PAD)
@@ -121,7 +118,7 @@ def _launch(producer, x, delta, weight, eps, out, res, lora_a, h, meta: LoRAMeta
         k, n, n // slices, rank, max(0, launch_count), eps, scale,
         lora_a.stride(0), lora_a.stride(1), h.stride(0),
         PRODUCER=producer, HAS_DELTA=delta is not None, ROW=next_pow2(k), CHUNK=CHUNK, BLOCK_N=block_n,
-        LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, LATE=pdl and pdl_trigger_late(), RANKED=ranked, num_warps=4,
+        LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, RANKED=ranked, num_warps=4,
         **pdl_launch(pdl),
     )
 
