@@ -129,7 +129,7 @@ def run_check(**given):
 
 CHECKED = ["max_loras", "strategy", "kernels", "capture_sizes", "max_cudagraph_capture_size", "mixed_capture_sizes",
            "model", "layers", "tp",
-           "fully_sharded_loras", "rank", "ranks", "adapters", "dtype", "device", "seed", "out"]  # what a check builds
+           "fully_sharded_loras", "share_expert_weights", "rank", "ranks", "adapters", "dtype", "device", "seed", "out"]  # what a check builds
 command("check", [
     *(flag(OPTIONS[name], **{
         "capture_sizes": {"shown": ",".join(map(str, OPTIONS["concurrency"].default))},

@@ -56,6 +56,9 @@
 #   moe-smoke - the MoE kernels' tests and 2-layer sweeps of qwen3-30b-a3b and mixtral-8x7b, triton vs vllm
 #   moe-qwen3, moe-mixtral - sweeps/moe-qwen3.toml, sweeps/moe-mixtral.toml (all layers; MOE_LORAS picks one
 #            max_loras, MOE_ARGS adds sweep options, STAGE_TIMEOUT stops it resumably): results/moe/
+#   moe-shared-check - Qwen3-30B-A3B at 4 slots, c = 1, 8, 64, with each layer's own expert weights and with
+#            --share-expert-weights, then lorabench compare of the two on the same GPU: results/moe/shared-check/
+#            (MOE_ARGS="--share-expert-weights" then times 16 slots and Mixtral-8x7B on an 80 GB card)
 #   moe-bench - scripts/moe_lora_bench.py on qwen3-30b-a3b and mixtral-8x7b at MB_LORAS (default 16) slots: lorabench's
 #            paths (the sorted path's expand grouped to 512 programs (its default), 2048, and one per tile; its blocks walked by 132) at pow2's and max's launch counts vs vLLM's
 #            fused_moe_lora, one base token in every batch (MB_POINTS tokens:active[:launch]), the per-entry path's K loop
@@ -198,6 +201,17 @@ print(f'{run}: {info[\"status\"]}, resumes {[r[\"previous_status\"] for r in inf
       /usr/bin/time -f "$stage wall %e s" timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep \
         $(sweep_args results/moe sweeps/$stage.toml $lor ${MOE_ARGS:-}) 2>&1 | tail -n 60 | tee -a "$OUT/stages.log"
       tar czf "$OUT/$stage.tgz" results/moe ;;
+    moe-shared-check)  # --share-expert-weights against each layer's own experts on one GPU (Qwen3-30B-A3B, 4 slots, where
+      # both fit 80 GB): whether one set of expert weights read by every layer times a step as its own would
+      d=results/moe/shared-check
+      for w in own shared; do
+        extra=; [ "$w" = shared ] && extra=--share-expert-weights
+        timeout -s INT -k 30 "${STAGE_TIMEOUT:-3000}" lorabench sweep --spec sweeps/moe-qwen3.toml --max-loras 4 \
+          --concurrency 1,8,64 --active-counts 0,1,4 --strategy pow2 --kernels triton,vllm $extra --out "$d/$w" 2>&1 \
+          | tail -n 4 | tee -a "$OUT/stages.log"
+      done
+      lorabench compare "$d"/own/2* "$d"/shared/2* 2>&1 | tail -n 40 | tee -a "$OUT/stages.log"
+      tar czf "$OUT/$stage.tgz" "$d" ;;
     moe-bench)  # the expert LoRA alone: which path, which expand grouping, and vLLM's specialised sorted path's check
       l=${MB_LORAS:-16}; points="2:1,2:1:$l,8:4,8:4:$l,64:$l"  # every point fits l >= 4
       [ "$l" -ge 16 ] && points="2:1,2:1:$l,8:4,8:4:$l,32:8,32:8:$l,64:16"

@@ -116,6 +116,8 @@ CASES = {
                                                                                "model_type": "deepseek_v2"})}),
     "sweep a MoE model fully sharded": sweep("--model", "tiny-moe", "--tp", "2", "--fully-sharded-loras",
                                              "--fully-sharded-loras"),
+    "sweep shared expert weights of a dense model": sweep("--model", "tiny", "--share-expert-weights",
+                                                          "--share-expert-weights: tiny has no routed experts to share"),
     "sweep tp that does not split the heads": sweep("--model", "qwen2.5-7b", "--tp", "8", "--tp 8: qwen2.5-7b's 28 attention heads"),
     "sweep tp 0": sweep("--tp", "0", "--tp"),
     "sweep ranks not summing to 1": sweep("--rank", "64", "--ranks", "8:0.5", "--ranks: the shares of '8:0.5' sum to 0.5"),

@@ -211,18 +211,21 @@ def test_the_estimate_of_a_moe_model():
     assert culprit(Shape(cfg, 1, 16, "bfloat16", 1, 16), 1, True).startswith("qwen3-30b-a3b (48 layers, 128 experts,")
 
 
-@pytest.mark.parametrize("name,tp", [("tiny-moe", 1), ("tiny-moe-shared", 1), ("tiny-moe-shared", 2),
-                                     ("olmoe-1b-7b", 2), ("qwen3-30b-a3b", 1)])
-def test_the_estimate_is_the_moe_models_parameters_and_buffers(name, tp):
+@pytest.mark.parametrize("name,tp,shared", [("tiny-moe", 1, False), ("tiny-moe-shared", 1, False),
+                                            ("tiny-moe-shared", 2, False), ("olmoe-1b-7b", 2, False),
+                                            ("qwen3-30b-a3b", 1, False), ("tiny-moe", 1, True),
+                                            ("qwen3-30b-a3b", 1, True), ("tiny-moe-shared", 2, True)])
+def test_the_estimate_is_the_moe_models_parameters_and_buffers(name, tp, shared):
     """model_bytes is LlamaLoRA's parameters and buffers to the byte, expert LoRA included (real
-    configs cut to two layers, few experts and small widths, so the CPU builds them quickly)."""
+    configs cut to two layers, few experts and small widths, so the CPU builds them quickly), with
+    the layers' routed experts one set or each layer's own."""
     torch = pytest.importorskip("torch")
     from lorabench.runtime.model import LlamaLoRA
 
     cfg = resolve(name, layers=2)
     if not name.startswith("tiny"):
         cfg = replace(cfg, hidden=256, intermediate=512, vocab=1024, moe=replace(cfg.moe, experts=8, intermediate=128))
-    cfg = shard(cfg, tp)
+    cfg = shard(replace(cfg, moe=replace(cfg.moe, shared_weights=shared)), tp)
     for max_loras, tokens, dtype in [(2, 3, "float16"), (5, 1, "float32")]:
         model = LlamaLoRA(cfg, max_loras=max_loras, rank=8, max_tokens=tokens, context_len=8,
                           dtype=getattr(torch, dtype), device="cpu")
@@ -231,3 +234,19 @@ def test_the_estimate_is_the_moe_models_parameters_and_buffers(name, tp):
         assert sum(model_bytes(shape)) == real
         assert model_bytes(shape)[1] == max_loras * model.lora_bytes_per_slot()
         assert expert_lora_bytes_per_slot(cfg, 8, dtype) == model.expert_lora_bytes_per_slot()
+
+
+def test_shared_expert_weights_are_one_set_read_by_every_moe_layer():
+    """--share-expert-weights: the layers' w13 and w2 are one tensor each; their routers, expert LoRA
+    and attention stay their own; the estimate holds the experts once."""
+    torch = pytest.importorskip("torch")
+    from lorabench.runtime.model import LlamaLoRA
+
+    cfg = resolve("tiny-moe")
+    one = replace(cfg, moe=replace(cfg.moe, shared_weights=True))
+    model = LlamaLoRA(one, max_loras=2, rank=8, max_tokens=2, context_len=8, dtype=torch.float32, device="cpu")
+    first, second = (layer.moe for layer in model.layers)
+    assert first.w13 is second.w13 and first.w2 is second.w2
+    assert first.router.data_ptr() != second.router.data_ptr() and first.w13_a.data_ptr() != second.w13_a.data_ptr()
+    own, shared = (model_bytes(Shape(c, 2, 8, "float32", 2, 8))[0] for c in (cfg, one))
+    assert own - shared == 4 * cfg.moe.experts * 3 * cfg.moe.intermediate * cfg.hidden  # one layer's experts fewer

@@ -35,6 +35,15 @@ def test_a_moe_sweep_checks_every_graph_and_records_the_expert_lora_path(tmp_pat
     assert "per-entry (specialisation moot for the experts) at c = 1" in section
 
 
+def test_a_sweep_with_shared_expert_weights_records_them_and_passes_the_check(tmp_path):
+    code = main(["sweep", "--out", str(tmp_path), "--model", "tiny-moe", "--share-expert-weights", "--kernels", "torch",
+                 "--max-loras", "2", "--concurrency", "2", "--strategy", "max", "--iters", "2", "--warmup", "1",
+                 "--context-len", "16", "--workload", "uniform", "--device", "cpu"])
+    assert code == 0
+    df = pd.read_parquet(next(tmp_path.glob("*/points.parquet")))
+    assert (df.status == "ok").all() and df.correct.all() and (df.shared_expert_weights == True).all()  # noqa: E712
+
+
 def test_the_expert_lora_section_is_left_out_without_n_1_points_and_compares_only_against_max():
     import pandas as pd
 

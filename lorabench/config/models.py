@@ -41,6 +41,9 @@ class MoE:
     # Layers with a dense MLP instead: mlp_only_layers, and layers off decoder_sparse_step (layer i
     # is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0).
     dense_layers: tuple[int, ...] = ()
+    # --share-expert-weights: every MoE layer reads one set of routed-expert weights (w13, w2), so a
+    # model larger than the GPU's memory can be timed; routers, expert LoRA and the rest stay per layer.
+    shared_weights: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list when read back from JSON

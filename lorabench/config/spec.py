@@ -4,6 +4,7 @@ Its options are declared in ``lorabench.config.sweep_spec``."""
 
 import os
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 from lorabench.config.backends import KernelsLabel, require_vllm_dtype
@@ -170,6 +171,10 @@ def build_spec(flags: dict, spec_file: Path | None, machine: Machine) -> tuple[S
         spec.model_config = shortened(resolve(spec.model, None, names("model")), spec.layers)
     except UserError as e:
         raise names.renamed("layers", e) from None
+    if spec.share_expert_weights:
+        if spec.model_config.moe is None:
+            raise UserError(f"{names('share_expert_weights')}: {spec.model} has no routed experts to share")
+        spec.model_config = replace(spec.model_config, moe=replace(spec.model_config.moe, shared_weights=True))
     shard(spec.model_config, spec.tp, names("tp"))
     if spec.rank not in RANKS:
         raise UserError(f"{names('rank')}: {spec.rank} is not a rank vLLM allows (choose from {', '.join(map(str, RANKS))})")

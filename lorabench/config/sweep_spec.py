@@ -38,6 +38,10 @@ class SweepSpec:
                      "rank's all-reduces are left out", column=True)
     fully_sharded_loras: bool = option(False, "With --tp: cut LoRA as vLLM's --fully-sharded-loras does (A's rank on "
                                        "qkv and gate_up, B's outputs on o and down); its collectives are left out too")
+    share_expert_weights: bool = option(
+        False, "MoE models: every MoE layer reads one set of routed-expert weights, so a model larger than the GPU's "
+        "memory can be timed (each layer still streams its experts from memory: far more than the L2 holds); routers, "
+        "expert LoRA, attention and the KV cache stay per layer. Recorded in every row")
     rank: int = option(16, f"LoRA rank, vLLM's --max-lora-rank (every adapter is padded to it): {', '.join(map(str, RANKS))}",
                        aliases=("max_lora_rank",), column=True)
     ranks: str | None = option(None, "The adapters' own ranks and their shares of the slots, e.g. 8:0.5,64:0.5, padded "

@@ -30,7 +30,7 @@ from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrin
 from lorabench.kernels.meta import LoRAMeta
 from lorabench.kernels.varlen_attention import varlen_attention
 from lorabench.runtime.mixed_attention import MixedLayout, attend, blocks_of, check_layout, index_of
-from lorabench.runtime.moe import MoEMLP
+from lorabench.runtime.moe import MoEMLP, expert_weights
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class LoRALinear(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index, max_loras, rank, max_tokens, context_len, dtype, device, gen,
-                 fully_sharded, cache_rows):
+                 fully_sharded, cache_rows, experts=None):
         super().__init__()
         d, kvh = cfg.head_dim, cfg.kv_heads
         args = (max_loras, rank, dtype, device, gen)
@@ -124,7 +124,7 @@ class Block(nn.Module):
         if moe_layer(cfg, index):  # the dense pair, where there is one, is its shared expert
             shared = (self.gate_up, self.down) if self.gate_up is not None else None
             self.gate_up = self.down = None
-            self.moe = MoEMLP(cfg, max_loras, rank, max_tokens, dtype, device, gen, shared)
+            self.moe = MoEMLP(cfg, max_loras, rank, max_tokens, dtype, device, gen, shared, experts)
         # Static KV cache; random, not zero, so attention reads real-looking data.
         cache_shape = (cache_rows, kvh, context_len, d)
         self.register_buffer("cache_k", _randn(cache_shape, 1.0, dtype, device, gen), persistent=False)
@@ -217,8 +217,10 @@ class LlamaLoRA(nn.Module):
         self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
         self.cache_rows = max_tokens if cache_rows is None else cache_rows
         self.embed = nn.Parameter(_randn((cfg.vocab, cfg.hidden), 1.0, dtype, device, gen), False)
+        experts = expert_weights(cfg, dtype, device, gen) if cfg.moe is not None and cfg.moe.shared_weights else None
         self.layers = nn.ModuleList(
-            Block(cfg, i, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded, self.cache_rows)
+            Block(cfg, i, max_loras, rank, max_tokens, context_len, dtype, device, gen, fully_sharded, self.cache_rows,
+                  experts)
             for i in range(cfg.layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden, dtype=dtype, device=device), False)

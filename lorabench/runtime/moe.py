@@ -40,18 +40,27 @@ def base_layout(topk_ids: torch.Tensor, experts: int, fused: bool):
                                      one - 1, one, experts, BLOCK_M, 1)
 
 
+def expert_weights(cfg: ModelConfig, dtype, device, gen) -> tuple[nn.Parameter, nn.Parameter]:
+    """One MoE layer's routed-expert weights: w13 [E, 2·I, hidden] (gate and up), w2 [E, hidden, I]
+    (``experts`` of ``MoEMLP``: one pair for every layer under ``MoE.shared_weights``)."""
+    e, i, hidden = cfg.moe.experts, cfg.moe.intermediate, cfg.hidden
+    return (nn.Parameter(_randn((e, 2 * i, hidden), hidden**-0.5, dtype, device, gen), False),
+            nn.Parameter(_randn((e, hidden, i), i**-0.5, dtype, device, gen), False))
+
+
 class MoEMLP(nn.Module):
     """Routed experts (and a shared expert where the config has one) with ``max_loras`` slots of
-    expert LoRA. ``shared`` is a pair of the decoder's dense LoRA linears (gate_up, down) or None."""
+    expert LoRA. ``shared`` is a pair of the decoder's dense LoRA linears (gate_up, down) or None;
+    ``experts`` the routed experts' (w13, w2) where the layers share one (else its own)."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, rank: int, max_tokens: int, dtype, device, gen, shared=None):
+    def __init__(self, cfg: ModelConfig, max_loras: int, rank: int, max_tokens: int, dtype, device, gen, shared=None,
+                 experts: tuple[nn.Parameter, nn.Parameter] | None = None):
         super().__init__()
         moe = cfg.moe
         self.cfg, self.moe = cfg, moe
-        e, i, hidden = moe.experts, moe.intermediate, cfg.hidden
+        e, hidden = moe.experts, cfg.hidden
         self.router = nn.Parameter(_randn((e, hidden), hidden**-0.5, dtype, device, gen), False)
-        self.w13 = nn.Parameter(_randn((e, 2 * i, hidden), hidden**-0.5, dtype, device, gen), False)
-        self.w2 = nn.Parameter(_randn((e, hidden, i), i**-0.5, dtype, device, gen), False)
+        self.w13, self.w2 = experts if experts is not None else expert_weights(cfg, dtype, device, gen)
         shapes = moe_lora_shapes(cfg, rank)
         for name, shape in shapes.items():  # [S, E, R, K] / [S, E, N, R] per slot -> [S, L, E, ...]
             s, rest = shape[0], shape[1:]

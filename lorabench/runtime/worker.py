@@ -84,7 +84,8 @@ class Worker:
             "allreduce": "left out" if job.tp > 1 else None, "fully_sharded_loras": job.fully_sharded,
             "slot_ranks": list(job.slot_ranks) or None, "adapter_dir": job.adapter_dir,
             **({"experts": cfg.moe.experts, "top_k": cfg.moe.top_k, "moe_intermediate": cfg.moe.intermediate,
-                "shared_intermediate": cfg.moe.shared_intermediate} if cfg.moe else {}),
+                "shared_intermediate": cfg.moe.shared_intermediate, "shared_expert_weights": cfg.moe.shared_weights}
+               if cfg.moe else {}),
             "max_cpu_loras": job.residency.cpu_slots if job.residency else None,
             "output_tokens": str(job.output_tokens) if job.residency else None,
             "timing": "cuda_events" if self.cuda else "cpu_wall",

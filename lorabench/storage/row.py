@@ -204,6 +204,8 @@ class Row:
     top_k: int | None = column()
     moe_intermediate: int | None = column()
     shared_intermediate: int | None = column()
+    shared_expert_weights: bool | None = column("MoE models: every MoE layer read one set of routed-expert weights "
+                                                "(`--share-expert-weights`)")
     expert_lora_bytes_per_slot: int | None = column("the part of `lora_bytes_per_slot` on the experts (vLLM's "
                                                     "w13 and w2 A and B of every expert)")
     moe_lora_path: str | None = column("the expert-LoRA path the bucket's graph runs: `per-entry` (its grid ignores "
