@@ -66,7 +66,7 @@ NEEDS_ZEROED_SCRATCH = True
 LETS_CONSUMER_LAUNCH = True
 # From this many tokens on, the backend's kernels and the base ops around them launch without PDL:
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
-# without (one adapter; +1.69 and +1.44 with four), while at one token PDL saves 0.05-0.07 ms.
+# without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.
 PDL_MAX_TOKENS = 32
 # At decode sizes the model fuses the shrink into the op that produces the linear's input (the
 # norms, SiLU·mul: ``producer_shrink``) and calls ``linear_apply(..., shrunk=True)``.
@@ -338,6 +338,11 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         return
 
 
+def uses_pdl(x: torch.Tensor) -> bool:
+    """Whether the backend's kernels (the shrink and the GEMM) PDL-launch for x's tokens."""
+    return pdl_enabled(x.device) and x.shape[0] < PDL_MAX_TOKENS
+
+
 def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,
                  config=None, shrunk=False):
     """``x·weightᵀ + bias`` with the LoRA of the first ``launch_count`` active slots added, as a new
@@ -347,11 +352,11 @@ def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, 
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     h = None
+    pdl = uses_pdl(x)
     if launch_count > 0 and shrunk:
         h = scratch[:x.shape[0], :(len(slice_starts) - 1) * lora_b.shape[2]]
     elif launch_count > 0:
-        h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch)
-    pdl = pdl_enabled(x.device) and x.shape[0] < PDL_MAX_TOKENS
+        h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch, pdl)
     _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, max(0, launch_count), config, pdl)
     return y
 
@@ -369,7 +374,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     kernel's epilogue alone over y (no base GEMM). The model calls ``linear_apply`` instead."""
     if launch_count <= 0:
         return
-    h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch)
-    _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None,
-            pdl_enabled(x.device) and x.shape[0] < PDL_MAX_TOKENS)
+    pdl = uses_pdl(x)
+    h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch, pdl)
+    _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None, pdl)
 

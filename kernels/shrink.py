@@ -99,12 +99,12 @@ def _shrink_kernel(
 
 
 def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float, config=None, rank=None,
-                slices=1):
+                slices=1, pdl: bool | None = None):
     """out[t] (+)= scale · x[t] @ lora_a[slot(t)]ᵀ for adapter tokens of the first
     ``launch_count`` active slots. ``out`` is float32 [T, S·R]; zero it first when split.
     ``rank``: R, h's columns per slice (default: lora_a's rows per slice). lora_a holds
     ``slices`` slices of R rows, or of R / TP (fully sharded LoRA: the rest of each slice of h
-    is other ranks', left as it is)."""
+    is other ranks', left as it is). ``pdl``: PDL-launch it (None: where ``pdl_enabled`` says)."""
     tokens, k = x.shape
     n = lora_a.shape[1]
     rows_per_slice = n // slices
@@ -112,7 +112,7 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     cfg = config or config_for("shrink", tokens, k, n, 0, launch_count)
     tg = token_grid(tokens, cfg.block_m, launch_count)
     grid = (cfg.split_k * tg.tiles * cdiv(n, cfg.block_n), 1, tg.columns)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_enabled(x.device) if pdl is None else pdl and pdl_enabled(x.device)
     ranked = meta.slot_rank is not None
     _shrink_kernel[grid](
         x, lora_a, out, *meta.tile_args(), tokens, launch_count, k, n, rows_per_slice, rank,
@@ -127,7 +127,8 @@ def lora_shrink(x, lora_a, out, meta: LoRAMeta, launch_count: int, scale: float,
     )
 
 
-def shrink_into(x, lora_a, meta: LoRAMeta, launch_count: int, scale: float, slices: int, rank: int, scratch=None):
+def shrink_into(x, lora_a, meta: LoRAMeta, launch_count: int, scale: float, slices: int, rank: int, scratch=None,
+                pdl: bool | None = None):
     """``lora_shrink`` into the first [T, S·R] of ``scratch`` (float32, zero on entry: the shrink
     splits K with atomics; a zeroed one is allocated when None, which graph capture forbids); h."""
     tokens = x.shape[0]
@@ -136,5 +137,5 @@ def shrink_into(x, lora_a, meta: LoRAMeta, launch_count: int, scale: float, slic
     if scratch.shape[0] < tokens or scratch.shape[1] < slices * rank:
         raise ValueError(f"scratch {tuple(scratch.shape)} is smaller than [{tokens}, {slices * rank}] (tokens, slices x rank)")
     h = scratch[:tokens, :slices * rank]
-    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices)
+    lora_shrink(x, lora_a, h, meta, launch_count, scale, rank=rank, slices=slices, pdl=pdl)
     return h

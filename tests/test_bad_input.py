@@ -242,6 +242,8 @@ CASES = {
                                free_gib=20),
     "limit llama on the CPU": sweep("--model", "llama-2-7b", "--device", "cpu",
                                     "llama-2-7b (32 layers, float32) at 8 token slots does not fit", free_gib=20),
+    "limit an MoE model names sharing its experts": sweep("--model", "qwen3-30b-a3b", "--device", "cpu",
+                                                          "--share-expert-weights holds one set of experts", free_gib=20),
     "limit check too": check("--max-loras", "100000", "max_loras 100000 does not fit", free_gib=20),
     "limit from a spec file": spec_file("max-loras = [100000]", "max_loras 100000 does not fit", free_gib=20),
     "limit on this machine": sweep("--max-loras", "100000000", "max_loras 100000000 does not fit"),

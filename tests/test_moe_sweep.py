@@ -42,6 +42,9 @@ def test_a_sweep_with_shared_expert_weights_records_them_and_passes_the_check(tm
     assert code == 0
     df = pd.read_parquet(next(tmp_path.glob("*/points.parquet")))
     assert (df.status == "ok").all() and df.correct.all() and (df.shared_expert_weights == True).all()  # noqa: E712
+    run = next(tmp_path.glob("*/points.parquet")).parent
+    assert main(["report", str(run)]) == 0
+    assert "one set of routed-expert weights read by every MoE layer" in (run / "report.md").read_text()
 
 
 def test_the_expert_lora_section_is_left_out_without_n_1_points_and_compares_only_against_max():

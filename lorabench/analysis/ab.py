@@ -44,8 +44,9 @@ KEY = ("model", "rank", "dtype", "kernels", "max_loras", "strategy", "mode", "co
 INT_KEYS = frozenset({"rank", "max_loras", "concurrency", "n_active", "prefill_tokens", "max_num_batched_tokens",
                       "adapters"})
 # What a whole run is set to: when each run holds one value and the values differ (rank 8 against
-# rank 64), that difference is what the A/B measures, and points are matched on the rest of KEY.
-RUN_SETTINGS = ("model", "rank", "dtype")
+# rank 64), that difference is what the A/B measures, and points are matched on the rest of KEY
+# (a setting outside KEY, such as --share-expert-weights, is only named).
+RUN_SETTINGS = ("model", "rank", "dtype", "shared_expert_weights")
 
 # A rerun on the same GPU a minute later differs by up to 0.5 % at a point, two GPUs of one host by up to
 # 1.7 %: 1 % keeps reruns on one GPU "the same" and still catches changes a user would care about.

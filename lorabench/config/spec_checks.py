@@ -74,7 +74,9 @@ def check_memory(spec, machine: Machine, graphs: Callable[[KernelsLabel, int], i
             count, cuda = graphs(label, m), spec.device == "cuda"
             need = estimate(shape, count, cuda)
             if need.total > free:
-                raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}")
+                hint = ("; --share-expert-weights holds one set of experts for every layer"
+                        if cfg.moe is not None and not cfg.moe.shared_weights else "")
+                raise UserError(f"{culprit(shape, count, cuda)} does not fit: {need.describe()} > {size(free)} {what}{hint}")
 
 
 def check_adapters(spec, names) -> None:

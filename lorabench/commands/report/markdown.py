@@ -47,6 +47,9 @@ def model_md(r) -> list[str]:
                    f"replicated), LoRA {lora}; **the rank's collectives (an all-reduce after o and after down in every "
                    "layer, the embedding's all-reduce, the logits' all-gather, and fully sharded LoRA's own) are left "
                    "out of every figure**")
+    if get("shared_expert_weights"):
+        out.append("- **one set of routed-expert weights read by every MoE layer** (--share-expert-weights: the routers, "
+                   "expert LoRA, attention and KV cache are each layer's own)")
     if get("ranks"):
         slots = get("slot_ranks")
         held = f" (slots: {', '.join(str(int(x)) for x in slots)})" if slots is not None else ""
