@@ -6,7 +6,8 @@ gate_up, SiLU·mul for down: ``producer_shrink``), else as lorabench's ``shrink.
 base GEMM and the expand are one Triton kernel, the expand in the GEMM's epilogue. Against cuBLAS + the shrink/expand pair this saves the expand's launch and
 its read-modify-write of y (y is written once, rounded once), at the price of running the base
 GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
-measures both side by side).
+measures both side by side). Above ``GEMM_MAX_TOKENS`` (prefill sizes, where it does not) the model
+runs cuBLAS and this backend's ``lora_apply``, which is then the shrink + expand pair.
 
 A program owns one output tile ``y[BLOCK_M rows, BLOCK_N columns]``. It adds the LoRA of every
 launched slot and slice at once, as one dot over a slot-rank axis (column ``j`` is rank ``j % R`` of
@@ -54,6 +55,7 @@ from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA
 from .moe_lora import moe_lora_apply  # noqa: F401 (expert LoRA where a slice's width fits no tile)
 from . import lora_configs
 from .shrink import shrink_into
+from . import triton_lora
 from .tiles import expand_tile, slice_ends
 
 EPILOGUE_ELEMENTS = 4096  # B elements one epilogue step holds (BLOCK_J x BLOCK_N): more spills registers (sm_90 compiles)
@@ -64,6 +66,11 @@ GATHER_TILE = 2048  # the largest output tile (BLOCK_M x BLOCK_N) the gathered e
 NEEDS_ZEROED_SCRATCH = True
 # The shrink lets the GEMM launch at once; the GEMM lets its consumer (a base op that waits first) launch.
 LETS_CONSUMER_LAUNCH = True
+# Above this many tokens (prefill sizes) the backend runs cuBLAS and the shrink + expand pair, as
+# ``triton`` does: there its Triton GEMM is 1.4-1.57x cuBLAS (2048 tokens, H200, the best of 12
+# tilings; it has no TMA or warp specialisation), which costs more than the epilogue saves (y's
+# read-modify-write). Decode sizes up to here, where it keeps up, take LoRA in the GEMM.
+GEMM_MAX_TOKENS = 64
 # From this many tokens on, the backend's kernels and the base ops around them launch without PDL:
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
 # without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.
@@ -371,8 +378,12 @@ def base_linear(x, weight, bias=None, config=None):
 
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
     """y += LoRA in place (the backend interface for a y that exists already): the shrink, then the
-    kernel's epilogue alone over y (no base GEMM). The model calls ``linear_apply`` instead."""
+    kernel's epilogue alone over y (no base GEMM); above ``GEMM_MAX_TOKENS``, the pair's. The model
+    calls ``linear_apply`` up to ``GEMM_MAX_TOKENS`` tokens and this above."""
     if launch_count <= 0:
+        return
+    if x.shape[0] > GEMM_MAX_TOKENS:
+        triton_lora.lora_apply(y, x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
         return
     pdl = uses_pdl(x)
     h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch, pdl)

@@ -79,7 +79,7 @@ class LoRALinear(nn.Module):
     def shrinks_in_producer(self, lora: LoRAStep | None, tokens: int) -> bool:
         """Whether the op producing this linear's input also computes its shrink (``gemm`` at decode sizes)."""
         return (lora is not None and lora.launch_count > 0 and getattr(lora.backend, "SHRINK_IN_PRODUCER", False)
-                and tokens <= producer_shrink.MAX_TOKENS)
+                and tokens <= min(producer_shrink.MAX_TOKENS, lora.backend.GEMM_MAX_TOKENS))
 
     def shrink_args(self, lora: LoRAStep, scratch: torch.Tensor) -> tuple:
         """What ``producer_shrink`` takes after its input: A, h (zero), the batch, the launch count, scale, rank."""
@@ -88,6 +88,8 @@ class LoRALinear(nn.Module):
     def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor, shrunk: bool = False):
         """``shrunk``: scratch holds h already (``shrinks_in_producer``)."""
         linear_apply = getattr(lora.backend, "linear_apply", None) if lora is not None else None
+        if linear_apply is not None and x.shape[0] > lora.backend.GEMM_MAX_TOKENS:
+            linear_apply = None  # prefill sizes: cuBLAS and the backend's lora_apply
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
                                 lora.launch_count, lora.scale, scratch, shrunk=shrunk)
