@@ -71,7 +71,7 @@ LETS_CONSUMER_LAUNCH = True
 # tilings; it has no TMA or warp specialisation), which costs more than the epilogue saves (y's
 # read-modify-write). Decode sizes up to here, where it keeps up, take LoRA in the GEMM.
 GEMM_MAX_TOKENS = 64
-# From this many tokens on, the backend's kernels and the base ops around them launch without PDL:
+# From this many tokens up to GEMM_MAX_TOKENS, the backend's kernels and the base ops around them launch without PDL:
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
 # without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.
 PDL_MAX_TOKENS = 32
@@ -279,7 +279,7 @@ FITTED: dict[tuple, GemmConfig] = {}
 
 def config_for(tokens: int, k: int, n: int) -> GemmConfig:
     """The tuned config of the nearest tuned token bucket with the same K and N, else the default."""
-    same = [key for key in TUNED_CONFIGS if key[2:] == (k, n)]
+    same = [key for key in TUNED_CONFIGS if key[2:] == (k, n) and key[1] <= GEMM_MAX_TOKENS]
     if not same:
         return default_config(tokens, k, n)
     return TUNED_CONFIGS[min(same, key=lambda key: (abs(key[1] - tokens), -key[1]))]
@@ -346,7 +346,8 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
 
 
 def uses_pdl(x: torch.Tensor) -> bool:
-    """Whether the backend's kernels (the shrink and the GEMM) PDL-launch for x's tokens."""
+    """Whether the backend's own kernels (the shrink and the GEMM, up to ``GEMM_MAX_TOKENS``)
+    PDL-launch for x's tokens (above, the pair's decide as in ``triton``)."""
     return pdl_enabled(x.device) and x.shape[0] < PDL_MAX_TOKENS
 
 

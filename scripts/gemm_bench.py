@@ -17,7 +17,10 @@ the K loop (``gemm_early``) and after it (``gemm_late``; ``GemmConfig.preload``)
 steps twice as wide (``gemm_wide``), without PDL (``gemm_nopdl``) and with the gathered epilogue
 (``gemm_gather``: each token its own slot's B, ``GemmConfig.gather``) —
 each graph against the cuBLAS-only graph in the same loop, and the step estimate (the four linears
-× the model's layers). Results are checked against the reference.
+× the model's layers). Results are checked against the reference. ``gemm`` here is
+``linear_apply`` itself, at any token count: in whole steps the backend runs it up to
+``GEMM_MAX_TOKENS`` only (the pair above), and without PDL from ``PDL_MAX_TOKENS`` on (where
+``gemm_nopdl`` is ``gemm``).
 """
 
 import argparse

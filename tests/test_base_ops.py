@@ -86,8 +86,8 @@ def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, b
 
 def test_the_gemm_backend_launches_without_pdl_from_32_tokens(monkeypatch):
     """``gemm_lora.PDL_MAX_TOKENS``: below it the gemm backend's shrink and GEMM and the base ops
-    around them PDL-launch (where the GPU allows), from it on none of them do; other backends
-    keep PDL at any size."""
+    around them PDL-launch (where the GPU allows), from it up to ``GEMM_MAX_TOKENS`` none of them
+    do, above (the pair's sizes) the base ops do again; other backends keep PDL at any size."""
     from lorabench.kernels import get_backend, gemm_lora
     from lorabench.runtime.model import LlamaLoRA, LoRAStep
 
@@ -96,5 +96,6 @@ def test_the_gemm_backend_launches_without_pdl_from_32_tokens(monkeypatch):
     assert gemm_lora.uses_pdl(below) and not gemm_lora.uses_pdl(at)
     gemm = LoRAStep(get_backend("gemm"), None, 1, 0.5)
     assert LlamaLoRA._pdl(gemm, gemm_lora.PDL_MAX_TOKENS - 1) and not LlamaLoRA._pdl(gemm, gemm_lora.PDL_MAX_TOKENS)
+    assert not LlamaLoRA._pdl(gemm, gemm_lora.GEMM_MAX_TOKENS) and LlamaLoRA._pdl(gemm, gemm_lora.GEMM_MAX_TOKENS + 1)
     assert LlamaLoRA._pdl(LoRAStep(get_backend("triton"), None, 1, 0.5), 512)
     assert not LlamaLoRA._pdl(None, 1)

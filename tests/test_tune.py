@@ -528,3 +528,25 @@ def test_prefill_sizes_are_tuned_and_taken_by_larger_steps():
     finally:
         lora_configs.TUNED_CONFIGS.clear()
         lora_configs.TUNED_CONFIGS.update(old)
+
+
+def test_the_gemm_tune_leaves_out_sizes_where_the_backend_runs_the_pair():
+    """Above ``gemm_lora.GEMM_MAX_TOKENS`` the gemm backend runs cuBLAS and the pair: its GEMM is
+    not tuned there, and a tuned size above it never serves a decode step."""
+    from lorabench.commands.tune.backends import TUNERS
+    from lorabench.commands.tune.shapes import build_shapes
+    from lorabench.kernels import gemm_lora
+
+    spec, _ = build_tune_spec({"kernels": "gemm", "model": "tiny", "tokens": "8,512", "max_loras": "2"},
+                              Machine(cuda=False), vllm_available=lambda: False)
+    shapes = build_shapes(spec, {"gemm": TUNERS["gemm"]()})
+    assert shapes and {s.tokens for s in shapes} == {8}
+    old = dict(gemm_lora.TUNED_CONFIGS)
+    try:
+        gemm_lora.TUNED_CONFIGS.clear()
+        k, n = 64, 96
+        gemm_lora.TUNED_CONFIGS[gemm_lora.shape_key(512, k, n)] = gemm_lora.GemmConfig(128, 128, 64)
+        assert gemm_lora.config_for(32, k, n) == gemm_lora.default_config(32, k, n)
+    finally:
+        gemm_lora.TUNED_CONFIGS.clear()
+        gemm_lora.TUNED_CONFIGS.update(old)

@@ -89,6 +89,8 @@ class LoRALinear(nn.Module):
         """``shrunk``: scratch holds h already (``shrinks_in_producer``)."""
         linear_apply = getattr(lora.backend, "linear_apply", None) if lora is not None else None
         if linear_apply is not None and x.shape[0] > lora.backend.GEMM_MAX_TOKENS:
+            if shrunk:  # the pair would shrink again into an h that holds the producer's
+                raise ValueError(f"{x.shape[0]} tokens: above GEMM_MAX_TOKENS the producer must not shrink")
             linear_apply = None  # prefill sizes: cuBLAS and the backend's lora_apply
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
@@ -305,10 +307,12 @@ class LlamaLoRA(nn.Module):
     @staticmethod
     def _pdl(lora: LoRAStep | None, tokens: int) -> bool:
         """Whether the base ops PDL-launch: under a backend whose kernels let them launch early, at
-        fewer tokens than its ``PDL_MAX_TOKENS`` (where it has one)."""
+        fewer tokens than its ``PDL_MAX_TOKENS`` where it has one (``gemm``), and again above its
+        ``GEMM_MAX_TOKENS``, where it runs the shrink + expand pair as ``triton`` does."""
         if lora is None or not getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False):
             return False
-        return tokens < getattr(lora.backend, "PDL_MAX_TOKENS", float("inf"))
+        return (tokens < getattr(lora.backend, "PDL_MAX_TOKENS", float("inf"))
+                or tokens > getattr(lora.backend, "GEMM_MAX_TOKENS", float("inf")))
 
     def lora_bytes_per_slot(self) -> int:
         """One adapter's A and B over every LoRA linear and, in MoE layers, every expert."""

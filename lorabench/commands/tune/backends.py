@@ -191,6 +191,8 @@ class Gemm(TritonPair):
     name = "gemm"
 
     def shapes(self, linear, k, slices, tokens, max_loras, rank):
+        if tokens > gemm_lora.GEMM_MAX_TOKENS:  # the backend runs the pair there: ``--kernels triton`` tunes it
+            return []
         return [Shape(self.name, "gemm", key=gemm_lora.shape_key(tokens, k, sum(slices)), linear=linear, k=k,
                       slices=slices, tokens=tokens, max_loras=max_loras, active=1)]
 
