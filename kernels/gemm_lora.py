@@ -345,10 +345,16 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         return
 
 
+def pdl_at(tokens: int) -> bool:
+    """Whether a step of ``tokens`` PDL-launches the backend's kernels and the base ops around
+    them: not from ``PDL_MAX_TOKENS`` to ``GEMM_MAX_TOKENS``; above, where the pair runs, as
+    ``triton``'s do."""
+    return tokens < PDL_MAX_TOKENS or tokens > GEMM_MAX_TOKENS
+
+
 def uses_pdl(x: torch.Tensor) -> bool:
-    """Whether the backend's own kernels (the shrink and the GEMM, up to ``GEMM_MAX_TOKENS``)
-    PDL-launch for x's tokens (above, the pair's decide as in ``triton``)."""
-    return pdl_enabled(x.device) and x.shape[0] < PDL_MAX_TOKENS
+    """Whether the backend's own kernels (the shrink and the GEMM) PDL-launch for x's tokens."""
+    return pdl_enabled(x.device) and pdl_at(x.shape[0])
 
 
 def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,

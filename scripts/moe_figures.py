@@ -2,8 +2,8 @@
 the LoRA overhead (step at n minus the no-LoRA step at the same c, same configuration) of
 lorabench's expert-LoRA kernels and of vLLM's, their ratio, the overhead as a share of the base
 step, and the bytes floor: the adapter bytes the step reads at least (its active experts' expert
-LoRA: the (slot, expert) pairs its tokens route to, expected under uniform routing as
-``analysis.roofline.expert_pairs`` counts them, plus n adapters' attention LoRA), over the worker's
+LoRA: the (slot, expert) pairs its tokens route to, expected under uniform routing, plus n
+adapters' attention LoRA: ``analysis.roofline.step_lora_bytes``), over the worker's
 measured copy bandwidth. Then where specialisation pays: per c, the overhead at n = 1
 under max and pow2 for each backend, with the expert-LoRA path each took and pow2's step against
 max's (same worker, alternating turns).
@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from lorabench.analysis.intervals import interval_of
-from lorabench.analysis.roofline import expert_pairs
+from lorabench.analysis.roofline import step_lora_bytes
 from lorabench.stats import Resampler, ratio_pct
 from lorabench.storage.samples import read_samples, step_times
 
@@ -55,8 +55,6 @@ def main() -> None:
         raise SystemExit(f"moe_figures.py: the runs hold {', '.join(sorted(df.model.unique()))}: one model per call")
     rs = Resampler(samples)
     first = df.iloc[0]
-    layers_bytes = first.expert_lora_bytes_per_slot / first.experts  # one (slot, expert) pair, every layer
-    dense_bytes = first.lora_bytes_per_slot - first.expert_lora_bytes_per_slot  # one adapter's attention LoRA
     wanted = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
     ours = table(df, "triton", "pow2")
     for strategy, label in (("max", "vLLM default"), ("pow2", "vLLM --specialize-active-lora")):
@@ -70,8 +68,8 @@ def main() -> None:
             if strategy != "max" and point not in wanted:
                 continue
             o, t = ours.loc[key], theirs.loc[key]
-            pairs = expert_pairs(point[1], point[2], int(first.experts), int(first.top_k))
-            floor_bytes = pairs * layers_bytes + point[2] * dense_bytes
+            floor_bytes = step_lora_bytes(point[1], point[2], first.lora_bytes_per_slot, first.expert_lora_bytes_per_slot,
+                                          int(first.experts), int(first.top_k))
             floor_us = floor_bytes / (o.probe_copy_gbs * 1e9) * 1e6 if pd.notna(o.probe_copy_gbs) else float("nan")
             on, o0, tn, t0 = o.point, o.base_point, t.point, t.base_point
             iv, _ = interval_of(rs, lambda m: (m[on] - m[o0]) / (m[tn] - m[t0]), (on, o0, tn, t0))  # noqa: B023

@@ -36,18 +36,25 @@ def expert_pairs(tokens: int, n_active: int, experts: int, top_k: int) -> float:
     return n_active * experts * (1.0 - q * (1.0 - (1.0 - q) / n_active) ** (tokens - n_active))
 
 
+def step_lora_bytes(tokens: int, n_active: int, slot_bytes: float, expert_bytes: float, experts: int,
+                    top_k: int) -> float:
+    """The adapter bytes an MoE decode step of ``tokens`` adapter tokens over ``n_active`` adapters
+    must read: their attention LoRA (``slot_bytes - expert_bytes`` each) and the expert LoRA of the
+    (slot, expert) pairs its tokens route to (``expert_bytes / experts`` each, every layer's)."""
+    pairs = expert_pairs(tokens, n_active, experts, top_k)
+    return n_active * (slot_bytes - expert_bytes) + pairs * expert_bytes / experts
+
+
 def lora_bytes(pts: pd.DataFrame) -> pd.Series:
     """The adapter bytes each point's step must read: n adapters' whole A and B on a dense model; on
-    an MoE model n adapters' attention LoRA and the expert LoRA of the pairs its tokens route to."""
-    dense = pts.n_active * pts.lora_bytes_per_slot
+    an MoE model ``step_lora_bytes``."""
+    out = (pts.n_active * pts.lora_bytes_per_slot).astype(float)
     if "expert_lora_bytes_per_slot" not in pts:
-        return dense.astype(float)
+        return out
     moe = pts.expert_lora_bytes_per_slot.notna() & pts.experts.notna() & pts.top_k.notna()
-    out = dense.astype(float)
     for i, r in pts[moe].iterrows():
-        pairs = expert_pairs(int(r.concurrency), int(r.n_active), int(r.experts), int(r.top_k))
-        out[i] = (r.n_active * (r.lora_bytes_per_slot - r.expert_lora_bytes_per_slot)
-                  + pairs * r.expert_lora_bytes_per_slot / r.experts)
+        out[i] = step_lora_bytes(int(r.concurrency), int(r.n_active), r.lora_bytes_per_slot,
+                                 r.expert_lora_bytes_per_slot, int(r.experts), int(r.top_k))
     return out
 
 

@@ -128,10 +128,9 @@ def model_bytes(s: Shape) -> tuple[int, int, int, int]:
     moe, moe_layers = cfg.moe, _moe_layers(cfg)
     if moe is not None:  # router, w13 and w2 of every expert (one set where the layers share it), the shared expert's gate
         e, inter = moe.experts, moe.intermediate
-        experts = e * 3 * inter * cfg.hidden
-        layer_weights += moe_layers * (e * cfg.hidden + (not moe.shared_weights) * experts
-                                       + (moe.shared_gate and moe.shared_intermediate > 0) * cfg.hidden)
-        layer_weights += moe.shared_weights * (moe_layers > 0) * experts
+        expert_sets = min(moe_layers, 1) if moe.shared_weights else moe_layers
+        layer_weights += moe_layers * (e * cfg.hidden + (moe.shared_gate and moe.shared_intermediate > 0) * cfg.hidden)
+        layer_weights += expert_sets * e * 3 * inter * cfg.hidden
     weights = b * (2 * cfg.vocab * cfg.hidden + cfg.hidden + layer_weights)  # embed, lm_head, final norm
     adapters = b * s.max_loras * sum(_adapter_elements(s, i) for i in range(cfg.layers))
     kv_cache = b * cfg.layers * 2 * s.rows * cfg.kv_heads * s.context_len * cfg.head_dim

@@ -307,12 +307,11 @@ class LlamaLoRA(nn.Module):
     @staticmethod
     def _pdl(lora: LoRAStep | None, tokens: int) -> bool:
         """Whether the base ops PDL-launch: under a backend whose kernels let them launch early, at
-        fewer tokens than its ``PDL_MAX_TOKENS`` where it has one (``gemm``), and again above its
-        ``GEMM_MAX_TOKENS``, where it runs the shrink + expand pair as ``triton`` does."""
+        the token counts its ``pdl_at`` allows, where it has one (``gemm``)."""
         if lora is None or not getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False):
             return False
-        return (tokens < getattr(lora.backend, "PDL_MAX_TOKENS", float("inf"))
-                or tokens > getattr(lora.backend, "GEMM_MAX_TOKENS", float("inf")))
+        pdl_at = getattr(lora.backend, "pdl_at", None)
+        return pdl_at is None or pdl_at(tokens)
 
     def lora_bytes_per_slot(self) -> int:
         """One adapter's A and B over every LoRA linear and, in MoE layers, every expert."""

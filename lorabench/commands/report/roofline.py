@@ -7,6 +7,7 @@ import pandas as pd
 from lorabench.commands.report.labels import in_order
 from lorabench.commands.tables import markdown_table
 
+
 def _moe(fl: pd.DataFrame) -> bool:
     return "expert_lora_bytes_per_slot" in fl and bool(fl.expert_lora_bytes_per_slot.notna().any())
 
