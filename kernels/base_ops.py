@@ -26,8 +26,9 @@ def _add_rmsnorm_kernel(
     d_ptr,  # [T, H] delta to add first (ignored unless HAS_DELTA)
     w_ptr,  # [H] norm weight
     res_ptr,  # [T, H] out: x + delta
-    out_ptr,  # [T, H] out: rmsnorm(x + delta) * w
+    out_ptr,  # [T, H] out: rmsnorm(x + delta) * w, rows ``stride_out`` apart
     H,  # hidden size
+    stride_out,
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,  # >= H
@@ -46,21 +47,24 @@ def _add_rmsnorm_kernel(
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = (hf * inv).to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * H + offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(x, delta, weight, eps, fused=True, pdl=False):
-    """(rmsnorm(x + delta) * weight, x + delta); ``delta`` may be None. x: [T, H] contiguous."""
+def add_rmsnorm(x, delta, weight, eps, fused=True, pdl=False, out=None):
+    """(rmsnorm(x + delta) * weight, x + delta); ``delta`` may be None. x: [T, H] contiguous.
+    out: [T, H] with contiguous rows to write the norm into (a view of a wider buffer: the
+    extended GEMM's input, ``extended_gemm``); a new tensor when None."""
     if not fused:
         h = x if delta is None else x + delta
         hf = h.float()
-        return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight, h
+        normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight
+        return (normed if out is None else out.copy_(normed)), h
     t, hidden = x.shape
     res = torch.empty_like(x) if delta is not None else x
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     pdl = pdl and pdl_enabled(x.device)
     _add_rmsnorm_kernel[(t,)](
-        x, delta if delta is not None else x, weight, res, out, hidden, eps,
+        x, delta if delta is not None else x, weight, res, out, hidden, out.stride(0), eps,
         HAS_DELTA=delta is not None, BLOCK=next_pow2(hidden), USE_PDL=pdl, num_warps=8, **pdl_launch(pdl),
     )
     return out, res
@@ -153,26 +157,28 @@ def rotate(x, cos, sin):
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     g = tl.load(gu_ptr + t * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * inter + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * stride_out + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up, fused=True, pdl=False):
-    """SwiGLU: silu(gate) * up for gate_up = [gate | up], [T, 2·I] -> [T, I]."""
+def silu_mul(gate_up, fused=True, pdl=False, out=None):
+    """SwiGLU: silu(gate) * up for gate_up = [gate | up], [T, 2·I] -> [T, I] (into ``out`` when
+    given: [T, I] with contiguous rows, as ``add_rmsnorm``'s)."""
     if not fused:
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        act = torch.nn.functional.silu(gate) * up
+        return act if out is None else out.copy_(act)
     t, two_i = gate_up.shape
-    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     block = 1024
     pdl = pdl and pdl_enabled(gate_up.device)
-    _silu_mul_kernel[(t, cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block, USE_PDL=pdl,
+    _silu_mul_kernel[(t, cdiv(two_i // 2, block))](gate_up, out, two_i // 2, out.stride(0), BLOCK=block, USE_PDL=pdl,
                                                           num_warps=4, **pdl_launch(pdl))
     return out
 

@@ -7,7 +7,8 @@ base GEMM and the expand are one Triton kernel, the expand in the GEMM's epilogu
 its read-modify-write of y (y is written once, rounded once), at the price of running the base
 GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
 measures both side by side). Above ``GEMM_MAX_TOKENS`` (prefill sizes, where it does not) the model
-runs cuBLAS and this backend's ``lora_apply``, which is then the shrink + expand pair.
+runs cuBLAS with the expand inside its K (``extended_gemm``: ``EXTENDS_K``) where a linear's tail
+fits, else cuBLAS and this backend's ``lora_apply``, which is then the shrink + expand pair.
 
 A program owns one output tile ``y[BLOCK_M rows, BLOCK_N columns]``. It adds the LoRA of every
 launched slot and slice at once, as one dot over a slot-rank axis (column ``j`` is rank ``j % R`` of
@@ -71,6 +72,10 @@ LETS_CONSUMER_LAUNCH = True
 # tilings; it has no TMA or warp specialisation), which costs more than the epilogue saves (y's
 # read-modify-write). Decode sizes up to here, where it keeps up, take LoRA in the GEMM.
 GEMM_MAX_TOKENS = 64
+# Above GEMM_MAX_TOKENS the model runs each linear whose tail fits as the extended GEMM instead of
+# the pair: cuBLAS over [x | hm]·[W | B's tail]ᵀ, the expand inside its K (``extended_gemm``); the
+# model holds those weights extended when the worker's backend says so.
+EXTENDS_K = True
 # From this many tokens up to GEMM_MAX_TOKENS, the backend's kernels and the base ops around them launch without PDL:
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
 # without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.

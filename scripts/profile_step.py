@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--kernels", default="triton")
+    ap.add_argument("--at", default="8:4", help="c:n points whose eager step is profiled (launch count: n's power of two)")
+    ap.add_argument("--rows", type=int, default=14, help="kernels listed per profile")
     args = ap.parse_args()
     cfg = resolve(args.model, args.layers)
 
@@ -50,7 +52,7 @@ def main():
     base_bytes = sum(p.nbytes for n, p in model.named_parameters() if "lora" not in n and n != "embed")
     print(f"{cfg.name} x{cfg.layers}: base weights read per step {base_bytes / 1e9:.2f} GB -> floor {base_bytes / bw * 1e3:.3f} ms"
           f"; LoRA bytes per slot {model.lora_bytes_per_slot() / 1e6:.1f} MB")
-    d = Dispatcher(model, get_backend(args.kernels), max_loras=m, capture_sizes=[1, 8], counts=[m], use_graphs=True)
+    d = Dispatcher(model, get_backend(args.kernels), max_loras=m, capture_sizes=[1, 8], counts=sorted({min(m, 1 << (i - 1).bit_length()) for i in range(1, m + 1)}), use_graphs=True)
     d.warm_up()
     d.capture()
     rng = random.Random(0)
@@ -73,13 +75,23 @@ def main():
         print(f"c={c} n={n} launch={prep.route.launch}: synced median {np.median(synced):.3f} ms "
               f"(p10 {np.percentile(synced, 10):.3f}, p90 {np.percentile(synced, 90):.3f}); back-to-back {s.elapsed_time(e) / 100:.3f} ms")
 
-    prep = d.prepare(fixed_batch(8, 4, m, rng))
-    d.load(prep)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            d.forward(8, m)
+    for point in args.at.split(","):
+        c, n = (int(v) for v in point.split(":"))
+        prep = d.prepare(fixed_batch(c, n, m, rng))
+        d.load(prep)
+        launch = prep.route.launch
+        for _ in range(2):
+            d.forward(c, launch)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                d.forward(c, launch)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.self_device_time_total for e in events) / 3 / 1e3
+        print(f"== eager step c={c} n={n} launch={launch} ({args.kernels}): kernels sum {total:.3f} ms per step")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
+            print(f"  {e.self_device_time_total / 3 / 1e3:8.3f} ms  {e.count // 3:5d}x  {e.key[:90]}")
 
     batches = [fixed_batch(8, 4, m, rng) for _ in range(16)]
     host = []

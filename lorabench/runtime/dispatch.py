@@ -164,8 +164,7 @@ class Dispatcher:
         self.mixed_keys = [(b, c) for b in reversed(self.mixed_sizes) for c in self.rules.keys(b)]
         self.mixed_grid: dict[tuple[int, int], int] = {}
         self.mixed_runners: dict[tuple[int, int], PiecewiseStep] = {}
-        cfg = model.cfg  # what a mixed step's attention writes for the piece after it
-        self.attn = torch.zeros((model.max_tokens, cfg.heads * cfg.head_dim), dtype=model.embed.dtype, device=device)
+        self.attn = model.attention_buffer(model.max_tokens)  # what a mixed step's attention writes for the piece after it
 
     # -- building ---------------------------------------------------------------------------
     def lora_step(self, launch: int, backend=None, meta=None) -> LoRAStep | None:

@@ -24,7 +24,7 @@ from lorabench.config.models import (
     lora_shares,
     moe_layer,
 )
-from lorabench.kernels import MAX_SLICES, producer_shrink
+from lorabench.kernels import MAX_SLICES, extended_gemm, producer_shrink
 from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, rotate, silu_mul
 from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
@@ -65,6 +65,40 @@ class LoRALinear(nn.Module):
         a_shape = (max_loras, len(slice_sizes) * rank // a_div, in_features)
         self.lora_a = nn.Parameter(_randn(a_shape, in_features**-0.5, dtype, device, gen), False)
         self.lora_b = nn.Parameter(_randn((max_loras, self.lora_n, rank), rank**-0.5, dtype, device, gen), False)
+        self.weight_ext: torch.Tensor | None = None  # [N, K + E]: the weight, then B's tail (``extend``)
+
+    def extend(self) -> bool:
+        """Hold the weight as the first K columns of ``weight_ext`` = [W | B's tail], the extended
+        GEMM's operand (``extended_gemm``), where the tail fits its bound; whether it does."""
+        k, slices = self.weight.shape[1], len(self.slice_starts) - 1
+        slots, _, rank = self.lora_b.shape
+        if self.weight_ext is None and extended_gemm.extends(k, slices, slots, rank):
+            width = k + extended_gemm.tail_width(slices, slots, rank)
+            ext = torch.zeros(self.weight.shape[0], width, dtype=self.weight.dtype, device=self.weight.device)
+            ext[:, :k] = self.weight
+            self.weight = nn.Parameter(ext[:, :k], False)  # a view: the base GEMM reads it in place
+            self.weight_ext = ext
+            self.refresh_tail()
+        return self.weight_ext is not None
+
+    def refresh_tail(self, slot: int | None = None) -> None:
+        """Copy B (every slot's, or one's) into ``weight_ext``'s tail: after anything writes B."""
+        if self.weight_ext is not None:
+            extended_gemm.build_tail(self.weight_ext[:, self.weight.shape[1]:], self.lora_b, self.slice_starts, slot)
+
+    def takes_extended(self, lora: LoRAStep | None, tokens: int) -> bool:
+        """Whether a step of ``tokens`` runs this linear as the extended GEMM: a backend that asks
+        for it (``EXTENDS_K``: ``gemm`` above its ``GEMM_MAX_TOKENS``) on an extended weight."""
+        return (self.weight_ext is not None and lora is not None and lora.launch_count > 0
+                and getattr(lora.backend, "EXTENDS_K", False) and tokens > lora.backend.GEMM_MAX_TOKENS)
+
+    def input_view(self, lora: LoRAStep | None, tokens: int) -> torch.Tensor | None:
+        """Where the op producing this linear's input writes it: the first K columns of a new
+        extended input where the step takes the extended GEMM, else None (its own tensor)."""
+        if not self.takes_extended(lora, tokens):
+            return None
+        return extended_gemm.input_buffer(tokens, self.weight.shape[1], self.weight_ext.shape[1], self.weight.dtype,
+                                          self.weight.device)
 
     def pad(self, slot_ranks: list[int], rank: int) -> None:
         """Zero every slot's A rows and B columns past its adapter's own rank (vLLM's padding)."""
@@ -91,7 +125,12 @@ class LoRALinear(nn.Module):
         if linear_apply is not None and x.shape[0] > lora.backend.GEMM_MAX_TOKENS:
             if shrunk:  # the pair would shrink again into an h that holds the producer's
                 raise ValueError(f"{x.shape[0]} tokens: above GEMM_MAX_TOKENS the producer must not shrink")
-            linear_apply = None  # prefill sizes: cuBLAS and the backend's lora_apply
+            x_ext = extended_gemm.extended_of(x, self.weight_ext.shape[1]) if self.takes_extended(lora, x.shape[0]) else None
+            if x_ext is not None:  # prefill sizes, x written into an extended input: one cuBLAS GEMM holds the expand
+                slices, rank = len(self.slice_starts) - 1, self.lora_b.shape[2]
+                return extended_gemm.extended_linear(x_ext, self.weight.shape[1], self.weight_ext, self.bias, self.lora_a,
+                                                     lora.meta, lora.launch_count, lora.scale, slices, rank, scratch)
+            linear_apply = None  # prefill sizes otherwise: cuBLAS and the backend's lora_apply
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
                                 lora.launch_count, lora.scale, scratch, shrunk=shrunk)
@@ -151,15 +190,16 @@ class Block(nn.Module):
     def attention(self, qkv, pos, rope, fused, pdl, layout: MixedLayout | None = None, out=None):
         """Attention [T, H D]. layout: a mixed step's pieces (``mixed_attention``); None: a decode
         step, token t in cache row t attending to the whole cache (the benchmark's fixed context).
-        out: a mixed step's [T, H D] buffer to write into (the fused kernel writes it directly)."""
+        out: a [T, H D] buffer to write into (a mixed step's fused kernel writes it directly; a decode
+        step copies into it): the piecewise graphs' static one, or o's extended input (``input_view``)."""
         cfg, t = self.cfg, qkv.shape[0]
         if layout is not None:
             return self._mixed_attention(qkv, rope, layout, fused, out).reshape(t, cfg.heads * cfg.head_dim)
         q = rope_and_cache(qkv, *rope, pos, self.cache_k, self.cache_v, cfg.heads, cfg.kv_heads, fused, pdl)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), self.cache_k[:t], self.cache_v[:t], enable_gqa=cfg.heads != cfg.kv_heads
-        )
-        return attn.reshape(t, cfg.heads * cfg.head_dim)
+        ).reshape(t, cfg.heads * cfg.head_dim)
+        return attn if out is None else out.copy_(attn)
 
     def after_attention(self, attn, x, lora, scratch, fused, pdl, moe_state=None):
         """The block from attention on: o, then the MLP (or MoE). Returns (residual stream, this
@@ -172,7 +212,8 @@ class Block(nn.Module):
         if fused and self.down.shrinks_in_producer(lora, x.shape[0]):
             act = silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
             return x, self.down(act, lora, scratch[3], shrunk=True)
-        return x, self.down(silu_mul(gate_up, fused, pdl), lora, scratch[3])
+        act = silu_mul(gate_up, fused, pdl, out=self.down.input_view(lora, x.shape[0]))
+        return x, self.down(act, lora, scratch[3])
 
     def _mixed_attention(self, qkv, rope, layout, fused, out=None):
         """Rotary q and k at each token's position (the layout's), then attention over each piece's
@@ -200,7 +241,7 @@ class Block(nn.Module):
             a, h, meta, launch, scale, rank = linear.shrink_args(lora, scratch)
             normed, x = add_rmsnorm_shrink(x, delta, norm, self.cfg.norm_eps, a, h, meta, launch, scale, rank, slices, pdl)
             return linear(normed, lora, scratch, shrunk=True), x
-        normed, x = add_rmsnorm(x, delta, norm, self.cfg.norm_eps, fused, pdl)
+        normed, x = add_rmsnorm(x, delta, norm, self.cfg.norm_eps, fused, pdl, out=linear.input_view(lora, x.shape[0]))
         return linear(normed, lora, scratch), x
 
 
@@ -209,13 +250,16 @@ class LlamaLoRA(nn.Module):
     ``lora=None`` runs the base model with no LoRA kernels at all (the n = 0 graph)."""
 
     def __init__(self, cfg: ModelConfig, *, max_loras, rank, max_tokens, context_len, dtype, device, seed=0,
-                 slot_ranks: tuple[int, ...] = (), fully_sharded: bool = False, cache_rows: int | None = None):
+                 slot_ranks: tuple[int, ...] = (), fully_sharded: bool = False, cache_rows: int | None = None,
+                 extended: bool = False):
         """slot_ranks: each slot's adapter's own rank, its weights zero-padded to ``rank`` as vLLM
         pads them (empty: every adapter of rank ``rank``); ``slot_rank`` holds them on the device
         for kernels that skip the padding. fully_sharded: a TP rank's LoRA cut as vLLM's
         ``--fully-sharded-loras`` cuts it (``models.lora_shares``); its collectives are left out.
         cache_rows: the KV cache's requests (default ``max_tokens``: a decode step's token t reads
-        row t); fewer where steps hold prefill chunks of many tokens from few requests."""
+        row t); fewer where steps hold prefill chunks of many tokens from few requests.
+        extended: hold each LoRA linear whose tail fits as [W | B's tail] (``LoRALinear.extend``),
+        for a backend that runs the extended GEMM (``EXTENDS_K``); B's tail is a copy of B."""
         super().__init__()
         gen = torch.Generator(device=device).manual_seed(seed)
         self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
@@ -245,6 +289,7 @@ class LlamaLoRA(nn.Module):
         for m in self.modules():
             if isinstance(m, (LoRALinear, MoEMLP)):
                 m.pad(own, rank)
+        self.extended = [m for m in self.modules() if isinstance(m, LoRALinear) and m.extend()] if extended else []
         # Expert LoRA per layer and slot, each MoE layer's adapter_enabled as vLLM keeps it ([max_loras + 1],
         # the last unused): 0 where the slot's adapter has none on that layer's experts.
         enabled = None
@@ -283,7 +328,10 @@ class LlamaLoRA(nn.Module):
         return x, qkv
 
     def attention(self, i: int, qkv, positions, lora: LoRAStep | None, layout: MixedLayout | None, out=None):
-        """Layer i's attention, between pieces i and i + 1 (into ``out`` when given)."""
+        """Layer i's attention, between pieces i and i + 1 (into ``out`` when given; else into o's
+        extended input where the step takes o's extended GEMM)."""
+        if out is None:
+            out = self.layers[i].o.input_view(lora, qkv.shape[0])
         return self.layers[i].attention(qkv, positions, (self.rope_cos, self.rope_sin), self.fused,
                                         self._pdl(lora, qkv.shape[0]), layout, out)
 
@@ -299,6 +347,19 @@ class LlamaLoRA(nn.Module):
             return x, qkv
         h, _ = add_rmsnorm(x, delta, self.norm, self.cfg.norm_eps, self.fused, pdl)
         return x, h
+
+    def attention_buffer(self, tokens: int) -> torch.Tensor:
+        """A zeroed [tokens, H D] buffer for attention's output: the first columns of o's extended
+        input where the layers' o are extended (every layer's o has the same shape)."""
+        o = self.layers[0].o
+        width = o.weight.shape[1] if o.weight_ext is None else o.weight_ext.shape[1]
+        buf = torch.zeros(tokens, width, dtype=self.embed.dtype, device=self.embed.device)
+        return buf[:, :o.weight.shape[1]]
+
+    def refresh_tails(self, slot: int | None = None) -> None:
+        """Every extended linear's tail from its B (``LoRALinear.refresh_tail``)."""
+        for m in self.extended:
+            m.refresh_tail(slot)
 
     def logits(self, h):
         """The logits of final hidden states [T, hidden]: [T, vocab]."""

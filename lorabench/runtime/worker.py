@@ -125,7 +125,8 @@ class Worker:
         t0 = time.perf_counter()
         model = LlamaLoRA(self.cfg, max_loras=job.max_loras, rank=job.rank, max_tokens=job.max_tokens,
                           context_len=job.context_len, dtype=getattr(torch, job.dtype), device=job.device, seed=job.seed,
-                          slot_ranks=job.slot_ranks, fully_sharded=job.fully_sharded, cache_rows=job.cache_rows)
+                          slot_ranks=job.slot_ranks, fully_sharded=job.fully_sharded, cache_rows=job.cache_rows,
+                          extended=getattr(self.backend, "EXTENDS_K", False))
         self.sync()
         self.shared["build_s"] = time.perf_counter() - t0
         if self.adapters:  # a server starts with none: their reads are not the model's build

@@ -1,0 +1,228 @@
+"""The extended GEMM (``extended_gemm``: LoRA as extra K columns of one cuBLAS GEMM) against plain
+torch on batches mixing base-model and adapter tokens at every launch count, and the model that
+holds its weights extended: which linears extend, tails kept equal to B through loads, steps above
+``GEMM_MAX_TOKENS`` equal to the reference (graphs and PIECEWISE graphs checked), steps below it
+bit-identical to an unextended model's."""
+
+import random
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA
+from lorabench.kernels import extended_gemm, gemm_lora, get_backend
+from lorabench.kernels.reference import lora_delta
+
+from lorabench.config.models import resolve, shortened
+from lorabench.config.strategies import capture_counts
+from lorabench.runtime.adapters import AdapterLoader
+from lorabench.runtime.check import check
+from lorabench.runtime.dispatch import Dispatcher
+from lorabench.runtime.load_paths import OneCopy
+from lorabench.runtime.lora_meta import MetaBuffer
+from lorabench.runtime.model import LlamaLoRA, LoRAStep
+
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
+TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+def extended_case(tokens, k, widths, rank, max_loras, dtype, seed=0, bias=True, base_frac=0.3, b_rows=None):
+    """x written into an extended input, W and B's tail in one [N, K + E], and a batch; ``b_rows``:
+    B's outputs when they end before N (a fully sharded row-parallel rank's share)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    n = sum(widths)
+    starts = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
+    if b_rows is not None:
+        starts = (0, b_rows)
+    x = torch.randn(tokens, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b0 = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    slices = len(starts) - 1
+    a = (torch.randn(max_loras, slices * rank, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(max_loras, starts[-1], rank, generator=g).to(DEVICE, dtype)
+    width = k + extended_gemm.tail_width(slices, max_loras, rank)
+    w_ext = torch.zeros(n, width, dtype=dtype, device=DEVICE)
+    w_ext[:, :k] = w
+    extended_gemm.build_tail(w_ext[:, k:], b, starts)
+    view = extended_gemm.input_buffer(tokens, k, width, dtype, DEVICE)
+    view.copy_(x)
+    x_ext = extended_gemm.extended_of(view, width)
+    slots = [-1 if rnd.random() < base_frac else rnd.randrange(max_loras) for _ in range(tokens)]
+    return x, w, b0, a, b, starts, w_ext, x_ext, slots
+
+
+def run(case, max_loras, launch, rank):
+    x, w, bias, a, b, starts, w_ext, x_ext, slots = case
+    buf = MetaBuffer(x.shape[0], max_loras, DEVICE)
+    buf.load(buf.pack(slots)[0])
+    scratch = torch.zeros(x.shape[0], (len(starts) - 1) * rank, dtype=torch.float32, device=DEVICE)
+    y = extended_gemm.extended_linear(x_ext, x.shape[1], w_ext, bias, a, buf.meta, launch, 0.5, len(starts) - 1, rank,
+                                      scratch)
+    launched = set(buf.meta.active_slots[:launch].tolist()) - {-1}
+    served = torch.tensor([s if s in launched else -1 for s in slots], device=DEVICE)
+    ref = x.float() @ w.float().t() + (bias.float() if bias is not None else 0)
+    ref[:, :starts[-1]] += lora_delta(x, a, b, starts, served, 0.5)
+    return y, ref
+
+
+def close(y, ref, dtype):
+    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("widths", [(48,), (40, 24), (24, 8, 8)])
+@pytest.mark.parametrize("rank, max_loras", [(1, 3), (8, 4), (16, 1)])
+def test_extended_linear_matches_torch_at_every_launch_count(dtype, widths, rank, max_loras):
+    """Base tokens, served tokens and tokens past the launch count (no LoRA) in one step."""
+    case = extended_case(37, 64, widths, rank, max_loras, dtype, seed=rank + len(widths))
+    for launch in range(1, max_loras + 1):
+        y, ref = run(case, max_loras, launch, rank)
+        close(y, ref, dtype)
+
+
+def test_a_row_parallel_share_updates_its_outputs_only():
+    """B ending before N (a fully sharded row-parallel rank): the rows past it get the base GEMM."""
+    case = extended_case(9, 32, (64,), 8, 2, torch.float32, b_rows=16, base_frac=0.0)
+    y, ref = run(case, 2, 2, 8)
+    close(y, ref, torch.float32)
+    w_ext = case[6]
+    assert not w_ext[16:, 32:].any()
+
+
+def test_the_tail_is_block_diagonal_over_slices():
+    """Slot l's slice s sits at columns (l·S + s)·R of its slice's rows, zeros in the others'."""
+    b = torch.arange(2 * 6 * 2, dtype=torch.float32).view(2, 6, 2) + 1  # L=2, N=6, R=2
+    starts = (0, 2, 3, 6)
+    tail = torch.zeros(6, extended_gemm.tail_width(3, 2, 2))
+    extended_gemm.build_tail(tail, b, starts)
+    for slot in range(2):
+        for s in range(3):
+            lo, hi = starts[s], starts[s + 1]
+            col = (slot * 3 + s) * 2
+            assert torch.equal(tail[lo:hi, col:col + 2], b[slot, lo:hi])
+            outside = torch.ones(6, dtype=torch.bool)
+            outside[lo:hi] = False
+            assert not tail[outside, col:col + 2].any()
+    extended_gemm.build_tail(tail, torch.zeros_like(b), starts, slot=1)  # one slot's refresh
+    assert not tail[:, 6:].any() and tail[:, :6].any()
+
+
+def test_extended_of_finds_only_an_extended_input():
+    view = extended_gemm.input_buffer(5, 8, 12, torch.float32, "cpu")
+    full = extended_gemm.extended_of(view, 12)
+    assert full.shape == (5, 12) and full.data_ptr() == view.data_ptr()
+    assert extended_gemm.extended_of(view[1:4], 12).data_ptr() == view[1:4].data_ptr()
+    assert extended_gemm.extended_of(torch.empty(5, 8), 12) is None  # its own tensor
+    assert extended_gemm.extended_of(torch.empty(5, 10)[:, :8], 12) is None  # another width
+
+
+def test_a_linear_extends_only_where_its_tail_fits():
+    """At rank 16 on llama-2-7b's shapes: qkv (3 slices) up to 10 slots, gate_up up to 16, o up to
+    32, down (K = 11008) up to 86; ``EXTEND_MAX_FRACTION`` of K."""
+    fits = lambda k, s, slots: extended_gemm.extends(k, s, slots, 16)  # noqa: E731
+    assert fits(4096, 3, 4) and fits(4096, 3, 10) and not fits(4096, 3, 11)
+    assert fits(4096, 2, 16) and not fits(4096, 2, 17)
+    assert fits(4096, 1, 32) and not fits(4096, 1, 33)
+    assert fits(11008, 1, 86) and not fits(11008, 1, 87)
+
+
+def tiny(extended, max_loras=3, rank=8, max_tokens=80, layers=None, dtype=torch.float32):
+    return LlamaLoRA(shortened(resolve("tiny"), layers), max_loras=max_loras, rank=rank, max_tokens=max_tokens,
+                     context_len=16, dtype=dtype, device=DEVICE, extended=extended, cache_rows=max_tokens + 6)
+
+
+@pytest.fixture
+def roomy(monkeypatch):
+    """The tiny model's K of 128 holds no tail within the real bound: allow any."""
+    monkeypatch.setattr(extended_gemm, "EXTEND_MAX_FRACTION", 8.0)
+
+
+def tails_hold_b(model):
+    for m in model.extended:
+        k = m.weight.shape[1]
+        want = torch.zeros_like(m.weight_ext[:, k:])
+        extended_gemm.build_tail(want, m.lora_b, m.slice_starts)
+        assert torch.equal(m.weight_ext[:, k:], want)
+
+
+def test_an_extended_model_holds_its_weights_in_place(roomy):
+    model = tiny(True)
+    assert len(model.extended) == 4 * 2  # qkv, o, gate_up, down of both layers
+    for m in model.extended:
+        assert m.weight.data_ptr() == m.weight_ext.data_ptr() and m.weight.stride(0) == m.weight_ext.shape[1]
+    tails_hold_b(model)
+    plain = tiny(False)
+    assert not plain.extended and all(m.weight_ext is None for m in plain.modules() if hasattr(m, "weight_ext"))
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p, q), name  # the same weights, whatever their layout
+
+
+def test_loads_keep_the_tails_equal_to_b(roomy):
+    model = tiny(True, max_loras=3)
+    loader = AdapterLoader(model, bank=3)
+    for m in model.extended:
+        m.lora_b.data.normal_()  # B changed behind the tails' back: the loads must write them
+    loader.load(0, 1)
+    loader.load(1, 2)
+    loader.load(2, 0)
+    tails_hold_b(model)
+    assert loader.tail_ops == sum(len(m.slice_starts) - 1 for m in model.extended) > 0
+    for m in model.extended:
+        m.lora_b.data.normal_()
+    one = OneCopy(loader)
+    for slot in range(3):
+        one.load(slot, slot + 1)
+    tails_hold_b(model)
+
+
+def step(model, kernels, tokens, launch, seed=0):
+    buf = MetaBuffer(tokens, 3, DEVICE)
+    rnd = random.Random(seed)
+    buf.load(buf.pack([rnd.choice([-1, 0, 1, 2]) for _ in range(tokens)])[0])
+    ids = torch.arange(tokens, device=DEVICE) % model.cfg.vocab
+    with torch.no_grad():
+        return model(ids, torch.arange(tokens, device=DEVICE) % 16, LoRAStep(get_backend(kernels), buf.meta, launch, 0.5))
+
+
+@pytest.mark.parametrize("launch", [1, 3])
+def test_steps_above_gemm_max_tokens_take_the_extended_gemm(roomy, monkeypatch, launch):
+    """Every linear of an extended model runs as one extended GEMM above ``GEMM_MAX_TOKENS`` (o's
+    input copied in after attention); the step equals the pair's on an unextended model (the
+    reference serves every active slot, whatever the launch count)."""
+    calls = []
+    real = extended_gemm.extended_linear
+    monkeypatch.setattr(extended_gemm, "extended_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    tokens = gemm_lora.GEMM_MAX_TOKENS + 3
+    got = step(tiny(True, layers=1), "gemm", tokens, launch)
+    ref = step(tiny(False, layers=1), "triton", tokens, launch)
+    assert len(calls) == 4
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_steps_at_decode_sizes_are_those_of_an_unextended_model(roomy):
+    """Up to ``GEMM_MAX_TOKENS`` the gemm backend's own GEMM reads the weight in place: the same
+    step, to the bit."""
+    tokens = 8
+    torch.testing.assert_close(step(tiny(True, layers=1), "gemm", tokens, 3), step(tiny(False, layers=1), "gemm", tokens, 3),
+                               rtol=0, atol=0)
+
+
+
+def test_an_extended_model_passes_the_check_on_decode_and_mixed_graphs(roomy):
+    """The check's decode and PIECEWISE keys past ``GEMM_MAX_TOKENS``, batches mixing base and
+    adapter requests: every graph against the reference (which reads B, not the tails)."""
+    top = gemm_lora.GEMM_MAX_TOKENS + 2
+    model = tiny(True, max_loras=2, rank=8, max_tokens=top, layers=1, dtype=torch.float16 if HAS_CUDA else torch.float32)
+    d = Dispatcher(model, get_backend("gemm"), max_loras=2, capture_sizes=[1, top], counts=capture_counts("pow2", 2),
+                   use_graphs=HAS_CUDA, mixed_sizes=[top])
+    d.warm_up()
+    d.capture()
+    d.capture_mixed()
+    v = check(d, "float16" if HAS_CUDA else "float32")
+    assert v.correct is True, v.detail
+    assert v.graphs_checked == v.graphs_total and v.mixed_graphs_checked == v.mixed_graphs_total > 0
+    o = model.layers[0].o
+    o.weight_ext[:, o.weight.shape[1]:] *= 2  # a tail no longer B: the graphs read it in place
+    v = check(d, "float16" if HAS_CUDA else "float32")
+    assert v.correct is False and v.first.graph_tokens > gemm_lora.GEMM_MAX_TOKENS  # the smallest batch that shows it
