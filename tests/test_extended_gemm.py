@@ -22,7 +22,7 @@ from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.model import LlamaLoRA, LoRAStep
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
-TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4}
+TOL = {torch.float16: 2e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3 if HAS_CUDA else 1e-4}  # TF32 dots on the GPU
 
 
 def extended_case(tokens, k, widths, rank, max_loras, dtype, seed=0, bias=True, base_frac=0.3, b_rows=None):
