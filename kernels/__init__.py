@@ -85,7 +85,7 @@ class Backend:
 BACKENDS = {b.name: b for b in (
     Backend("triton", "triton_lora", triton=True, tunable=True, doc="lorabench's shrink + expand", unpadded=True),
     Backend("fused", "fused_lora", triton=True, tunable=True, doc="lorabench's one launch per LoRA linear", unpadded=True),
-    Backend("gemm", "gemm_lora", triton=True, tunable=True, doc="lorabench's shrink, then the base GEMM with the expand in its epilogue (up to 64 tokens; cuBLAS and the pair above)",
+    Backend("gemm", "gemm_lora", triton=True, tunable=True, doc="lorabench's shrink, then the base GEMM with the expand in its epilogue (up to 64 tokens; above, cuBLAS with the expand in its K)",
             unpadded=True),
     Backend("torch", "torch_lora", triton=False, tunable=False, doc="the grid semantics in torch ops"),
     Backend("vllm", "vllm_lora", triton=True, tunable=True, doc="vLLM's own shrink + expand"),
