@@ -1,6 +1,7 @@
 """Probe: LoRA's expand as extra K columns of the base cuBLAS GEMM. (GPU only.)
 
     python scripts/catk_probe.py [--models llama-2-7b] [--tokens 1,8,32,64,2048,8192] [--slots 4,16,32]
+                                 [--linears qkv,o,gate_up,down]
 
 y = [x | hm] · [W | B_0 … B_{L-1}]ᵀ: hm holds each token's h in its slot's R columns, zero
 elsewhere, so one cuBLAS GEMM computes the base product and every token's expand. Per linear and
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--models", default="llama-2-7b")
     ap.add_argument("--tokens", default="1,8,32,64,2048,8192")
     ap.add_argument("--slots", default="4,16,32")
+    ap.add_argument("--linears", default="qkv,o,gate_up,down")
     args = ap.parse_args()
     slot_counts = [int(s) for s in args.slots.split(",")]
     for model in args.models.split(","):
@@ -95,6 +97,8 @@ def main() -> None:
         for tokens in [int(t) for t in args.tokens.split(",")]:
             total = {}
             for name, (k, slices) in lora_linears(cfg).items():
+                if name not in args.linears.split(","):
+                    continue
                 r = probe(name, k, slices, tokens, slot_counts)
                 print(model, {kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
                 for kk, v in r.items():

@@ -197,7 +197,8 @@ def test_steps_above_gemm_max_tokens_take_the_extended_gemm(roomy, monkeypatch, 
     got = step(tiny(True, layers=1), "gemm", tokens, launch)
     ref = step(tiny(False, layers=1), "triton", tokens, launch)
     assert len(calls) == 4
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    tol = 5e-3 if HAS_CUDA else 1e-4  # TF32 dots in fp32 on the GPU
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
 def test_steps_at_decode_sizes_are_those_of_an_unextended_model(roomy):
