@@ -65,6 +65,23 @@ def reference_side_by_side_floats(tokens: int, k: int, n: int, rows: int, rank: 
     return active * (rows * k + n * rank) + tokens * active * (rows + rank)
 
 
+# The extended GEMM (``extended_gemm``: LoRA as extra K columns of the base GEMM): a linear's tail of
+# every slot's B may add at most this share of its K. At prefill the extended GEMM's extra FLOPs
+# grow with it (4 slots of rank 16 on qkv: E/K = 4.7 %), while the pair's expand costs 10-25 % of
+# the GEMM there (``scripts/catk_probe.py``, H100, llama-2-7b, 2048 tokens, one adapter).
+EXTEND_MAX_FRACTION = 1 / 8
+
+
+def tail_width(slices: int, max_loras: int, rank: int) -> int:
+    """E: the extended GEMM's extra K columns, one block of S·R per slot."""
+    return max_loras * slices * rank
+
+
+def extends(k: int, slices: int, max_loras: int, rank: int) -> bool:
+    """Whether a linear of K inputs takes the extended GEMM (its tail within ``EXTEND_MAX_FRACTION``)."""
+    return tail_width(slices, max_loras, rank) <= k * EXTEND_MAX_FRACTION
+
+
 @dataclass(frozen=True)
 class Backend:
     """A kernel backend: one module of this package with ``lora_apply(y, x, lora_a, lora_b,
@@ -78,6 +95,7 @@ class Backend:
     tunable: bool  # `lorabench tune` writes configs for it
     doc: str
     unpadded: bool = False  # reads LoRAMeta.slot_rank: computes each adapter at its own rank, skipping the padding
+    extends_k: bool = False  # its module's EXTENDS_K: the model holds [W | B's tail] where it fits (``extends``)
 
 
 # What sweeps measure, in report order. ``vllm`` wraps vLLM's own ops and takes vLLM's metadata
@@ -86,7 +104,7 @@ BACKENDS = {b.name: b for b in (
     Backend("triton", "triton_lora", triton=True, tunable=True, doc="lorabench's shrink + expand", unpadded=True),
     Backend("fused", "fused_lora", triton=True, tunable=True, doc="lorabench's one launch per LoRA linear", unpadded=True),
     Backend("gemm", "gemm_lora", triton=True, tunable=True, doc="lorabench's shrink, then the base GEMM with the expand in its epilogue (up to 64 tokens; above, cuBLAS with the expand in its K)",
-            unpadded=True),
+            unpadded=True, extends_k=True),
     Backend("torch", "torch_lora", triton=False, tunable=False, doc="the grid semantics in torch ops"),
     Backend("vllm", "vllm_lora", triton=True, tunable=True, doc="vLLM's own shrink + expand"),
 )}

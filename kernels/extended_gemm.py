@@ -14,7 +14,7 @@ to each token's row: the expand, with y written once, by cuBLAS, whose base GEMM
 
 What it costs: the GEMM's K grows by E/K whatever the active count (extra FLOPs at prefill, extra
 weight bytes at decode), plus the shrink and ``pack_tail`` (one small launch). The model extends a
-linear only where ``E <= K · EXTEND_MAX_FRACTION``; the others keep the pair. ``scripts/catk_probe.py``
+linear only where ``E <= K · EXTEND_MAX_FRACTION`` (``kernels.extends``); the others keep the pair. ``scripts/catk_probe.py``
 times the extended GEMM against cuBLAS alone and the pair. The tail is a copy of B: the model
 refreshes it wherever B is written (``LoRALinear.refresh_tail``). Adapters must be finite: a zero
 of hm times an Inf in another slot's B is NaN, as in ``gemm_lora``'s epilogue.
@@ -25,25 +25,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import extends, tail_width  # noqa: F401 (the bound, shared with the memory estimate: lorabench.config.limits)
 from .launch import cdiv, next_pow2
 from .meta import LoRAMeta
 from .shrink import shrink_into
 
-# A linear's tail may add at most this share of its K: at prefill the extended GEMM's extra FLOPs
-# grow with it (4 slots of rank 16 on qkv, E/K = 4.7 %), while the pair's expand costs 10-25 % of the
-# GEMM there (``scripts/catk_probe.py``, H100, llama-2-7b, 2048 tokens, one adapter).
-EXTEND_MAX_FRACTION = 1 / 8
 PACK_BLOCK = 256  # tail columns per program
-
-
-def tail_width(slices: int, max_loras: int, rank: int) -> int:
-    """E: the extended GEMM's extra K columns, one block of S·R per slot."""
-    return max_loras * slices * rank
-
-
-def extends(k: int, slices: int, max_loras: int, rank: int) -> bool:
-    """Whether a linear of K inputs takes the extended GEMM (its tail within ``EXTEND_MAX_FRACTION``)."""
-    return tail_width(slices, max_loras, rank) <= k * EXTEND_MAX_FRACTION
 
 
 def build_tail(tail: torch.Tensor, lora_b: torch.Tensor, slice_starts, slot: int | None = None) -> None:

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import extended_gemm, gemm_lora, get_backend
+import lorabench.kernels as kernels
+from lorabench.kernels import BACKENDS, extended_gemm, gemm_lora, get_backend
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.models import resolve, shortened
@@ -127,6 +128,14 @@ def test_a_linear_extends_only_where_its_tail_fits():
     assert fits(11008, 1, 86) and not fits(11008, 1, 87)
 
 
+def test_the_registry_says_which_backends_extend():
+    """``Backend.extends_k`` (what the memory estimate reads) is each module's ``EXTENDS_K``."""
+    for name, info in BACKENDS.items():
+        if name != "vllm":  # its module needs vLLM; it extends nothing
+            assert info.extends_k == getattr(get_backend(name), "EXTENDS_K", False), name
+    assert BACKENDS["gemm"].extends_k and not BACKENDS["vllm"].extends_k
+
+
 def tiny(extended, max_loras=3, rank=8, max_tokens=80, layers=None, dtype=torch.float32):
     return LlamaLoRA(shortened(resolve("tiny"), layers), max_loras=max_loras, rank=rank, max_tokens=max_tokens,
                      context_len=16, dtype=dtype, device=DEVICE, extended=extended, cache_rows=max_tokens + 6)
@@ -135,7 +144,7 @@ def tiny(extended, max_loras=3, rank=8, max_tokens=80, layers=None, dtype=torch.
 @pytest.fixture
 def roomy(monkeypatch):
     """The tiny model's K of 128 holds no tail within the real bound: allow any."""
-    monkeypatch.setattr(extended_gemm, "EXTEND_MAX_FRACTION", 8.0)
+    monkeypatch.setattr(kernels, "EXTEND_MAX_FRACTION", 8.0)
 
 
 def tails_hold_b(model):
@@ -227,3 +236,23 @@ def test_an_extended_model_passes_the_check_on_decode_and_mixed_graphs(roomy):
     o.weight_ext[:, o.weight.shape[1]:] *= 2  # a tail no longer B: the graphs read it in place
     v = check(d, "float16" if HAS_CUDA else "float32")
     assert v.correct is False and v.first.graph_tokens > gemm_lora.GEMM_MAX_TOKENS  # the smallest batch that shows it
+
+
+@pytest.mark.parametrize("tp, fully_sharded", [(1, False), (2, True)])
+def test_the_memory_estimate_counts_the_tails(tp, fully_sharded):
+    """``config.limits`` counts every extended linear's tail as ``LoRALinear.extend`` allocates it,
+    with the real bound: at rank 1 over 6 slots qkv's tail (18 columns) is past 128/8, the others
+    extend (a row-parallel share's one slice under fully sharded TP)."""
+    from dataclasses import replace
+
+    from lorabench.config.limits import Shape, model_bytes
+    from lorabench.config.models import shard
+
+    cfg = shard(replace(resolve("tiny"), layers=1), tp) if tp > 1 else shortened(resolve("tiny"), 1)
+    model = LlamaLoRA(cfg, max_loras=6, rank=1, max_tokens=4, context_len=8, dtype=torch.float16, device="cpu",
+                      extended=True, fully_sharded=fully_sharded)
+    assert model.extended and model.layers[0].qkv not in model.extended
+    real = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+    tails = sum(m.weight_ext.nbytes - m.weight.nbytes for m in model.extended)
+    shape = Shape(cfg, 6, 1, "float16", 4, 8, fully_sharded=fully_sharded)
+    assert sum(model_bytes(replace(shape, extended=True))) == real + tails > sum(model_bytes(shape)) == real

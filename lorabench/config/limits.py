@@ -19,7 +19,7 @@ from lorabench.config.models import (
     moe_layer,
     moe_lora_shapes,
 )
-from lorabench.kernels import MAX_SLICES, REFERENCE_SIDE_BY_SIDE_FLOATS, reference_side_by_side_floats
+from lorabench.kernels import MAX_SLICES, REFERENCE_SIDE_BY_SIDE_FLOATS, extends, reference_side_by_side_floats, tail_width
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 GiB, MiB, KiB = 2**30, 2**20, 2**10
@@ -40,6 +40,7 @@ class Shape:
     context_len: int
     vllm: bool = False  # vLLM's ops keep their own contiguous copy of every adapter slice
     fully_sharded: bool = False  # --fully-sharded-loras: A or B further cut over the TP ranks
+    extended: bool = False  # the gemm backend's model: each linear whose tail fits holds a copy of every slot's B beside W
     cache_rows: int | None = None  # the KV cache's requests (None: max_tokens, a decode step's row per token)
     logit_tokens: int | None = None  # the most tokens a step makes logits for (None: max_tokens; a mixed step: its pieces')
 
@@ -95,6 +96,17 @@ def _adapter_elements(s: Shape, i: int = 0) -> int:
     return total
 
 
+def _tail_elements(s: Shape, i: int) -> int:
+    """Layer ``i``'s extended linears' tails (``LoRALinear.extend``): N rows of L·S·R, S one slice
+    for a row-parallel linear whose B holds a share of the outputs."""
+    total = 0
+    for name, (k, widths) in layer_lora_linears(s.cfg, i).items():
+        slices = 1 if lora_shares(name, s.cfg.tp, s.fully_sharded)[1] > 1 else len(widths)
+        if extends(k, slices, s.max_loras, s.rank):
+            total += sum(widths) * tail_width(slices, s.max_loras, s.rank)
+    return total
+
+
 def _linears(s: Shape) -> list[tuple[int, int, int]]:
     """(K, N, slices) of each distinct LoRA linear the layers have (a dense model: its four)."""
     found = {}
@@ -133,6 +145,8 @@ def model_bytes(s: Shape) -> tuple[int, int, int, int]:
         layer_weights += expert_sets * e * 3 * inter * cfg.hidden
     weights = b * (2 * cfg.vocab * cfg.hidden + cfg.hidden + layer_weights)  # embed, lm_head, final norm
     adapters = b * s.max_loras * sum(_adapter_elements(s, i) for i in range(cfg.layers))
+    if s.extended:  # B again, in the extended weights' tails (zeros beside each slice's block)
+        adapters += b * sum(_tail_elements(s, i) for i in range(cfg.layers))
     kv_cache = b * cfg.layers * 2 * s.rows * cfg.kv_heads * s.context_len * cfg.head_dim
     kv_cache += 4 * 2 * s.context_len * (cfg.head_dim // 2)  # rope_cos, rope_sin: float32, per position too
     scratch = 4 * cfg.layers * LORA_LINEARS_PER_LAYER * s.max_tokens * MAX_SLICES * s.rank
