@@ -155,3 +155,17 @@ def test_prefill_overhead_is_against_the_same_tokens_without_adapters_and_its_fl
     ratio, iv = overhead_ratio(samples, pre.loc[("triton", 2048, 1)], pre.loc[("vllm", 2048, 1)])
     assert ratio == pytest.approx(0.25) and iv[0] < 0.25 < iv[1]
     assert overhead_ratio(None, pre.loc[("triton", 128, 1)], pre.loc[("vllm", 128, 1)]) == (pytest.approx(0.25), None)
+
+
+def test_the_prefill_section_says_whose_floor_an_extending_backend_goes_under():
+    """A backend that runs prompt steps with the expand inside the GEMM's K (``Backend.extends_k``:
+    ``gemm``) gets a line saying the floor is the pair's design; the pair does not."""
+    from lorabench.analysis.prefill import prefill_overhead
+    from lorabench.commands.report.prefill import prefill_md
+
+    df = pd.DataFrame(prefill_rows("triton", 1.0, 0) + prefill_rows("gemm", 0.5, 4))
+    pre = prefill_overhead(df.assign(context_len=2048, mixed_route="eager"))
+    md = "\n".join(prefill_md(pre, "GPU ms", None))
+    gemm, triton = md.split("**gemm, max_loras")[1], md.split("**triton, max_loras")[1].split("**gemm")[0]
+    assert "`gemm` runs a prompt step's linears" in gemm and "the floor above is the pair's design" in gemm
+    assert "runs a prompt step's linears" not in triton

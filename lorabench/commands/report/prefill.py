@@ -8,7 +8,9 @@ import pandas as pd
 from lorabench.analysis.prefill import overhead_ratio
 from lorabench.commands.report.labels import backends, in_order
 from lorabench.commands.tables import cell, markdown_table
+from lorabench.config.backends import backend_of
 from lorabench.config.strategies import report_order
+from lorabench.kernels import BACKENDS
 
 
 def prefill_md(pre: pd.DataFrame, u: str, plot: Path | None, samples=None) -> list[str]:
@@ -36,6 +38,11 @@ def prefill_md(pre: pd.DataFrame, u: str, plot: Path | None, samples=None) -> li
         out += [f"**{k}, max_loras = {m}, {s}** ({u}, median)\n",
                 markdown_table(["T", "n", "requests", "route", "step", "overhead", "overhead %", "floor", "x floor"],
                                rows), ""]
+        if BACKENDS.get(backend_of(k)) is not None and BACKENDS[backend_of(k)].extends_k:
+            out += [f"`{k}` runs a prompt step's linears, where their slots' B fit, as one GEMM with the expand inside "
+                    "its K (y written once): the floor above is the pair's design, which it can go under. Its model "
+                    "holds those weights in wider rows, which its n = 0 step reads too: compare that step with "
+                    "another backend's.", ""]
     out += _ratios(pre, samples)
     return out
 
