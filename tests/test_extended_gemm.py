@@ -136,9 +136,10 @@ def test_the_registry_says_which_backends_extend():
     assert BACKENDS["gemm"].extends_k and not BACKENDS["vllm"].extends_k
 
 
-def tiny(extended, max_loras=3, rank=8, max_tokens=80, layers=None, dtype=torch.float32):
+def tiny(extended, max_loras=3, rank=8, max_tokens=80, layers=None, dtype=torch.float32, slot_ranks=()):
     return LlamaLoRA(shortened(resolve("tiny"), layers), max_loras=max_loras, rank=rank, max_tokens=max_tokens,
-                     context_len=16, dtype=dtype, device=DEVICE, extended=extended, cache_rows=max_tokens + 6)
+                     context_len=16, dtype=dtype, device=DEVICE, extended=extended, cache_rows=max_tokens + 6,
+                     slot_ranks=slot_ranks)
 
 
 @pytest.fixture
@@ -256,3 +257,41 @@ def test_the_memory_estimate_counts_the_tails(tp, fully_sharded):
     tails = sum(m.weight_ext.nbytes - m.weight.nbytes for m in model.extended)
     shape = Shape(cfg, 6, 1, "float16", 4, 8, fully_sharded=fully_sharded)
     assert sum(model_bytes(replace(shape, extended=True))) == real + tails > sum(model_bytes(shape)) == real
+
+
+def test_unpadded_adapters_of_mixed_ranks_take_the_extended_gemm(roomy):
+    """``+unpadded`` (each slot's own rank, ``meta.slot_rank``) above ``GEMM_MAX_TOKENS``: the
+    shrink leaves each slot's padding out and the tail's padded columns hold zeros, so the step is
+    the pair's on an unextended model."""
+    tokens, ranks = gemm_lora.GEMM_MAX_TOKENS + 5, (4, 8, 2)
+    outs = {}
+    for kernels, extended in (("gemm", True), ("triton", False)):
+        model = tiny(extended, layers=1, slot_ranks=ranks)
+        buf = MetaBuffer(tokens, 3, DEVICE)
+        rnd = random.Random(3)
+        buf.load(buf.pack([rnd.choice([-1, 0, 1, 2]) for _ in range(tokens)])[0])
+        meta = buf.meta._replace(slot_rank=model.slot_rank)
+        ids = torch.arange(tokens, device=DEVICE) % model.cfg.vocab
+        with torch.no_grad():
+            outs[kernels] = model(ids, torch.arange(tokens, device=DEVICE) % 16,
+                                  LoRAStep(get_backend(kernels), meta, 3, 0.5))
+    tol = 5e-3 if HAS_CUDA else 1e-4
+    torch.testing.assert_close(outs["gemm"], outs["triton"], rtol=tol, atol=tol)
+
+
+def test_a_moe_model_extends_its_attention_and_runs_its_experts_as_before(roomy, monkeypatch):
+    """In a MoE model the attention's qkv and o take the extended GEMM above ``GEMM_MAX_TOKENS``;
+    the experts' LoRA is the backend's own, as without the extension."""
+    calls = []
+    real = extended_gemm.extended_linear
+    monkeypatch.setattr(extended_gemm, "extended_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    tokens = gemm_lora.GEMM_MAX_TOKENS + 2
+    cfg = shortened(resolve("tiny-moe"), 1)
+    outs = {}
+    for kernels, extended in (("gemm", True), ("triton", False)):
+        model = LlamaLoRA(cfg, max_loras=3, rank=8, max_tokens=tokens, context_len=16, dtype=torch.float32,
+                          device=DEVICE, extended=extended, cache_rows=tokens + 6)
+        outs[kernels] = step(model, kernels, tokens, 3)
+    assert len(calls) == 2  # qkv and o
+    tol = 5e-3 if HAS_CUDA else 1e-4
+    torch.testing.assert_close(outs["gemm"], outs["triton"], rtol=tol, atol=tol)
