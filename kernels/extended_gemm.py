@@ -3,7 +3,7 @@
 The ``gemm`` backend's LoRA linears above ``gemm_lora.GEMM_MAX_TOKENS`` (prefill sizes), where its
 own Triton GEMM trails cuBLAS and the pair's expand reads and writes y once more than the GEMM.
 
-Layout, for a linear of K inputs, S output slices, rank R and L slots (``tail_width``: E = L·S·R):
+Layout, for a linear of K inputs, S output slices, rank R and L slots (``kernels.tail_width``: E = L·S·R):
 the model stores its weight as the first K columns of ``W_ext [N, K + E]``; column
 ``K + (l·S + s)·R + r`` of row n holds ``B[l][n, r]`` when n lies in slice s, else 0 (block
 diagonal over the slices: one GEMM cannot give slice s's rows only h_s). Its input ``x_ext [T, K +
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import extends, tail_width  # noqa: F401 (the bound, shared with the memory estimate: lorabench.config.limits)
 from .launch import cdiv, next_pow2
 from .meta import LoRAMeta
 from .shrink import shrink_into

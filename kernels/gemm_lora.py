@@ -72,10 +72,7 @@ LETS_CONSUMER_LAUNCH = True
 # tilings; it has no TMA or warp specialisation), which costs more than the epilogue saves (y's
 # read-modify-write). Decode sizes up to here, where it keeps up, take LoRA in the GEMM.
 GEMM_MAX_TOKENS = 64
-# Above GEMM_MAX_TOKENS the model runs each linear whose tail fits as the extended GEMM instead of
-# the pair: cuBLAS over [x | hm]·[W | B's tail]ᵀ, the expand inside its K (``extended_gemm``); the
-# model holds those weights extended when the worker's backend says so.
-EXTENDS_K = True
+EXTENDS_K = True  # above GEMM_MAX_TOKENS, each linear whose tail fits runs as ``extended_gemm`` (the module doc)
 # From this many tokens up to GEMM_MAX_TOKENS, the backend's kernels and the base ops around them launch without PDL:
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
 # without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.

@@ -24,20 +24,10 @@ from lorabench.config.batches import fixed_batch
 from lorabench.config.models import lora_linears, resolve
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
-from lorabench.runtime.timing import replay_ms
+from lorabench.runtime.timing import alternating_replays
 
-REPEAT, COPIES, REPLAYS, RANK = 16, 4, 30, 16
+REPEAT, COPIES, REPLAYS, RANK = 16, 4, 30, 16  # as scripts/gemm_bench.py's
 DTYPE = torch.bfloat16
-
-
-def timed(graphs: dict) -> dict:
-    for g in list(graphs.values()) * 3:
-        g.replay()
-    times = {name: [] for name in graphs}
-    for _ in range(REPLAYS):
-        for name, g in graphs.items():
-            times[name].append(replay_ms(g) * 1000 / REPEAT)
-    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def probe(name, k, slices, tokens, slot_counts) -> dict:
@@ -79,7 +69,7 @@ def probe(name, k, slices, tokens, slot_counts) -> dict:
             triton_lora.lora_apply(y, x, a, b, starts, meta.meta, 1, 0.5, scratch[i])
 
     graphs["pair4x1"] = capture_graph(pair)
-    res = timed(graphs)
+    res = {key: float(np.median(t)) * 1000 / REPEAT for key, t in alternating_replays(graphs, REPLAYS).items()}
     base = res["cublas"]
     out = {"linear": name, "k": k, "n": n, "tokens": tokens, "cublas_us": base}
     out.update({f"{key}_over_us": v - base for key, v in res.items() if key != "cublas"})

@@ -38,7 +38,7 @@ from lorabench.config.batches import fixed_batch
 from lorabench.config.models import lora_linears, resolve
 from lorabench.runtime.graphs import capture_graph
 from lorabench.runtime.lora_meta import MetaBuffer
-from lorabench.runtime.timing import replay_ms
+from lorabench.runtime.timing import alternating_replays
 
 REPEAT, COPIES, REPLAYS, RANK = 16, 4, 30, 16
 TOLERANCE = 2e-2
@@ -47,13 +47,8 @@ DTYPE = torch.bfloat16
 
 def timed(graphs: dict) -> dict:
     """Median and 10–90 % spread (µs per GEMM) of alternating replays of each graph."""
-    for g in list(graphs.values()) * 3:
-        g.replay()
-    times = {name: [] for name in graphs}
-    for _ in range(REPLAYS):
-        for name, g in graphs.items():
-            times[name].append(replay_ms(g) * 1000 / REPEAT)
-    return {name: (float(np.median(t)), float(np.percentile(t, 90) - np.percentile(t, 10))) for name, t in times.items()}
+    us = {name: t * 1000 / REPEAT for name, t in alternating_replays(graphs, REPLAYS).items()}
+    return {name: (float(np.median(t)), float(np.percentile(t, 90) - np.percentile(t, 10))) for name, t in us.items()}
 
 
 def rel(out, ref) -> float:

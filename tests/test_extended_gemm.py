@@ -41,7 +41,7 @@ def extended_case(tokens, k, widths, rank, max_loras, dtype, seed=0, bias=True, 
     slices = len(starts) - 1
     a = (torch.randn(max_loras, slices * rank, k, generator=g) / k**0.5).to(DEVICE, dtype)
     b = torch.randn(max_loras, starts[-1], rank, generator=g).to(DEVICE, dtype)
-    width = k + extended_gemm.tail_width(slices, max_loras, rank)
+    width = k + kernels.tail_width(slices, max_loras, rank)
     w_ext = torch.zeros(n, width, dtype=dtype, device=DEVICE)
     w_ext[:, :k] = w
     extended_gemm.build_tail(w_ext[:, k:], b, starts)
@@ -95,7 +95,7 @@ def test_the_tail_is_block_diagonal_over_slices():
     """Slot l's slice s sits at columns (l·S + s)·R of its slice's rows, zeros in the others'."""
     b = torch.arange(2 * 6 * 2, dtype=torch.float32).view(2, 6, 2) + 1  # L=2, N=6, R=2
     starts = (0, 2, 3, 6)
-    tail = torch.zeros(6, extended_gemm.tail_width(3, 2, 2))
+    tail = torch.zeros(6, kernels.tail_width(3, 2, 2))
     extended_gemm.build_tail(tail, b, starts)
     for slot in range(2):
         for s in range(3):
@@ -121,7 +121,7 @@ def test_extended_of_finds_only_an_extended_input():
 def test_a_linear_extends_only_where_its_tail_fits():
     """At rank 16 on llama-2-7b's shapes: qkv (3 slices) up to 10 slots, gate_up up to 16, o up to
     32, down (K = 11008) up to 86; ``EXTEND_MAX_FRACTION`` of K."""
-    fits = lambda k, s, slots: extended_gemm.extends(k, s, slots, 16)  # noqa: E731
+    fits = lambda k, s, slots: kernels.extends(k, s, slots, 16)  # noqa: E731
     assert fits(4096, 3, 4) and fits(4096, 3, 10) and not fits(4096, 3, 11)
     assert fits(4096, 2, 16) and not fits(4096, 2, 17)
     assert fits(4096, 1, 32) and not fits(4096, 1, 33)

@@ -13,12 +13,12 @@ from lorabench.config.flags import Machine
 from lorabench.config.models import check_moe_options
 from lorabench.config.lengths import parse_lengths
 from lorabench.config.limits import Shape, culprit, estimate, graph_count, model_bytes, size
-from lorabench.kernels import BACKENDS
 from lorabench.config.residency import check_residency
 from lorabench.config.strategies import AUTO, Vllm
 from lorabench.config.sweep_spec import LOAD_PATHS, MAX_STEPS
 from lorabench.config.workload import parse_workload
 from lorabench.errors import UserError
+from lorabench.kernels import BACKENDS
 
 
 def check_out(out: str, where: str) -> None:
@@ -70,7 +70,8 @@ def check_memory(spec, machine: Machine, graphs: Callable[[KernelsLabel, int], i
     for m in reversed(spec.max_loras):
         for label in spec.labels:
             shape = Shape(cfg, m, spec.rank, spec.dtype, spec.max_tokens, spec.context_len, vllm=label.vllm,
-                          extended=BACKENDS[label.backend].extends_k, fully_sharded=spec.fully_sharded_loras, cache_rows=spec.cache_rows,
+                          extended=BACKENDS[label.backend].extends_k, fully_sharded=spec.fully_sharded_loras,
+                          cache_rows=spec.cache_rows,
                           logit_tokens=max(spec.capture_sizes + spec.concurrency + spec.mixed_sizes))
             count, cuda = graphs(label, m), spec.device == "cuda"
             need = estimate(shape, count, cuda)

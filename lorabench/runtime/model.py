@@ -24,7 +24,7 @@ from lorabench.config.models import (
     lora_shares,
     moe_layer,
 )
-from lorabench.kernels import MAX_SLICES, extended_gemm, producer_shrink
+from lorabench.kernels import MAX_SLICES, extended_gemm, extends, producer_shrink, tail_width
 from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, rotate, silu_mul
 from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
@@ -72,8 +72,8 @@ class LoRALinear(nn.Module):
         GEMM's operand (``extended_gemm``), where the tail fits its bound; whether it does."""
         k, slices = self.weight.shape[1], len(self.slice_starts) - 1
         slots, _, rank = self.lora_b.shape
-        if self.weight_ext is None and extended_gemm.extends(k, slices, slots, rank):
-            width = k + extended_gemm.tail_width(slices, slots, rank)
+        if self.weight_ext is None and extends(k, slices, slots, rank):
+            width = k + tail_width(slices, slots, rank)
             ext = torch.zeros(self.weight.shape[0], width, dtype=self.weight.dtype, device=self.weight.device)
             ext[:, :k] = self.weight
             self.weight = nn.Parameter(ext[:, :k], False)  # a view: the base GEMM reads it in place

@@ -75,6 +75,19 @@ def replay_ms(graph: "torch.cuda.CUDAGraph") -> float:
     return float(replay_times(graph, 1, wait_each=True)[0])
 
 
+def alternating_replays(graphs: dict, turns: int, warmup: int = 3) -> dict:
+    """Each graph's times (ms) over ``turns`` turns, one waited-for replay of every graph per turn,
+    after ``warmup`` untimed turns: graphs compared side by side see the same GPU state (clocks,
+    L2) turn by turn. The benches' comparison loop (``scripts/gemm_bench.py``, ``catk_probe.py``)."""
+    for g in list(graphs.values()) * warmup:
+        g.replay()
+    times = {name: [] for name in graphs}
+    for _ in range(turns):
+        for name, g in graphs.items():
+            times[name].append(replay_ms(g))
+    return {name: np.array(t) for name, t in times.items()}
+
+
 @dataclass
 class StepSamples:
     step_ms: np.ndarray

@@ -38,7 +38,7 @@ def prefill_md(pre: pd.DataFrame, u: str, plot: Path | None, samples=None) -> li
         out += [f"**{k}, max_loras = {m}, {s}** ({u}, median)\n",
                 markdown_table(["T", "n", "requests", "route", "step", "overhead", "overhead %", "floor", "x floor"],
                                rows), ""]
-        if BACKENDS.get(backend_of(k)) is not None and BACKENDS[backend_of(k)].extends_k:
+        if getattr(BACKENDS.get(backend_of(k)), "extends_k", False):
             out += [f"`{k}` runs a prompt step's linears, where their slots' B fit, as one GEMM with the expand inside "
                     "its K (y written once): the floor above is the pair's design, which it can go under. Its model "
                     "holds those weights in wider rows, which its n = 0 step reads too: compare that step with "
