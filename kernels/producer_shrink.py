@@ -8,7 +8,10 @@ features), stores it, and if t's slot is one of the first ``launch_count`` activ
 that chunk's part of x[t]·A[slot]ᵀ to h[t] (fp32 atomics: h must be zero first). x is rounded
 to the model's dtype before the dot, as the separate shrink reads it, so the LoRA sees the same
 input. A token reads its slot's A itself: A is read once per adapter token (fine at decode, where
-it is L2-resident; ``MAX_TOKENS`` bounds it, larger steps take the separate shrink).
+it is L2-resident; ``MAX_TOKENS`` bounds it, larger steps take the separate shrink). Nothing a
+step writes decides which A rows a program needs, so under PDL it loads its slot and its first
+``BLOCK_N`` rows of A (all of them up to ``PREFETCH_ELEMENTS``) before it waits for its
+predecessor, while that GEMM still runs; only x waits.
 
 Used by the ``gemm`` backend for qkv (the input norm), gate_up (the post-attention norm) and down
 (SiLU·mul); o's input comes from attention, so o keeps its own shrink.
@@ -24,6 +27,7 @@ from .tiles import own_rank
 
 MAX_TOKENS = 64  # above: the base op, then the separate shrink (whose token tiles read A once per tile)
 CHUNK = 256  # input features per program
+PREFETCH_ELEMENTS = 16384  # A's elements a program loads before its wait (BLOCK_N x CHUNK): rank 16's qkv, 48 rows, whole
 NORM, SILU_MUL = 0, 1  # the producers
 
 
@@ -56,12 +60,26 @@ def _producer_shrink_kernel(
     USE_PDL: tl.constexpr,  # PDL-launched: wait first; let the consumer launch at once
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the consumer (the GEMM) waits before it reads
-    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_k = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     k_mask = offs_k < K
+    # Which slot t is, and its first BLOCK_N rows of A over this chunk: none of it is written within
+    # a step, so under PDL it loads while the predecessor (the GEMM before) still runs.
+    slot = tl.load(token_slot_ptr + t)
+    offs_l = tl.arange(0, LAUNCH_PAD)
+    launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
+    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)  # 1: t's slot is launched
+    a_base = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_al
+    limit = RA
+    if RANKED:
+        limit = own_rank(rank_ptr, tl.maximum(slot, 0), RA)
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N) & (offs_n % RA < limit) & (offs_n * 0 + served > 0)
+    a = tl.load(a_base + offs_n[:, None] * stride_an + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the consumer (the GEMM) waits before it reads
+    pdl_wait(USE_PDL)
     if PRODUCER == 0:
         offs = tl.arange(0, ROW)
         row = tl.load(x_ptr + t * K + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -82,22 +100,15 @@ def _producer_shrink_kernel(
         xo = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * K + offs_k, xo, mask=k_mask)
 
-    slot = tl.load(token_slot_ptr + t)
-    offs_l = tl.arange(0, LAUNCH_PAD)
-    launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
     if served > 0:
         xf = xo.to(tl.float32)
-        a_base = a_ptr + slot.to(tl.int64) * stride_al
-        limit = RA
-        if RANKED:
-            limit = own_rank(rank_ptr, slot, RA)
         for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = (offs_n < N) & (offs_n % RA < limit)
-            a = tl.load(a_base + offs_n[:, None] * stride_an + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0).to(tl.float32)
-            contrib = tl.sum(a * xf[None, :], axis=1) * scale
+            if n0 > 0:  # rows past the first block load now
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = (offs_n < N) & (offs_n % RA < limit)
+                a = tl.load(a_base + offs_n[:, None] * stride_an + offs_k[None, :],
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            contrib = tl.sum(a.to(tl.float32) * xf[None, :], axis=1) * scale
             out_n = (offs_n // RA) * R + offs_n % RA  # offs_n unless A is a fully sharded rank's R / TP rows
             tl.atomic_add(h_ptr + t * stride_hm + out_n, contrib, mask=n_mask)
 
@@ -110,7 +121,7 @@ def _launch(producer, x, delta, weight, eps, out, res, lora_a, h, meta: LoRAMeta
         if t.stride(-1) != 1:
             raise ValueError(f"the producer shrink needs {name}'s last axis contiguous (stride {t.stride(-1)})")
     ranked = meta.slot_rank is not None
-    block_n = min(next_pow2(n), max(16, 8192 // CHUNK))
+    block_n = min(next_pow2(n), max(16, PREFETCH_ELEMENTS // CHUNK))
     pdl = pdl and pdl_enabled(out.device)
     _producer_shrink_kernel[(tokens, cdiv(k, CHUNK))](
         x, delta if delta is not None else x, weight if weight is not None else x, res if res is not None else out, out,
