@@ -13,8 +13,7 @@ not served (a base-model token, or a slot past the launch count). So the GEMM ad
 to each token's row: the expand, with y written once, by cuBLAS, whose base GEMM this is too.
 
 What it costs: the GEMM's K grows by E/K whatever the active count (extra FLOPs at prefill, extra
-weight bytes at decode), plus ``tail_shrink``: one launch that reads x and writes hm straight into
-x_ext's tail (no fp32 scratch, no separate pack). The model extends a
+weight bytes at decode), plus the shrink and ``pack_tail`` (one small launch). The model extends a
 linear only where ``E <= K · EXTEND_MAX_FRACTION`` (``kernels.extends``); the others keep the pair. ``scripts/catk_probe.py``
 times the extended GEMM against cuBLAS alone and the pair. The tail is a copy of B: the model
 refreshes it wherever B is written (``LoRALinear.refresh_tail``). Adapters must be finite: a zero
@@ -26,11 +25,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_pow2, pow2_floor, sm_count, upcast
+from .launch import cdiv, next_pow2
 from .meta import LoRAMeta
-from .tiles import own_rank
+from .shrink import shrink_into
 
-TAIL_BLOCK_K = 64  # the tail shrink's reduction step
+PACK_BLOCK = 256  # tail columns per program
 
 
 def build_tail(tail: torch.Tensor, lora_b: torch.Tensor, slice_starts, slot: int | None = None) -> None:
@@ -46,90 +45,41 @@ def build_tail(tail: torch.Tensor, lora_b: torch.Tensor, slice_starts, slot: int
 
 
 @triton.jit
-def _tail_shrink_kernel(
-    x_ptr,  # [T, K + E] the extended input: x in its first K columns, hm written at columns K ..
-    a_ptr,  # [L, S·RA, K] stacked A
+def _pack_tail_kernel(
+    x_ptr,  # [T, K + E] the extended input: hm written at columns K ..
+    h_ptr,  # [T, >= S·R] float32 shrink output (scale applied)
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     active_ptr,  # [>= launch count] active slot ids, -1 past the active count
-    rank_ptr,  # [L] each slot's own rank (RANKED only)
-    T,  # tokens
     K,  # x's own columns
-    SR,  # a slot's tail columns: S · R
-    RA,  # A's rows per slice: R, or R / TP (a fully sharded rank's share; h's other columns stay 0)
-    R,  # the rank: tail columns per slice
+    E,  # tail columns: L · S·R
+    SR,  # h's columns per token: S · R
     LAUNCH,  # launch count: the active slots served
-    scale,
-    stride_x, stride_al, stride_an,
-    BLOCK_M: tl.constexpr,  # tokens per program
-    BLOCK_E: tl.constexpr,  # tail columns per program (of one slot's block)
-    BLOCK_K: tl.constexpr,  # reduction step
-    E_TILES: tl.constexpr,  # programs per slot block: cdiv(S·R, BLOCK_E)
+    stride_x, stride_h,
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
-    UPCAST: tl.constexpr,  # dot in fp32 (interpreter + bf16 only)
-    RANKED: tl.constexpr,  # columns past a slot's own rank stay zero, their A unread
+    BLOCK: tl.constexpr,  # tail columns per program
 ):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1) // E_TILES
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_e = (tl.program_id(1) % E_TILES) * BLOCK_E + tl.arange(0, BLOCK_E)  # columns of the slot's block
-    rows = offs_m.to(tl.int64)
-    m_mask = offs_m < T
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_e = offs < E
+    slot = tl.load(token_slot_ptr + t)
     offs_l = tl.arange(0, LAUNCH_PAD)
     launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    served = tl.where(tl.max((launched == slot).to(tl.int32), axis=0) > 0, slot, -2)  # -2: no token's slot
-    token_slot = tl.load(token_slot_ptr + offs_m, mask=m_mask, other=-1)
-    take = m_mask & (token_slot == served)  # the tile's tokens whose h this block holds
-    r = offs_e % R
-    a_row = (offs_e // R) * RA + r  # column s·R + r holds A's row s·RA + r
-    e_ok = (offs_e < SR) & (r < RA)
-    if RANKED:
-        e_ok = e_ok & (r < own_rank(rank_ptr, slot, R))
-    out = x_ptr + rows[:, None] * stride_x + K + slot * SR + offs_e[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
-    if tl.max(take.to(tl.int32), axis=0) > 0:  # else the block is zeros: nothing read
-        a_base = a_ptr + slot.to(tl.int64) * stride_al
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=take[:, None] & k_mask[None, :],
-                        other=0.0)
-            a = tl.load(a_base + a_row[None, :].to(tl.int64) * stride_an + offs_k[:, None],
-                        mask=e_ok[None, :] & k_mask[:, None], other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                a = a.to(tl.float32)
-            acc += tl.dot(x, a)
-        acc = tl.where(take[:, None] & e_ok[None, :], acc * scale, 0.0)
-    tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_e < SR)[None, :])
+    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
+    block = tl.where(served > 0, slot, -1)  # the tail block token t's h goes to; -1: none
+    take = in_e & (offs // SR == block)
+    hm = tl.load(h_ptr + t * stride_h + offs % SR, mask=take, other=0.0)
+    tl.store(x_ptr + t * stride_x + K + offs, hm.to(x_ptr.dtype.element_ty), mask=in_e)
 
 
-def tail_block_m(tokens: int, device: torch.device) -> int:
-    """Tokens per tail-shrink program: a program or more per SM for one slot's tokens (16 to 64)."""
-    return max(16, min(64, pow2_floor(tokens // max(1, sm_count(device)))))
-
-
-def tail_shrink(x_ext: torch.Tensor, k: int, lora_a: torch.Tensor, meta: LoRAMeta, launch_count: int, scale: float,
-                slices: int, rank: int) -> None:
-    """hm into x_ext[:, k:], from x_ext's first k columns: each served token's scale · x·A[slot]ᵀ
-    in its slot's S·R columns, in x's dtype; zeros elsewhere (other slots' blocks, base tokens,
-    slots past the launch count). One launch, no fp32 scratch: a program per (token tile, slot
-    block) computes the block only where one of its tokens is that slot's, else writes zeros."""
+def pack_tail(x_ext: torch.Tensor, k: int, h: torch.Tensor, meta: LoRAMeta, launch_count: int) -> None:
+    """hm into x_ext[:, k:]: each served token's h row in its slot's block, zeros elsewhere."""
     tokens, width = x_ext.shape
-    sr = slices * rank
-    e = width - k
-    if e % sr or x_ext.stride(-1) != 1 or lora_a.stride(-1) != 1:
-        raise ValueError(f"tail of {e} columns for {sr} per slot: not whole slot blocks, or a last axis not contiguous")
-    block_e = max(16, min(64, next_pow2(sr)))
-    e_tiles = cdiv(sr, block_e)
-    block_m = tail_block_m(tokens, x_ext.device)
-    ranked = meta.slot_rank is not None
-    _tail_shrink_kernel[(cdiv(tokens, block_m), (e // sr) * e_tiles)](
-        x_ext, lora_a, meta.token_slot, meta.active_slots, meta.slot_rank if ranked else meta.active_slots,
-        tokens, k, sr, lora_a.shape[1] // slices, rank, max(0, launch_count), scale,
-        x_ext.stride(0), lora_a.stride(0), lora_a.stride(1),
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=TAIL_BLOCK_K, E_TILES=e_tiles,
-        LAUNCH_PAD=next_pow2(max(1, launch_count)), UPCAST=upcast(x_ext.dtype), RANKED=ranked, num_warps=4,
-        num_stages=3,
+    e, sr = width - k, h.shape[1]
+    if e % sr or h.stride(-1) != 1 or x_ext.stride(-1) != 1:
+        raise ValueError(f"tail of {e} columns for h of {sr}: not whole slot blocks, or a last axis not contiguous")
+    _pack_tail_kernel[(tokens, cdiv(e, PACK_BLOCK))](
+        x_ext, h, meta.token_slot, meta.active_slots, k, e, sr, max(0, launch_count), x_ext.stride(0), h.stride(0),
+        LAUNCH_PAD=next_pow2(max(1, launch_count)), BLOCK=PACK_BLOCK, num_warps=4,
     )
 
 
@@ -150,10 +100,11 @@ def extended_of(x: torch.Tensor, width: int) -> torch.Tensor | None:
     return torch.as_strided(x, (t, width), (width, 1), x.storage_offset())
 
 
-def extended_linear(x_ext, k, weight_ext, bias, lora_a, meta: LoRAMeta, launch_count, scale, slices,
-                    rank) -> torch.Tensor:
+def extended_linear(x_ext, k, weight_ext, bias, lora_a, meta: LoRAMeta, launch_count, scale, slices, rank, scratch,
+                    pdl=None) -> torch.Tensor:
     """``x·Wᵀ + bias`` plus the LoRA of the first ``launch_count`` active slots, as a new [T, N]:
-    hm written into x_ext's tail from x (its first K columns; ``tail_shrink``), then
-    ``F.linear(x_ext, weight_ext, bias)``."""
-    tail_shrink(x_ext, k, lora_a, meta, launch_count, scale, slices, rank)
+    the shrink of x (x_ext's first K columns) into scratch (float32, zero on entry), hm packed
+    into x_ext's tail, then ``F.linear(x_ext, weight_ext, bias)``."""
+    h = shrink_into(x_ext[:, :k], lora_a, meta, launch_count, scale, slices, rank, scratch, pdl)
+    pack_tail(x_ext, k, h, meta, launch_count)
     return F.linear(x_ext, weight_ext, bias)

@@ -56,7 +56,9 @@ def run(case, max_loras, launch, rank):
     x, w, bias, a, b, starts, w_ext, x_ext, slots = case
     buf = MetaBuffer(x.shape[0], max_loras, DEVICE)
     buf.load(buf.pack(slots)[0])
-    y = extended_gemm.extended_linear(x_ext, x.shape[1], w_ext, bias, a, buf.meta, launch, 0.5, len(starts) - 1, rank)
+    scratch = torch.zeros(x.shape[0], (len(starts) - 1) * rank, dtype=torch.float32, device=DEVICE)
+    y = extended_gemm.extended_linear(x_ext, x.shape[1], w_ext, bias, a, buf.meta, launch, 0.5, len(starts) - 1, rank,
+                                      scratch)
     launched = set(buf.meta.active_slots[:launch].tolist()) - {-1}
     served = torch.tensor([s if s in launched else -1 for s in slots], device=DEVICE)
     ref = x.float() @ w.float().t() + (bias.float() if bias is not None else 0)

@@ -129,7 +129,7 @@ class LoRALinear(nn.Module):
             if x_ext is not None:  # prefill sizes, x written into an extended input: one cuBLAS GEMM holds the expand
                 slices, rank = len(self.slice_starts) - 1, self.lora_b.shape[2]
                 return extended_gemm.extended_linear(x_ext, self.weight.shape[1], self.weight_ext, self.bias, self.lora_a,
-                                                     lora.meta, lora.launch_count, lora.scale, slices, rank)
+                                                     lora.meta, lora.launch_count, lora.scale, slices, rank, scratch)
             linear_apply = None  # prefill sizes otherwise: cuBLAS and the backend's lora_apply
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
