@@ -77,10 +77,6 @@ EXTENDS_K = True  # above GEMM_MAX_TOKENS, each linear whose tail fits runs as `
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
 # without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.
 PDL_MAX_TOKENS = 32
-# Under PDL each program asks L2 for its tile's rows of every launched slot's B before it waits on the kernel
-# before it (``_prefetch_b``), so the epilogue after the K loop reads B from L2.
-PREFETCH_B = True
-PREFETCH_MAX = 1024  # prefetches per program at most (launched slots x lines); more: none
 # At decode sizes the model fuses the shrink into the op that produces the linear's input (the
 # norms, SiLU·mul: ``producer_shrink``) and calls ``linear_apply(..., shrunk=True)``.
 SHRINK_IN_PRODUCER = True
@@ -141,22 +137,6 @@ def _lora_gathered(acc, token_slot, launched, rows, m_mask, offs_n, n_mask, cols
 
 
 @triton.jit
-def _prefetch_b(b_ptr, active_ptr, LAUNCH, n0, N, stride_bl, R: tl.constexpr, LAUNCH_PAD: tl.constexpr,
-                LINE: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for every launched slot's B rows over the tile's columns (rows n0.. of B[slot], R
-    elements each, contiguous; N: B's rows), one ``prefetch.global.L2`` per line of LINE elements:
-    the epilogue's B loads then hit L2 instead of waiting on HBM after the K loop. Nothing lands in
-    registers; every address lies inside B (a lane past the launched slots asks for slot 0's rows)."""
-    offs_l = tl.arange(0, LAUNCH_PAD)
-    slot = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    slot = tl.where(slot >= 0, slot, 0).to(tl.int64)
-    offs = tl.minimum(n0 * R + tl.arange(0, LINES) * LINE, N * R - 1)
-    ptrs = b_ptr + slot[:, None] * stride_bl + offs[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemm_lora_kernel(
     x_ptr,  # [T, K] input activations
     w_ptr,  # [N, K] base weight (unused without HAS_BASE)
@@ -188,8 +168,6 @@ def _gemm_lora_kernel(
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank (LoRAMeta.slot_rank)
     GATHER: tl.constexpr,  # the gathered epilogue (each token its own slot's B) instead of the walk over the active slots
     R_STEP: tl.constexpr,  # GATHER: ranks per gather step (a power of two)
-    PREFETCH_LINES: tl.constexpr,  # > 0 (under PDL, B's rows contiguous): B's lines asked of L2 before the wait
-    LINE: tl.constexpr,  # B's elements per 128-byte line
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -207,8 +185,6 @@ def _gemm_lora_kernel(
     cols = offs_n.to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if HAS_LORA and PREFETCH_LINES > 0:  # B is not written within a step: fetch it while the kernel before runs
-        _prefetch_b(b_ptr, active_ptr, LAUNCH, pid_n * BLOCK_N, n3, stride_bl, R, LAUNCH_PAD, LINE, PREFETCH_LINES)
     pdl_wait(USE_PDL)
 
     if HAS_LORA:  # the launched ids and the tokens' slots load now, behind the K loop
@@ -348,8 +324,6 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         x.stride(0), weight.stride(0) if weight is not None else 0, y.stride(0),
         h.stride(0) if lora else 0, lora_b.stride(0) if lora else 0, lora_b.stride(1) if lora else 0,
     )
-    line = 128 // y.element_size()
-    contiguous_b = lora and lora_b.stride(1) == rank
     flags = dict(R=rank, S=slices, HAS_BASE=weight is not None, HAS_BIAS=bias is not None, HAS_LORA=lora,
                  LAUNCH_PAD=next_pow2(max(1, launch_count)), USE_PDL=pdl, UPCAST=up, RANKED=ranked,
                  **pdl_launch(pdl))
@@ -361,12 +335,9 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         # the gathered epilogue's step: [BLOCK_M, BLOCK_N, R_STEP] of B, at most GATHER_ELEMENTS
         r_step = min(next_pow2(rank), max(1, GATHER_ELEMENTS // tile)) if gather else 1
         try:
-            lines = next_pow2(cdiv(cfg.block_n * rank, line)) if pdl and contiguous_b and PREFETCH_B else 0
-            lines = lines if lines * next_pow2(max(1, launch_count)) <= PREFETCH_MAX else 0
             _gemm_lora_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_J=block_j,
                                     GROUP_M=cfg.group_m, PRELOAD=cfg.preload and not gather, GATHER=gather, R_STEP=r_step,
-                                    PREFETCH_LINES=lines, LINE=line, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                    **flags)
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         except OutOfResources:
             down = smaller(cfg)
             if config is not None or down is None:  # a config asked for (a tune's) is not changed behind its back
