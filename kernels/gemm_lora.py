@@ -41,8 +41,6 @@ Output tiles past ``GATHER_TILE`` elements take the walk (sm_90 compiles of the 
 where the walk is one step): ``scripts/gemm_bench.py`` times both.
 """
 
-from dataclasses import asdict, dataclass, replace
-
 import torch
 import triton
 import triton.language as tl
@@ -54,7 +52,9 @@ from .meta import LoRAMeta
 from .moe_gemm import gathered_dot
 from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA inside the expert GEMM, its rule)
 from .moe_lora import moe_lora_apply  # noqa: F401 (expert LoRA where a slice's width fits no tile)
-from . import lora_configs
+from .gemm_configs import (  # noqa: F401 (the backend's interface: load_tuned; the model's rule: GEMM_MAX_TOKENS)
+    GEMM_MAX_TOKENS, GemmConfig, config_for, load_tuned, smaller,
+)
 from .shrink import shrink_into
 from . import triton_lora
 from .tiles import expand_tile, slice_ends
@@ -67,11 +67,6 @@ GATHER_TILE = 2048  # the largest output tile (BLOCK_M x BLOCK_N) the gathered e
 NEEDS_ZEROED_SCRATCH = True
 # The shrink lets the GEMM launch at once; the GEMM lets its consumer (a base op that waits first) launch.
 LETS_CONSUMER_LAUNCH = True
-# Above this many tokens (prefill sizes) the backend runs cuBLAS and the shrink + expand pair, as
-# ``triton`` does: there its Triton GEMM is 1.4-1.57x cuBLAS (2048 tokens, H200, the best of 12
-# tilings; it has no TMA or warp specialisation), which costs more than the epilogue saves (y's
-# read-modify-write). Decode sizes up to here, where it keeps up, take LoRA in the GEMM.
-GEMM_MAX_TOKENS = 64
 EXTENDS_K = True  # above GEMM_MAX_TOKENS, each linear whose tail fits runs as ``extended_gemm`` (the module doc)
 # From this many tokens up to GEMM_MAX_TOKENS, the backend's kernels and the base ops around them launch without PDL:
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
@@ -221,84 +216,11 @@ def _gemm_lora_kernel(
     tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    group_m: int = 8
-    preload: bool = False  # the first epilogue step's h and B loaded before the K loop (held in registers over it; slower on an H200)
-    gather: bool = False  # the gathered epilogue (module doc) where the tile is at most GATHER_TILE; in whole H100 steps no better than the walk
-
-
-SEARCH_SPACE = {"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "block_k": [64, 128, 256, 512],
-                "num_warps": [2, 4, 8], "num_stages": [2, 3, 4, 5], "preload": [True, False]}
-
-# Tuned configs by shape key: filled by ``load_tuned`` (sweeps given ``--tuned DIR``).
-TUNED_CONFIGS: dict[tuple, GemmConfig] = {}
-
-
-def shape_key(tokens: int, k: int, n: int) -> tuple:
-    return ("gemm", tokens, k, n)
-
-
-def default_config(tokens: int, k: int, n: int) -> GemmConfig:
-    """Decode sizes (up to 64 tokens) are a GEMV over W: one M tile of all the tokens, narrow N
-    tiles so the grid has a program or more per SM, deep K steps in flight (4-5 stages). Prefill
-    sizes: wide square tiles. The best of a grid of tilings per shape on an H200
-    (``scripts/gemm_bench.py --grid``; BENCHMARKS.md, "LoRA inside the GEMM")."""
-    wide = n >= 16384  # gate_up: enough N tiles at 64 columns
-    if tokens <= 16:
-        return GemmConfig(16, 64, 128, num_stages=4) if wide else GemmConfig(16, 32, 256, num_stages=5)
-    if tokens <= 32:
-        return GemmConfig(32, 64, 128, num_stages=4) if wide else GemmConfig(32, 32, 128, num_stages=4)
-    if tokens <= 64:
-        return GemmConfig(64, 64, 128, num_stages=5) if wide else GemmConfig(64, 32, 256, num_stages=4)
-    return GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
-
-
-def smaller(cfg: GemmConfig) -> GemmConfig | None:
-    """The next tiling down for one that does not fit a block's shared memory: K steps halved
-    (to 32), then stages cut (to 2), then the N tile halved (to 16); None below that. The M tile
-    stays: decode keeps all its tokens in one tile."""
-    if cfg.block_k > 32:
-        return replace(cfg, block_k=cfg.block_k // 2)
-    if cfg.num_stages > 2:
-        return replace(cfg, num_stages=cfg.num_stages - 1)
-    if cfg.block_n > 16:
-        return replace(cfg, block_n=cfg.block_n // 2)
-    return None
-
-
 # The tiling that fits, per launch that needed a smaller one: (tokens, K, N, dtype, launched slot-rank width, base GEMM) ->
 # config. What a tiling takes of shared memory is what Triton's compiler makes of it (its pipeliner's
 # buffers, the epilogue's dot operands, layout conversions); no formula predicts it across dtypes,
 # so the launch finds out (OutOfResources comes before anything runs) and steps down.
 FITTED: dict[tuple, GemmConfig] = {}
-
-
-def config_for(tokens: int, k: int, n: int) -> GemmConfig:
-    """The tuned config of the nearest tuned token bucket with the same K and N, else the default."""
-    same = [key for key in TUNED_CONFIGS if key[2:] == (k, n) and key[1] <= GEMM_MAX_TOKENS]
-    if not same:
-        return default_config(tokens, k, n)
-    return TUNED_CONFIGS[min(same, key=lambda key: (abs(key[1] - tokens), -key[1]))]
-
-
-def load_tuned(entries: list[dict]) -> None:
-    """Install the gemm entries of a tune (``{"kernel": "gemm", "shape": [...], "config": {...}}``)
-    and the triton entries for its shrink (the pair's tuned shrink)."""
-    lora_configs.load_tuned(entries)
-    TUNED_CONFIGS.clear()
-    for e in entries:
-        if e.get("kernel") == "gemm":
-            TUNED_CONFIGS[tuple(e["shape"])] = GemmConfig(**e["config"])
-
-
-def config_dict(cfg: GemmConfig) -> dict:
-    return asdict(cfg)
 
 
 def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, config, pdl):

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from lorabench.kernels import gemm_lora, triton_lora
+from lorabench.kernels import gemm_configs, gemm_lora, triton_lora
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.batches import fixed_batch
@@ -56,11 +56,11 @@ def rel(out, ref) -> float:
 
 
 def grid_configs(tokens: int) -> list:
-    bm = gemm_lora.default_config(tokens, 4096, 4096).block_m
+    bm = gemm_configs.default_config(tokens, 4096, 4096).block_m
     if tokens > 64:
-        return [gemm_lora.GemmConfig(m, n, k, w, s, g) for m, n in ((128, 128), (128, 256), (256, 128))
+        return [gemm_configs.GemmConfig(m, n, k, w, s, g) for m, n in ((128, 128), (128, 256), (256, 128))
                 for k in (64, 128) for w in (8,) for s in (3, 4) for g in (8,)]
-    return [gemm_lora.GemmConfig(bm, n, k, w, s) for n in (16, 32, 64, 128) for k in (128, 256, 512)
+    return [gemm_configs.GemmConfig(bm, n, k, w, s) for n in (16, 32, 64, 128) for k in (128, 256, 512)
             for w in (4, 8) for s in (3, 4, 5) if n * k <= 32768]
 
 
@@ -82,7 +82,7 @@ def bench_base(name, k, n, tokens, grid) -> dict:
                 gemm_lora._launch(y, x, ws[i % COPIES], None, None, None, (0,), None, 0, cfg, False)
         return run
 
-    default = gemm_lora.default_config(tokens, k, n)
+    default = gemm_configs.default_config(tokens, k, n)
     graphs = {"cublas": capture_graph(cublas), "default": capture_graph(triton_with(default))}
     errs = {"default": rel(y, ref)}
     res = timed(graphs)
@@ -104,8 +104,8 @@ def bench_base(name, k, n, tokens, grid) -> dict:
             del g
     return {"linear": name, "k": k, "n": n, "tokens": tokens, "cublas_us": res["cublas"][0],
             "cublas_spread_us": res["cublas"][1], "gemm_us": res["default"][0], "gemm_spread_us": res["default"][1],
-            "gemm_vs_cublas": res["default"][0] / res["cublas"][0], "default": gemm_lora.config_dict(default),
-            "best": gemm_lora.config_dict(best[0]) if best[0] != "default" else "default",
+            "gemm_vs_cublas": res["default"][0] / res["cublas"][0], "default": gemm_configs.config_dict(default),
+            "best": gemm_configs.config_dict(best[0]) if best[0] != "default" else "default",
             "best_us": best[1], "best_vs_cublas": best[1] / res["cublas"][0], "rel_err": errs["default"],
             "bytes_floor_us": (n * k * 2) / 4.8e6}
 
@@ -137,7 +137,7 @@ def bench_lora(name, k, slices, max_loras, tokens, active, seed=0) -> dict:
         out["triton"] = y
 
     def gemm(preload=None, name="gemm", gather=False):
-        cfg = replace(gemm_lora.config_for(tokens, k, n), gather=gather)  # the walk unless asked
+        cfg = replace(gemm_configs.config_for(tokens, k, n), gather=gather)  # the walk unless asked
         cfg = cfg if preload is None else replace(cfg, preload=preload)
 
         def run():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import triton
-from lorabench.kernels import (base_ops, expand, expert_call, extended_gemm, fused_lora, gemm_lora, launch, moe_align, moe_gemm,
+from lorabench.kernels import (base_ops, expand, expert_call, extended_gemm, fused_lora, gemm_configs, gemm_lora, launch, moe_align, moe_gemm,
                                moe_gemm_lora,
                                moe_lora, moe_lora_per_entry, producer_shrink, shrink,
                                triton_lora, varlen_attention)
@@ -195,11 +195,11 @@ def launch_gemm(dtype, tokens):
             y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, k, slices, loras, 16)
             gemm_lora._launch(y, x, w, None, h, b, starts, meta, loras, None, gemm_lora.pdl_enabled(x.device))
             # the gathered epilogue in the default tiling, padded and +unpadded, and at a large rank
-            cfg = replace(gemm_lora.config_for(tokens, k, sum(slices)), gather=True)
+            cfg = replace(gemm_configs.config_for(tokens, k, sum(slices)), gather=True)
             for m in (meta, meta._replace(slot_rank=torch.empty(loras, dtype=torch.int32))):
                 gemm_lora._launch(y, x, w, None, h, b, starts, m, loras, cfg, gemm_lora.pdl_enabled(x.device))
     y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, 4096, (4096, 1024, 1024), 4, 128)
-    gemm_lora._launch(y, x, w, None, h, b, starts, meta, 4, replace(gemm_lora.config_for(tokens, 4096, 6144),
+    gemm_lora._launch(y, x, w, None, h, b, starts, meta, 4, replace(gemm_configs.config_for(tokens, 4096, 6144),
                                                                                gather=True), False)
     y, x, w, h, b, starts, meta = gemm_inputs(dtype, tokens, 4096, (4096,), 4, 16)
     gemm_lora._launch(y, x, w, torch.empty(4096, dtype=dtype), h, b, starts, meta, 4, None, False)
@@ -219,14 +219,14 @@ def launch_gemm(dtype, tokens):
 
 def gemm_fits_by_stepping_down() -> str | None:
     """In fp32 the 16-bit tilings can exceed a block's shared memory (the runtime then steps down,
-    ``gemm_lora.smaller``): from each default tiling at 40 tokens and 32 slots x 3 slices (fp32 at
+    ``gemm_configs.smaller``): from each default tiling at 40 tokens and 32 slots x 3 slices (fp32 at
     40 tokens once failed to launch on an H200), the steps reach one the compiler fits."""
     kernel = gemm_lora._gemm_lora_kernel
     for k, slices in ((4096, (4096, 4096, 4096)), (4096, (11008, 11008))):
         rec = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         gemm_lora._gemm_lora_kernel = rec
         y, x, w, h, b, starts, meta = gemm_inputs(torch.float32, 40, k, slices, 32, 16)
-        cfg = gemm_lora.default_config(40, k, sum(slices))
+        cfg = gemm_configs.default_config(40, k, sum(slices))
         try:
             while cfg is not None:
                 rec.calls.clear()
@@ -234,7 +234,7 @@ def gemm_fits_by_stepping_down() -> str | None:
                 shared = compile_call(rec.fn, *rec.calls[0]).metadata.shared
                 if shared <= SHARED_LIMIT:
                     break
-                cfg = gemm_lora.smaller(cfg)
+                cfg = gemm_configs.smaller(cfg)
         finally:
             gemm_lora._gemm_lora_kernel = kernel
         if cfg is None:

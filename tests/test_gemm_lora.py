@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA
-from lorabench.kernels import gemm_lora
+from lorabench.kernels import gemm_configs, gemm_lora
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -169,7 +169,7 @@ def test_several_m_tiles_walked_in_groups(group_m, gather):
     x, w, bias, a, b, slots = case(70, 64, widths, 16, 3, torch.float32, seed=7)
     buf = MetaBuffer(70, 3, DEVICE)
     buf.load(buf.pack(slots)[0])
-    cfg = gemm_lora.GemmConfig(16, 16, 32, num_stages=2, group_m=group_m, gather=gather)
+    cfg = gemm_configs.GemmConfig(16, 16, 32, num_stages=2, group_m=group_m, gather=gather)
     scratch = torch.zeros(70, 2 * 16, dtype=torch.float32, device=DEVICE)
     y = gemm_lora.linear_apply(x, w, bias, a, b, starts_of(widths), buf.meta, 3, 0.5, scratch, config=cfg)
     served = torch.tensor(slots, device=DEVICE)
@@ -197,13 +197,13 @@ def test_a_tiling_past_shared_memory_steps_down_until_it_launches(monkeypatch):
     monkeypatch.setattr(gemm_lora, "_gemm_lora_kernel", Fake())
     monkeypatch.setattr(gemm_lora, "FITTED", {})
     x, w, bias, a, b, slots = case(9, 64, (40,), 16, 2, torch.float32)
-    start = gemm_lora.default_config(9, 64, 40)
+    start = gemm_configs.default_config(9, 64, 40)
     y, base, served = run(x, w, bias, a, b, slots, starts_of((40,)), 2, 2)
     close(y, base + lora_delta(x, a, b, starts_of((40,)), served, 0.5), torch.float32)
     chain, cfg = [], start
     while cfg.block_k * cfg.num_stages > 256:
         chain.append((cfg.block_k, cfg.num_stages, cfg.block_n))
-        cfg = gemm_lora.smaller(cfg)
+        cfg = gemm_configs.smaller(cfg)
     assert tried == chain + [(cfg.block_k, cfg.num_stages, cfg.block_n)] and len(chain) >= 2
     assert list(gemm_lora.FITTED.values()) == [cfg]
     tried.clear()
@@ -216,10 +216,10 @@ def test_a_tiling_past_shared_memory_steps_down_until_it_launches(monkeypatch):
 def test_smaller_tilings_end():
     """The steps down shrink K, then stages, then N, keep the M tile, and end."""
     for tokens in (1, 40, 8192):
-        cfg, seen = gemm_lora.default_config(tokens, 4096, 4096), []
+        cfg, seen = gemm_configs.default_config(tokens, 4096, 4096), []
         while cfg is not None:
             seen.append(cfg)
-            cfg = gemm_lora.smaller(cfg)
+            cfg = gemm_configs.smaller(cfg)
         assert len(seen) < 20 and seen[-1].block_k == 32 and seen[-1].num_stages == 2 and seen[-1].block_n == 16
         assert len({c.block_m for c in seen}) == 1
         assert all(c.block_k * c.num_stages * c.block_n > d.block_k * d.num_stages * d.block_n for c, d in zip(seen, seen[1:]))

@@ -485,7 +485,7 @@ def test_a_tune_shows_its_progress_and_the_sweep_it_prints_runs(tmp_path):
 def test_the_gemm_backend_tunes_its_gemm_per_tokens_k_and_n(tmp_path):
     """--kernels gemm times its GEMM per (tokens, K, N) (default first, then candidates) and writes
     entries that gemm_lora.load_tuned installs (gemm+tuned runs them)."""
-    from lorabench.kernels import gemm_lora
+    from lorabench.kernels import gemm_configs, gemm_lora  # noqa: F401
 
     assert main(["tune", "--model", "tiny", "--kernels", "gemm", "--tokens", "1", "--max-loras", "2",
                  "--budget-s", "0.01", "--out", str(tmp_path), "--dtype", "float16"]) == 0
@@ -493,13 +493,13 @@ def test_the_gemm_backend_tunes_its_gemm_per_tokens_k_and_n(tmp_path):
     assert {k[:2] for k in shapes} == {("gemm", "gemm")} and len(shapes) == 4  # qkv, o, gate_up, down
     for (_, _, key), rows in shapes.items():
         assert key[:2] == ("gemm", 1) and rows[0]["default"] and rows[0]["status"] == "ok" and len(rows) >= 2
-        assert rows[0]["config"] == gemm_lora.config_dict(gemm_lora.default_config(*key[1:]))
+        assert rows[0]["config"] == gemm_configs.config_dict(gemm_configs.default_config(*key[1:]))
     entries = tune_files.tuned_table(tmp_path)
     assert {e["kernel"] for e in entries} == {"gemm"} and len(entries) == 4
     try:
         gemm_lora.load_tuned(entries)
         for e in entries:
-            assert gemm_lora.config_for(*e["shape"][1:]) == gemm_lora.GemmConfig(**e["config"])
+            assert gemm_configs.config_for(*e["shape"][1:]) == gemm_configs.GemmConfig(**e["config"])
     finally:
         gemm_lora.load_tuned([])
     assert "## gemm" in (tmp_path / "tune.md").read_text()
@@ -535,18 +535,18 @@ def test_the_gemm_tune_leaves_out_sizes_where_the_backend_runs_the_pair():
     not tuned there, and a tuned size above it never serves a decode step."""
     from lorabench.commands.tune.backends import TUNERS
     from lorabench.commands.tune.shapes import build_shapes
-    from lorabench.kernels import gemm_lora
+    from lorabench.kernels import gemm_configs, gemm_lora  # noqa: F401
 
     spec, _ = build_tune_spec({"kernels": "gemm", "model": "tiny", "tokens": "8,512", "max_loras": "2"},
                               Machine(cuda=False), vllm_available=lambda: False)
     shapes = build_shapes(spec, {"gemm": TUNERS["gemm"]()})
     assert shapes and {s.tokens for s in shapes} == {8}
-    old = dict(gemm_lora.TUNED_CONFIGS)
+    old = dict(gemm_configs.TUNED_CONFIGS)
     try:
-        gemm_lora.TUNED_CONFIGS.clear()
+        gemm_configs.TUNED_CONFIGS.clear()
         k, n = 64, 96
-        gemm_lora.TUNED_CONFIGS[gemm_lora.shape_key(512, k, n)] = gemm_lora.GemmConfig(128, 128, 64)
-        assert gemm_lora.config_for(32, k, n) == gemm_lora.default_config(32, k, n)
+        gemm_configs.TUNED_CONFIGS[gemm_configs.shape_key(512, k, n)] = gemm_configs.GemmConfig(128, 128, 64)
+        assert gemm_configs.config_for(32, k, n) == gemm_configs.default_config(32, k, n)
     finally:
-        gemm_lora.TUNED_CONFIGS.clear()
-        gemm_lora.TUNED_CONFIGS.update(old)
+        gemm_configs.TUNED_CONFIGS.clear()
+        gemm_configs.TUNED_CONFIGS.update(old)

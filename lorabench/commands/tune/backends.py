@@ -16,7 +16,7 @@ import triton
 from lorabench.commands.tune.shapes import SMEM_BYTES, Shape
 from lorabench.config.batches import fixed_batch
 from lorabench.config.strategies import STRATEGIES, Vllm
-from lorabench.kernels import expand, fused_lora, gemm_lora, launch, lora_configs, meta, shrink, tiles, triton_lora, vllm_lora
+from lorabench.kernels import expand, fused_lora, gemm_configs, gemm_lora, launch, lora_configs, meta, shrink, tiles, triton_lora, vllm_lora
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.vllm_rules import VllmRules
 
@@ -85,7 +85,7 @@ class TuneBackend:
 
 # Every module whose source decides what lorabench's kernels compute or how fast: a change to any
 # of them makes earlier tune timings stale.
-KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora, gemm_lora)
+KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora, gemm_configs, gemm_lora)
 
 
 def _source_hash() -> str:
@@ -193,14 +193,14 @@ class Gemm(TritonPair):
     def shapes(self, linear, k, slices, tokens, max_loras, rank):
         if tokens > gemm_lora.GEMM_MAX_TOKENS:  # the backend runs the pair there: ``--kernels triton`` tunes it
             return []
-        return [Shape(self.name, "gemm", key=gemm_lora.shape_key(tokens, k, sum(slices)), linear=linear, k=k,
+        return [Shape(self.name, "gemm", key=gemm_configs.shape_key(tokens, k, sum(slices)), linear=linear, k=k,
                       slices=slices, tokens=tokens, max_loras=max_loras, active=1)]
 
     def default(self, shape):
-        return gemm_lora.config_dict(gemm_lora.default_config(*shape.key[1:]))
+        return gemm_configs.config_dict(gemm_configs.default_config(*shape.key[1:]))
 
     def space(self, shape):
-        return gemm_lora.SEARCH_SPACE
+        return gemm_configs.SEARCH_SPACE
 
     def waste(self, shape, c, rank, elem, sm90, default):
         # No shared-memory estimate: what Triton makes of a tiling (its pipeliner's buffers, the
@@ -213,7 +213,7 @@ class Gemm(TritonPair):
         return GemmProblem(shape, rank, dtype, device, seed)
 
     def launcher(self, pr, cfg):
-        gc = gemm_lora.GemmConfig(**cfg)
+        gc = gemm_configs.GemmConfig(**cfg)
         return lambda: gemm_lora._launch(pr.output, pr.x, pr.weight, None, pr.h, pr.lora_b, pr.starts, pr.meta.meta,
                                          pr.shape.active, gc, False)
 
