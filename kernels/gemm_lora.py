@@ -52,7 +52,8 @@ from .meta import LoRAMeta
 from .moe_gemm import gathered_dot
 from .moe_gemm_lora import expert_gemm_lora, moe_path  # noqa: F401 (expert LoRA inside the expert GEMM, its rule)
 from .moe_lora import moe_lora_apply  # noqa: F401 (expert LoRA where a slice's width fits no tile)
-from .gemm_configs import (  # noqa: F401 (the backend's interface: load_tuned; the model's rule: GEMM_MAX_TOKENS)
+# load_tuned: the backend's interface; GEMM_MAX_TOKENS: the model's rule, bound here and in gemm_configs (patch both)
+from .gemm_configs import (  # noqa: F401
     GEMM_MAX_TOKENS, GemmConfig, config_for, load_tuned, smaller,
 )
 from .shrink import shrink_into

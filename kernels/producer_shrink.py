@@ -10,7 +10,7 @@ to the model's dtype before the dot, as the separate shrink reads it, so the LoR
 input. A token reads its slot's A itself: A is read once per adapter token (fine at decode, where
 it is L2-resident; ``MAX_TOKENS`` bounds it, larger steps take the separate shrink). Nothing a
 step writes decides which A rows a program needs, so under PDL it loads its slot and its first
-``BLOCK_N`` rows of A (all of them up to ``PREFETCH_ELEMENTS``) before it waits for its
+``BLOCK_N`` rows of A (as many as ``PRELOAD_ELEMENTS`` leaves room for) before it waits for its
 predecessor, while that GEMM still runs; only x waits.
 
 Used by the ``gemm`` backend for qkv (the input norm), gate_up (the post-attention norm) and down
@@ -21,13 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait  # noqa: F401
+from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, pow2_floor  # noqa: F401
 from .meta import LoRAMeta
 from .tiles import own_rank
 
 MAX_TOKENS = 64  # above: the base op, then the separate shrink (whose token tiles read A once per tile)
 CHUNK = 256  # input features per program
-PREFETCH_ELEMENTS = 16384  # A's elements a program loads before its wait (BLOCK_N x CHUNK): rank 16's qkv, 48 rows, whole
+# What a program holds in registers before its wait: the norm's row (ROW) and BLOCK_N x CHUNK of A. At
+# K 4096 that is A's 64 rows (rank 16's qkv whole; 64 bytes of spills on sm_90, the version measured
+# fast); at K 8192 32 rows (64 would spill 320 bytes).
+PRELOAD_ELEMENTS = 20480
 NORM, SILU_MUL = 0, 1  # the producers
 
 
@@ -57,7 +60,7 @@ def _producer_shrink_kernel(
     CHUNK: tl.constexpr,  # input features per program
     BLOCK_N: tl.constexpr,  # A rows per step
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
-    USE_PDL: tl.constexpr,  # PDL-launched: wait first; let the consumer launch at once
+    USE_PDL: tl.constexpr,  # PDL-launched: load the slot and A's first rows, let the consumer launch, then wait
     RANKED: tl.constexpr,  # skip each slot's padding past its own rank
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -121,7 +124,8 @@ def _launch(producer, x, delta, weight, eps, out, res, lora_a, h, meta: LoRAMeta
         if t.stride(-1) != 1:
             raise ValueError(f"the producer shrink needs {name}'s last axis contiguous (stride {t.stride(-1)})")
     ranked = meta.slot_rank is not None
-    block_n = min(next_pow2(n), max(16, PREFETCH_ELEMENTS // CHUNK))
+    row = next_pow2(k) if producer == NORM else 0
+    block_n = min(next_pow2(n), max(16, pow2_floor((PRELOAD_ELEMENTS - row) // CHUNK)))
     pdl = pdl and pdl_enabled(out.device)
     _producer_shrink_kernel[(tokens, cdiv(k, CHUNK))](
         x, delta if delta is not None else x, weight if weight is not None else x, res if res is not None else out, out,

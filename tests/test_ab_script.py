@@ -46,10 +46,35 @@ def test_a_failing_command_leaves_the_tree_as_it_was_and_exits_non_zero(tmp_path
     done = ab(tree, "run", "X", "OUT", "--", "sh", "-c", "exit 3", "sh")
     assert done.returncode == 2 and "base exited 3, new 3" in done.stderr
     assert (tree / "lorabench" / "which").read_text() == "lorabench new\n"
-    assert not (tree / "lorabench" / "SHA").exists()
+
+
+def test_the_tree_is_back_before_the_second_run_when_only_the_first_fails(tmp_path):
+    """The baseline's run fails; the tree's own code still runs second, and the status says which failed."""
+    tree = fake_tree(tmp_path)
+    cmd = 'grep -q base lorabench/which && exit 4; cat lorabench/which'
+    done = ab(tree, "run", "X", "OUT", "--", "sh", "-c", cmd, "sh")
+    assert done.returncode == 2 and "base exited 4, new 0" in done.stderr
+    assert "lorabench new" in done.stdout.split("== new: this tree")[1]
+
+
+def test_what_the_second_run_writes_into_the_tree_stays(tmp_path):
+    tree = fake_tree(tmp_path)
+    done = ab(tree, "run", "X", "OUT", "--", "sh", "-c", "echo made > kernels/made", "sh")
+    assert done.returncode == 0, done.stderr
+    assert (tree / "kernels" / "made").read_text() == "made\n"
+    assert not (tree / ".ab" / "X" / "kernels" / "made").exists()
+
+
+def test_a_used_out_folder_is_refused(tmp_path):
+    """Runs from an earlier call in OUT would be compared, or stop the compare: a new OUT is asked for."""
+    tree = fake_tree(tmp_path)
+    (tree / "OUT" / "base" / "old-run").mkdir(parents=True)
+    done = ab(tree, "run", "X", "OUT", "--", *SHOW)
+    assert done.returncode == 2 and "OUT/base is not empty" in done.stderr and done.stdout == ""
 
 
 @pytest.mark.parametrize("args, says", [(["run", "Y", "OUT", "--", "true"], "is not packed"),
+                                        (["pack", "no-such-commit"], "no commit"),
                                         (["run", "X", "OUT", "true"], "usage"), (["nothing"], "usage")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     tree = fake_tree(tmp_path)

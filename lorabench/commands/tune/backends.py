@@ -16,7 +16,8 @@ import triton
 from lorabench.commands.tune.shapes import SMEM_BYTES, Shape
 from lorabench.config.batches import fixed_batch
 from lorabench.config.strategies import STRATEGIES, Vllm
-from lorabench.kernels import expand, fused_lora, gemm_configs, gemm_lora, launch, lora_configs, meta, shrink, tiles, triton_lora, vllm_lora
+from lorabench.kernels import (expand, fused_lora, gemm_configs, gemm_lora, launch, lora_configs, meta, moe_gemm, shrink, tiles,
+                               triton_lora, vllm_lora)
 from lorabench.runtime.lora_meta import MetaBuffer
 from lorabench.runtime.vllm_rules import VllmRules
 
@@ -85,7 +86,8 @@ class TuneBackend:
 
 # Every module whose source decides what lorabench's kernels compute or how fast: a change to any
 # of them makes earlier tune timings stale.
-KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora, gemm_configs, gemm_lora)
+KERNEL_SOURCES = (triton_lora, shrink, expand, tiles, launch, lora_configs, meta, fused_lora, gemm_configs, gemm_lora,
+                  moe_gemm)  # moe_gemm: gathered_dot, the gemm backend's K loop
 
 
 def _source_hash() -> str:
