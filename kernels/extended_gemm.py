@@ -28,6 +28,7 @@ import triton.language as tl
 from .launch import cdiv, next_pow2
 from .meta import LoRAMeta
 from .shrink import shrink_into
+from .tiles import token_served
 
 PACK_BLOCK = 256  # tail columns per program
 
@@ -61,10 +62,7 @@ def _pack_tail_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_e = offs < E
-    slot = tl.load(token_slot_ptr + t)
-    offs_l = tl.arange(0, LAUNCH_PAD)
-    launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
+    slot, served = token_served(token_slot_ptr, t, active_ptr, LAUNCH, LAUNCH_PAD)
     block = tl.where(served > 0, slot, -1)  # the tail block token t's h goes to; -1: none
     take = in_e & (offs // SR == block)
     hm = tl.load(h_ptr + t * stride_h + offs % SR, mask=take, other=0.0)

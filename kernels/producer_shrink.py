@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .launch import INTERPRET, cdiv, next_pow2, pdl_enabled, pdl_launch, pdl_wait, pow2_floor  # noqa: F401
 from .meta import LoRAMeta
-from .tiles import own_rank
+from .tiles import own_rank, token_served
 
 MAX_TOKENS = 64  # above: the base op, then the separate shrink (whose token tiles read A once per tile)
 CHUNK = 256  # input features per program
@@ -68,10 +68,7 @@ def _producer_shrink_kernel(
     k_mask = offs_k < K
     # Which slot t is, and its first BLOCK_N rows of A over this chunk: none of it is written within
     # a step, so under PDL it loads while the predecessor (the GEMM before) still runs.
-    slot = tl.load(token_slot_ptr + t)
-    offs_l = tl.arange(0, LAUNCH_PAD)
-    launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
-    served = tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)  # 1: t's slot is launched
+    slot, served = token_served(token_slot_ptr, t, active_ptr, LAUNCH, LAUNCH_PAD)
     a_base = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_al
     limit = RA
     if RANKED:

@@ -1,6 +1,7 @@
 """Device helpers every lorabench LoRA kernel shares: which slot and token tile a program serves
-(``adapter_tile``, ``packed_tile``, ``token_grid``), a slot's own rank (``own_rank``), a slice's output
-columns (``slice_bounds``) and the expand's dot that keeps h's precision (``expand_tile``)."""
+(``adapter_tile``, ``packed_tile``, ``token_grid``), whether a token's slot is launched
+(``token_served``), a slot's own rank (``own_rank``), a slice's output columns (``slice_bounds``)
+and the expand's dot that keeps h's precision (``expand_tile``)."""
 
 from typing import NamedTuple
 
@@ -121,6 +122,17 @@ def token_grid(tokens: int, block_m: int, launch: int) -> TokenGrid:
     if sorted_ and PACKED_TILES:
         return TokenGrid(packed_tiles(tokens, block_m, launch), 1, True, True, next_pow2(launch))
     return TokenGrid(cdiv(tokens, block_m), launch, sorted_, False, 1)
+
+
+@triton.jit
+def token_served(token_slot_ptr, t, active_ptr, LAUNCH, LAUNCH_PAD: tl.constexpr):
+    """Token t's slot (-1: a base-model token) and whether it is served: 1 when the slot is among
+    the first ``LAUNCH`` active slots, else 0 (int32: a scalar bool does not combine into masks
+    under the interpreter)."""
+    slot = tl.load(token_slot_ptr + t)
+    offs_l = tl.arange(0, LAUNCH_PAD)
+    launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
+    return slot, tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
 
 
 @triton.jit
