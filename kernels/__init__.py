@@ -65,16 +65,18 @@ def reference_side_by_side_floats(tokens: int, k: int, n: int, rows: int, rank: 
     return active * (rows * k + n * rank) + tokens * active * (rows + rank)
 
 
-# The extended GEMM (``extended_gemm``: LoRA as extra K columns of the base GEMM): a linear's tail of
-# every slot's B may add at most this share of its K. At prefill the extended GEMM's extra FLOPs
-# grow with it (4 slots of rank 16 on qkv: E/K = 4.7 %), while the pair's expand costs 10-25 % of
-# the GEMM there (``scripts/catk_probe.py``, H100, llama-2-7b, 2048 tokens, one adapter).
+# The extended GEMM (``extended_gemm``: LoRA as extra K columns of the base GEMM): a linear's tail, room
+# for every slot's B, may add at most this share of its K. A step pays for its launched slots' share
+# of it: with all 4 slots of rank 16 launched on qkv, E/K = 4.7 % more FLOPs, while the pair's expand
+# costs 10-25 % of the GEMM there (``scripts/catk_probe.py``, H100, llama-2-7b, 2048 tokens, one adapter).
 EXTEND_MAX_FRACTION = 1 / 8
+TAIL_ALIGN = 8  # the extended GEMM's tail columns come in multiples of this (16-byte rows in 16-bit dtypes)
 
 
 def tail_width(slices: int, max_loras: int, rank: int) -> int:
-    """E: the extended GEMM's extra K columns, one block of S·R per slot."""
-    return max_loras * slices * rank
+    """E: the extended weight's extra K columns, room for one block of S·R per slot (the tail a
+    step of every slot launched reads), rounded up to ``TAIL_ALIGN``."""
+    return -(-max_loras * slices * rank // TAIL_ALIGN) * TAIL_ALIGN
 
 
 def extends(k: int, slices: int, max_loras: int, rank: int) -> bool:

@@ -3,21 +3,25 @@
 The ``gemm`` backend's LoRA linears above ``gemm_lora.GEMM_MAX_TOKENS`` (prefill sizes), where its
 own Triton GEMM trails cuBLAS and the pair's expand reads and writes y once more than the GEMM.
 
-Layout, for a linear of K inputs, S output slices, rank R and L slots (``kernels.tail_width``: E = L·S·R):
-the model stores its weight as the first K columns of ``W_ext [N, K + E]``; column
-``K + (l·S + s)·R + r`` of row n holds ``B[l][n, r]`` when n lies in slice s, else 0 (block
-diagonal over the slices: one GEMM cannot give slice s's rows only h_s). Its input ``x_ext [T, K +
-E]`` holds x, then hm: token t's h (its S·R scaled shrink outputs, rounded to the model's dtype as
-an expand reads them) in its slot's S·R columns, zeros elsewhere, and zeros for a token that is
-not served (a base-model token, or a slot past the launch count). So the GEMM adds ``B[slot]·h``
+Layout, for a linear of K inputs, S output slices, rank R and a step that launches n slots: the
+model stores its weight as the first K columns of ``W_ext [N, K + E]`` (E = ``kernels.tail_width``:
+room for every slot, L·S·R rounded up to ``TAIL_ALIGN``). Each step's ``pack_step`` writes the
+tail's first n blocks from B in launch order: column ``K + (j·S + s)·R + r`` of row n holds
+``B[active[j]][n, r]`` when n lies in slice s, else 0 (block diagonal over the slices: one GEMM
+cannot give slice s's rows only h_s). The input ``x_ext [T, K + E]`` holds x, then hm: token t's h
+(its S·R scaled shrink outputs, rounded to the model's dtype as an expand reads them) in the block
+of its slot's place among the launched, zeros elsewhere, and zeros for a token that is not served
+(a base-model token, or a slot past the launch count). The GEMM then reads the first K + E_n
+columns of both (E_n = n·S·R rounded up to ``TAIL_ALIGN``, ``step_width``), so it adds ``B[slot]·h``
 to each token's row: the expand, with y written once, by cuBLAS, whose base GEMM this is too.
 
-What it costs: the GEMM's K grows by E/K whatever the active count (extra FLOPs at prefill, extra
-weight bytes at decode), plus the shrink and ``pack_tail`` (one small launch). The model extends a
-linear only where ``E <= K · EXTEND_MAX_FRACTION`` (``kernels.extends``); the others keep the pair. ``scripts/catk_probe.py``
-times the extended GEMM against cuBLAS alone and the pair. The tail is a copy of B: the model
-refreshes it wherever B is written (``LoRALinear.refresh_tail``). Adapters must be finite: a zero
-of hm times an Inf in another slot's B is NaN, as in ``gemm_lora``'s epilogue.
+What it costs: the GEMM's K grows by E_n / K, with the launch count and not the slots held (one
+launched adapter of 16 slots pays for one), plus the shrink and ``pack_step`` (one launch that
+writes hm and copies the launched slots' B into the tail: about their B's bytes twice). The tail
+holds no state between steps, so nothing that writes B has to refresh it. The model extends a
+linear only where ``E <= K · EXTEND_MAX_FRACTION`` (``kernels.extends``); the others keep the
+pair. ``scripts/catk_probe.py`` times the extended GEMM against cuBLAS alone and the pair.
+Adapters must be finite: a zero of hm times an Inf in B is NaN, as in ``gemm_lora``'s epilogue.
 """
 
 import torch
@@ -25,60 +29,108 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import TAIL_ALIGN
 from .launch import cdiv, next_pow2
 from .meta import LoRAMeta
 from .shrink import shrink_into
-from .tiles import token_served
+from .tiles import launch_positions, slice_ends
 
-PACK_BLOCK = 256  # tail columns per program
+PACK_TOKENS = 16  # tokens per packing program
+PACK_COLUMNS = 256  # at most this many tail columns per packing program
+COPY_ROWS = 64  # B's rows per copying program
+COPY_RANK = 64  # at most this many of B's columns per copying program
 
 
-def build_tail(tail: torch.Tensor, lora_b: torch.Tensor, slice_starts, slot: int | None = None) -> None:
-    """Write B into the tail [N, L·S·R] (all slots, or one): slot l's slice s at columns
-    (l·S + s)·R ..., its rows only; the rest of the block stays zero. slice_starts may end before N
-    (a fully sharded rank's share of the outputs): the rows past it stay zero."""
-    slices, rank = len(slice_starts) - 1, lora_b.shape[2]
-    for l in range(lora_b.shape[0]) if slot is None else (slot,):
-        for s in range(slices):
-            lo, hi = slice_starts[s], slice_starts[s + 1]
-            col = (l * slices + s) * rank
-            tail[lo:hi, col:col + rank].copy_(lora_b[l, lo:hi])
+def step_width(slices: int, launch_count: int, rank: int) -> int:
+    """E_n: the tail columns a step of ``launch_count`` launched slots reads, a whole number of
+    ``TAIL_ALIGN`` (16-byte rows in 16-bit dtypes: cuBLAS's fast kernels want aligned K)."""
+    return cdiv(launch_count * slices * rank, TAIL_ALIGN) * TAIL_ALIGN
 
 
 @triton.jit
-def _pack_tail_kernel(
-    x_ptr,  # [T, K + E] the extended input: hm written at columns K ..
+def _pack_step_kernel(
+    x_ptr,  # [T, K + E] the extended input: hm written at columns K .. K + EW
     h_ptr,  # [T, >= S·R] float32 shrink output (scale applied)
+    b_ptr,  # [L, NB, R] stacked B
+    tail_ptr,  # [N, >= EW] the weight's tail (W_ext's columns K ..): block (j, s) gets B[active[j]]'s slice s
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     active_ptr,  # [>= launch count] active slot ids, -1 past the active count
+    T,  # tokens
     K,  # x's own columns
-    E,  # tail columns: L · S·R
-    SR,  # h's columns per token: S · R
+    EW,  # the step's tail columns: S·R·launch rounded up to TAIL_ALIGN
+    S,  # slices
+    R,  # rank: B's columns
+    NB,  # B's rows (may end before N: a fully sharded rank's share)
+    n1, n2, n3,  # the slices' ends (past the last slice: the last end)
     LAUNCH,  # launch count: the active slots served
-    stride_x, stride_h,
+    stride_x, stride_h, stride_bl, stride_bn, stride_br, stride_t,
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
-    BLOCK: tl.constexpr,  # tail columns per program
+    TOKENS: tl.constexpr,  # packing: tokens per program
+    COLUMNS: tl.constexpr,  # packing: tail columns per program
+    ROWS: tl.constexpr,  # copying: B's rows per program
+    RANK_BLOCK: tl.constexpr,  # copying: B's columns per program
 ):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_e = offs < E
-    slot, served = token_served(token_slot_ptr, t, active_ptr, LAUNCH, LAUNCH_PAD)
-    block = tl.where(served > 0, slot, -1)  # the tail block token t's h goes to; -1: none
-    take = in_e & (offs // SR == block)
-    hm = tl.load(h_ptr + t * stride_h + offs % SR, mask=take, other=0.0)
-    tl.store(x_ptr + t * stride_x + K + offs, hm.to(x_ptr.dtype.element_ty), mask=in_e)
+    """Programs [0, P) pack hm into x_ext's tail (a TOKENS x COLUMNS tile each, P = the tiles);
+    the rest copy B of the launched slots into the weight's tail, (launch place j, ROWS rows,
+    RANK_BLOCK columns) each. A place whose active id is -1 gets zeros."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(EW, COLUMNS)
+    pack_programs = tl.cdiv(T, TOKENS) * col_blocks
+    if pid < pack_programs:  # (the branches' names differ: Triton types a name once across them)
+        tokens = (pid // col_blocks) * TOKENS + tl.arange(0, TOKENS)
+        offs = (pid % col_blocks) * COLUMNS + tl.arange(0, COLUMNS)
+        t_mask = tokens < T
+        place = launch_positions(token_slot_ptr, tokens, t_mask, active_ptr, LAUNCH, LAUNCH_PAD)
+        SR = S * R
+        take = t_mask[:, None] & (offs[None, :] < EW) & (offs[None, :] // SR == place[:, None])
+        tok = tokens.to(tl.int64)[:, None]
+        hm = tl.load(h_ptr + tok * stride_h + offs[None, :] % SR, mask=take, other=0.0)
+        tl.store(x_ptr + tok * stride_x + K + offs[None, :], hm.to(x_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & (offs[None, :] < EW))
+    else:
+        g = pid - pack_programs
+        rank_blocks = tl.cdiv(R, RANK_BLOCK)
+        per_place = tl.cdiv(NB, ROWS) * rank_blocks
+        j = g // per_place
+        rows = ((g % per_place) // rank_blocks) * ROWS + tl.arange(0, ROWS)
+        offs_r = (g % rank_blocks) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+        slot = tl.load(active_ptr + j)
+        mask = (rows[:, None] < NB) & (offs_r[None, :] < R)
+        b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + rows[:, None].to(tl.int64) * stride_bn
+                    + offs_r[None, :] * stride_br, mask=mask & (offs_r[None, :] * 0 + slot >= 0), other=0.0)
+        s = (rows >= n1).to(tl.int32) + (rows >= n2).to(tl.int32)  # each row's slice
+        cols = (j * S + s[:, None]) * R + offs_r[None, :]
+        tl.store(tail_ptr + rows[:, None].to(tl.int64) * stride_t + cols, b.to(tail_ptr.dtype.element_ty), mask=mask)
 
 
-def pack_tail(x_ext: torch.Tensor, k: int, h: torch.Tensor, meta: LoRAMeta, launch_count: int) -> None:
-    """hm into x_ext[:, k:]: each served token's h row in its slot's block, zeros elsewhere."""
-    tokens, width = x_ext.shape
-    e, sr = width - k, h.shape[1]
-    if e % sr or h.stride(-1) != 1 or x_ext.stride(-1) != 1:
-        raise ValueError(f"tail of {e} columns for h of {sr}: not whole slot blocks, or a last axis not contiguous")
-    _pack_tail_kernel[(tokens, cdiv(e, PACK_BLOCK))](
-        x_ext, h, meta.token_slot, meta.active_slots, k, e, sr, max(0, launch_count), x_ext.stride(0), h.stride(0),
-        LAUNCH_PAD=next_pow2(max(1, launch_count)), BLOCK=PACK_BLOCK, num_warps=4,
+def pack_step(x_ext: torch.Tensor, k: int, tail: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slice_starts,
+              meta: LoRAMeta, launch_count: int) -> int:
+    """One launch: hm into x_ext's columns k .. k + E_n (each served token's h row in the block of
+    its slot's launch place, zeros elsewhere) and the launched slots' B into ``tail`` (W_ext's
+    columns k ..), in launch order; E_n (``step_width``), the columns the GEMM then reads."""
+    tokens = x_ext.shape[0]
+    slices, rank = len(slice_starts) - 1, lora_b.shape[2]
+    width = step_width(slices, launch_count, rank)
+    if h.shape[1] < slices * rank or h.stride(-1) != 1 or x_ext.stride(-1) != 1 or tail.stride(-1) != 1:
+        raise ValueError(f"h of {h.shape[1]} columns for {slices} x rank {rank}, or a last axis not contiguous")
+    if width > min(x_ext.shape[1] - k, tail.shape[1]) or lora_b.shape[1] > tail.shape[0]:
+        raise ValueError(f"{launch_count} launched slots need {width} tail columns over B's {lora_b.shape[1]} rows; "
+                         f"the input has {x_ext.shape[1] - k}, the weight {tuple(tail.shape)}")
+    ends, _ = slice_ends(slice_starts, "extended")
+    rank_block = min(COPY_RANK, next_pow2(rank))
+    columns = min(PACK_COLUMNS, next_pow2(max(1, width)))
+    packing = cdiv(tokens, PACK_TOKENS) * cdiv(width, columns)
+    copying = max(0, launch_count) * cdiv(lora_b.shape[1], COPY_ROWS) * cdiv(rank, rank_block)
+    if packing + copying == 0:
+        return width
+    _pack_step_kernel[(packing + copying,)](
+        x_ext, h, lora_b, tail, meta.token_slot, meta.active_slots, tokens, k, width, slices, rank, lora_b.shape[1],
+        *ends, max(0, launch_count),
+        x_ext.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), tail.stride(0),
+        LAUNCH_PAD=next_pow2(max(1, launch_count)), TOKENS=PACK_TOKENS, COLUMNS=columns, ROWS=COPY_ROWS,
+        RANK_BLOCK=rank_block, num_warps=4,
     )
+    return width
 
 
 def input_buffer(tokens: int, k: int, width: int, dtype, device) -> torch.Tensor:
@@ -98,11 +150,13 @@ def extended_of(x: torch.Tensor, width: int) -> torch.Tensor | None:
     return torch.as_strided(x, (t, width), (width, 1), x.storage_offset())
 
 
-def extended_linear(x_ext, k, weight_ext, bias, lora_a, meta: LoRAMeta, launch_count, scale, slices, rank, scratch,
-                    pdl=None) -> torch.Tensor:
+def extended_linear(x_ext, k, weight_ext, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale,
+                    scratch, pdl=None) -> torch.Tensor:
     """``x·Wᵀ + bias`` plus the LoRA of the first ``launch_count`` active slots, as a new [T, N]:
-    the shrink of x (x_ext's first K columns) into scratch (float32, zero on entry), hm packed
-    into x_ext's tail, then ``F.linear(x_ext, weight_ext, bias)``."""
+    the shrink of x (x_ext's first K columns) into scratch (float32, zero on entry), then
+    ``pack_step`` (hm into x_ext's tail, the launched slots' B into weight_ext's), then
+    ``F.linear`` over the first K + E_n columns of both (strided views: no copies)."""
+    slices, rank = len(slice_starts) - 1, lora_b.shape[2]
     h = shrink_into(x_ext[:, :k], lora_a, meta, launch_count, scale, slices, rank, scratch, pdl)
-    pack_tail(x_ext, k, h, meta, launch_count)
-    return F.linear(x_ext, weight_ext, bias)
+    width = pack_step(x_ext, k, weight_ext[:, k:], h, lora_b, slice_starts, meta, launch_count)
+    return F.linear(x_ext[:, :k + width], weight_ext[:, :k + width], bias)

@@ -1,7 +1,8 @@
 """Device helpers every lorabench LoRA kernel shares: which slot and token tile a program serves
 (``adapter_tile``, ``packed_tile``, ``token_grid``), whether a token's slot is launched
-(``token_served``), a slot's own rank (``own_rank``), a slice's output columns (``slice_bounds``)
-and the expand's dot that keeps h's precision (``expand_tile``)."""
+(``token_served``) and where among the launched slots (``launch_positions``), a slot's own rank
+(``own_rank``), a slice's output columns (``slice_bounds``) and the expand's dot that keeps h's
+precision (``expand_tile``)."""
 
 from typing import NamedTuple
 
@@ -133,6 +134,18 @@ def token_served(token_slot_ptr, t, active_ptr, LAUNCH, LAUNCH_PAD: tl.constexpr
     offs_l = tl.arange(0, LAUNCH_PAD)
     launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
     return slot, tl.max(((launched == slot) & (slot >= 0)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def launch_positions(token_slot_ptr, tokens, mask, active_ptr, LAUNCH, LAUNCH_PAD: tl.constexpr):
+    """Each token's place j among the first ``LAUNCH`` active slots (``active_ptr[j]`` is its
+    slot), or -1 where it is not served (a base-model token, a slot past the launch count, or
+    masked off). ``tokens``: a block of token indices."""
+    slot = tl.load(token_slot_ptr + tokens, mask=mask, other=-1)
+    offs_l = tl.arange(0, LAUNCH_PAD)
+    launched = tl.load(active_ptr + offs_l, mask=offs_l < LAUNCH, other=-1)
+    hit = (launched[None, :] == slot[:, None]) & (slot[:, None] >= 0)
+    return tl.max(tl.where(hit, offs_l[None, :], -1), axis=1)
 
 
 @triton.jit

@@ -125,7 +125,7 @@ def record_launches():
                          (moe_gemm, "_route_kernel"), (moe_gemm, "_expert_gemm_kernel"), (moe_align, "_align_kernel"),
                          (moe_lora_per_entry, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
                          (moe_lora, "_sorted_expand_kernel"), (moe_gemm_lora, "_expert_gemm_lora_kernel"),
-                         (gemm_lora, "_gemm_lora_kernel"), (extended_gemm, "_pack_tail_kernel"),
+                         (gemm_lora, "_gemm_lora_kernel"), (extended_gemm, "_pack_step_kernel"),
                          (producer_shrink, "_producer_shrink_kernel"), (varlen_attention, "_varlen_attention_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
@@ -166,7 +166,8 @@ def launch_everything(dtype, tokens):
     wide = torch.empty(tokens, hidden + 192, dtype=dtype)
     base_ops.add_rmsnorm(x, x, torch.empty(hidden, dtype=dtype), 1e-5, out=wide[:, :hidden])
     base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), out=torch.empty(tokens, inter + 64, dtype=dtype)[:, :inter])
-    extended_gemm.pack_tail(wide, hidden, torch.empty(tokens, 48, dtype=torch.float32), meta, loras)
+    extended_gemm.pack_step(wide, hidden, torch.empty(6144, 192, dtype=dtype), torch.empty(tokens, 48, dtype=torch.float32),
+                            torch.empty(4, 6144, 16, dtype=dtype), (0, 4096, 5120, 6144), meta, loras)
     # a mixed step's attention: rotary and cache writes at each token's row, then the varlen kernel
     # (Llama-3.1-8B's 32 heads over 8 KV heads, and llama-2-7b's 32 over 32)
     rows = torch.empty(tokens, dtype=torch.int64)

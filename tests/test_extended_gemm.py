@@ -1,8 +1,9 @@
 """The extended GEMM (``extended_gemm``: LoRA as extra K columns of one cuBLAS GEMM) against plain
-torch on batches mixing base-model and adapter tokens at every launch count, and the model that
-holds its weights extended: which linears extend, tails kept equal to B through loads, steps above
-``GEMM_MAX_TOKENS`` equal to the reference (graphs and PIECEWISE graphs checked), steps below it
-bit-identical to an unextended model's."""
+torch on batches mixing base-model and adapter tokens at every launch count, the step's packing
+(hm by launch place, the launched slots' B in launch order) against a torch rendering of the
+layout, and the model that holds its weights extended: which linears extend, steps above
+``GEMM_MAX_TOKENS`` equal to the reference (graphs and PIECEWISE graphs checked, also after loads
+that wrote B), steps below it bit-identical to an unextended model's."""
 
 import random
 
@@ -42,9 +43,9 @@ def extended_case(tokens, k, widths, rank, max_loras, dtype, seed=0, bias=True, 
     a = (torch.randn(max_loras, slices * rank, k, generator=g) / k**0.5).to(DEVICE, dtype)
     b = torch.randn(max_loras, starts[-1], rank, generator=g).to(DEVICE, dtype)
     width = k + kernels.tail_width(slices, max_loras, rank)
-    w_ext = torch.zeros(n, width, dtype=dtype, device=DEVICE)
+    w_ext = torch.full((n, width), float("nan"), dtype=dtype, device=DEVICE)  # the tail: as it comes
     w_ext[:, :k] = w
-    extended_gemm.build_tail(w_ext[:, k:], b, starts)
+    w_ext[:, k:] = 0  # what ``LoRALinear.extend`` allocates (the copies keep the off-diagonal zero)
     view = extended_gemm.input_buffer(tokens, k, width, dtype, DEVICE)
     view.copy_(x)
     x_ext = extended_gemm.extended_of(view, width)
@@ -57,8 +58,7 @@ def run(case, max_loras, launch, rank):
     buf = MetaBuffer(x.shape[0], max_loras, DEVICE)
     buf.load(buf.pack(slots)[0])
     scratch = torch.zeros(x.shape[0], (len(starts) - 1) * rank, dtype=torch.float32, device=DEVICE)
-    y = extended_gemm.extended_linear(x_ext, x.shape[1], w_ext, bias, a, buf.meta, launch, 0.5, len(starts) - 1, rank,
-                                      scratch)
+    y = extended_gemm.extended_linear(x_ext, x.shape[1], w_ext, bias, a, b, starts, buf.meta, launch, 0.5, scratch)
     launched = set(buf.meta.active_slots[:launch].tolist()) - {-1}
     served = torch.tensor([s if s in launched else -1 for s in slots], device=DEVICE)
     ref = x.float() @ w.float().t() + (bias.float() if bias is not None else 0)
@@ -91,22 +91,74 @@ def test_a_row_parallel_share_updates_its_outputs_only():
     assert not w_ext[16:, 32:].any()
 
 
-def test_the_tail_is_block_diagonal_over_slices():
-    """Slot l's slice s sits at columns (l·S + s)·R of its slice's rows, zeros in the others'."""
-    b = torch.arange(2 * 6 * 2, dtype=torch.float32).view(2, 6, 2) + 1  # L=2, N=6, R=2
-    starts = (0, 2, 3, 6)
-    tail = torch.zeros(6, kernels.tail_width(3, 2, 2))
-    extended_gemm.build_tail(tail, b, starts)
-    for slot in range(2):
-        for s in range(3):
-            lo, hi = starts[s], starts[s + 1]
-            col = (slot * 3 + s) * 2
-            assert torch.equal(tail[lo:hi, col:col + 2], b[slot, lo:hi])
-            outside = torch.ones(6, dtype=torch.bool)
-            outside[lo:hi] = False
-            assert not tail[outside, col:col + 2].any()
-    extended_gemm.build_tail(tail, torch.zeros_like(b), starts, slot=1)  # one slot's refresh
-    assert not tail[:, 6:].any() and tail[:, :6].any()
+def packed_layout(h, b, starts, slots, active, launch, width):
+    """What ``pack_step`` writes, in torch: hm [T, width] and the tail's first ``width`` columns."""
+    slices, rank = len(starts) - 1, b.shape[2]
+    hm = torch.zeros(len(slots), width)
+    tail = torch.zeros(b.shape[1], width)
+    launched = active[:launch]
+    for t, slot in enumerate(slots):
+        if slot >= 0 and slot in launched:
+            j = launched.index(slot)
+            hm[t, j * slices * rank:(j + 1) * slices * rank] = h[t, :slices * rank]
+    for j, slot in enumerate(launched):
+        for s in range(slices):
+            col = (j * slices + s) * rank
+            if slot >= 0:
+                tail[starts[s]:starts[s + 1], col:col + rank] = b[slot, starts[s]:starts[s + 1]].float()
+    return hm, tail
+
+
+@pytest.mark.parametrize("widths, rank, max_loras", [((6,), 1, 3), ((2, 1, 3), 2, 2), ((40, 24), 8, 4), ((64,), 16, 5)])
+def test_pack_step_writes_hm_and_the_launched_slots_b_in_launch_order(widths, rank, max_loras):
+    """Base tokens, tokens past the launch count, a launch place whose active id is -1 (graphs
+    launch more slots than a batch holds: zeros there), slices of odd sizes, a step width rounded
+    up to ``TAIL_ALIGN``; every column the GEMM reads is written, a stale tail and input
+    overwritten, nothing past the step's width touched."""
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    g = torch.Generator().manual_seed(rank)
+    starts = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
+    slices, k, tokens = len(widths), 24, 37
+    b = torch.randn(max_loras, starts[-1], rank, generator=g).to(DEVICE, dtype)
+    e = kernels.tail_width(slices, max_loras, rank)
+    rnd = random.Random(rank)
+    for used in range(1, max_loras + 1):  # active slots in the batch
+        chosen = rnd.sample(range(max_loras), used)
+        slots = [-1 if rnd.random() < 0.25 else rnd.choice(chosen) for _ in range(tokens)]
+        buf = MetaBuffer(tokens, max_loras, DEVICE)
+        buf.load(buf.pack(slots)[0])
+        active = buf.meta.active_slots.tolist()
+        h = torch.randn(tokens, slices * rank, generator=g).to(DEVICE, torch.float32)
+        for launch in sorted({used, max_loras}):
+            x_ext = torch.full((tokens, k + e), 7.0, dtype=dtype, device=DEVICE)
+            tail = torch.full((starts[-1] + 3, e), 5.0, dtype=dtype, device=DEVICE)  # 3 rows past B's: a share's
+            width = extended_gemm.pack_step(x_ext, k, tail, h, b, starts, buf.meta, launch)
+            assert width == extended_gemm.step_width(slices, launch, rank) and width % kernels.TAIL_ALIGN == 0
+            hm, want = packed_layout(h.cpu(), b.cpu(), starts, slots, active, launch, width)
+            torch.testing.assert_close(x_ext[:, k:k + width].float().cpu(), hm.to(dtype).float())
+            got = tail[:starts[-1], :width].float().cpu()
+            on = torch.zeros_like(got, dtype=torch.bool)  # the blocks the copies own: the launched slots' slices
+            for j in range(launch):
+                for s in range(slices):
+                    on[starts[s]:starts[s + 1], (j * slices + s) * rank:(j * slices + s + 1) * rank] = True
+            assert torch.equal(got[on], want[on])
+            assert (got[~on] == 5).all()  # off the diagonal: as allocated (zeros in the model)
+            assert (x_ext[:, :k] == 7).all() and (x_ext[:, k + width:] == 7).all() and (tail[:, width:] == 5).all()
+            assert (tail[starts[-1]:] == 5).all()
+
+
+def test_pack_step_refuses_a_tail_too_narrow_for_its_launch():
+    b = torch.zeros(3, 8, 4)
+    buf = MetaBuffer(2, 3, "cpu")
+    buf.load(buf.pack([0, 1])[0])
+    with pytest.raises(ValueError, match="need 16 tail columns"):
+        extended_gemm.pack_step(torch.zeros(2, 8 + 8), 8, torch.zeros(8, 8), torch.zeros(2, 4), b, (0, 8), buf.meta, 3)
+
+
+def test_tail_widths_round_up_to_whole_alignments():
+    assert kernels.tail_width(3, 3, 1) == 16 and kernels.tail_width(3, 4, 16) == 192
+    assert extended_gemm.step_width(1, 1, 1) == 8 and extended_gemm.step_width(3, 2, 16) == 96
+    assert extended_gemm.step_width(2, 0, 8) == 0
 
 
 def test_extended_of_finds_only_an_extended_input():
@@ -148,42 +200,16 @@ def roomy(monkeypatch):
     monkeypatch.setattr(kernels, "EXTEND_MAX_FRACTION", 8.0)
 
 
-def tails_hold_b(model):
-    for m in model.extended:
-        k = m.weight.shape[1]
-        want = torch.zeros_like(m.weight_ext[:, k:])
-        extended_gemm.build_tail(want, m.lora_b, m.slice_starts)
-        assert torch.equal(m.weight_ext[:, k:], want)
-
-
 def test_an_extended_model_holds_its_weights_in_place(roomy):
     model = tiny(True)
     assert len(model.extended) == 4 * 2  # qkv, o, gate_up, down of both layers
     for m in model.extended:
         assert m.weight.data_ptr() == m.weight_ext.data_ptr() and m.weight.stride(0) == m.weight_ext.shape[1]
-    tails_hold_b(model)
+        assert not m.weight_ext[:, m.weight.shape[1]:].any()  # the tail: zeros until a step copies B
     plain = tiny(False)
     assert not plain.extended and all(m.weight_ext is None for m in plain.modules() if hasattr(m, "weight_ext"))
     for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
         assert torch.equal(p, q), name  # the same weights, whatever their layout
-
-
-def test_loads_keep_the_tails_equal_to_b(roomy):
-    model = tiny(True, max_loras=3)
-    loader = AdapterLoader(model, bank=3)
-    for m in model.extended:
-        m.lora_b.data.normal_()  # B changed behind the tails' back: the loads must write them
-    loader.load(0, 1)
-    loader.load(1, 2)
-    loader.load(2, 0)
-    tails_hold_b(model)
-    assert loader.tail_ops == sum(len(m.slice_starts) - 1 for m in model.extended) > 0
-    for m in model.extended:
-        m.lora_b.data.normal_()
-    one = OneCopy(loader)
-    for slot in range(3):
-        one.load(slot, slot + 1)
-    tails_hold_b(model)
 
 
 def step(model, kernels, tokens, launch, seed=0):
@@ -211,6 +237,21 @@ def test_steps_above_gemm_max_tokens_take_the_extended_gemm(roomy, monkeypatch, 
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+def test_steps_after_loads_read_the_loaded_b(roomy):
+    """Loads by both paths (per slice, one copy) write B only; the next extended step copies the
+    launched slots' B into the tails, so it equals the pair's on an unextended model with the same loads."""
+    tokens, outs = gemm_lora.GEMM_MAX_TOKENS + 3, {}
+    for kernels, extended in (("gemm", True), ("triton", False)):
+        model = tiny(extended, layers=1)
+        loader = AdapterLoader(model, bank=3)
+        loader.load(0, 1)
+        loader.load(1, 2)
+        OneCopy(loader).load(2, 0)
+        outs[kernels] = step(model, kernels, tokens, 3)
+    tol = 5e-3 if HAS_CUDA else 1e-4
+    torch.testing.assert_close(outs["gemm"], outs["triton"], rtol=tol, atol=tol)
+
+
 def test_steps_at_decode_sizes_are_those_of_an_unextended_model(roomy):
     """Up to ``GEMM_MAX_TOKENS`` the gemm backend's own GEMM reads the weight in place: the same
     step, to the bit."""
@@ -233,8 +274,29 @@ def test_an_extended_model_passes_the_check_on_decode_and_mixed_graphs(roomy):
     v = check(d, "float16" if HAS_CUDA else "float32")
     assert v.correct is True, v.detail
     assert v.graphs_checked == v.graphs_total and v.mixed_graphs_checked == v.mixed_graphs_total > 0
-    o = model.layers[0].o
-    o.weight_ext[:, o.weight.shape[1]:] *= 2  # a tail no longer B: the graphs read it in place
+    for m in model.extended:
+        m.lora_b.data.normal_()  # B written after capture (a load): the graphs copy it into the tails
+    v = check(d, "float16" if HAS_CUDA else "float32")
+    assert v.correct is True, v.detail
+
+
+def test_the_check_sees_a_wrong_extended_gemm_in_its_graphs(roomy, monkeypatch):
+    """An extended GEMM that doubles hm, captured into the graphs past ``GEMM_MAX_TOKENS``: the
+    check fails there, not below."""
+    real = extended_gemm.pack_step
+
+    def doubled(x_ext, k, *args):
+        width = real(x_ext, k, *args)
+        x_ext[:, k:k + width] *= 2
+        return width
+
+    monkeypatch.setattr(extended_gemm, "pack_step", doubled)
+    top = gemm_lora.GEMM_MAX_TOKENS + 2
+    model = tiny(True, max_loras=2, rank=8, max_tokens=top, layers=1, dtype=torch.float16 if HAS_CUDA else torch.float32)
+    d = Dispatcher(model, get_backend("gemm"), max_loras=2, capture_sizes=[1, top], counts=capture_counts("pow2", 2),
+                   use_graphs=HAS_CUDA)
+    d.warm_up()
+    d.capture()
     v = check(d, "float16" if HAS_CUDA else "float32")
     assert v.correct is False and v.first.graph_tokens > gemm_lora.GEMM_MAX_TOKENS  # the smallest batch that shows it
 

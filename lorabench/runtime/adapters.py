@@ -58,7 +58,7 @@ class AdapterLoader:
                 for a, b in ((m.w13_a, m.w13_b), (m.w2_a, m.w2_b)):
                     self.parts.extend((a[s], every, b[s], every) for s in range(a.shape[0]))
         self.slot_rank, self.enabled = model.slot_rank, model.expert_lora_enabled
-        self.model = model  # its extended linears' tails are copies of B, written with it (``LlamaLoRA.refresh_tails``)
+        self.model = model
         self.ranks = self.expert_lora = None  # per bank entry, where a load must write them
         self.held: list[int] | None = None  # the user's adapters: which one each slot holds (fill_slots' order first)
         self.flat: list[torch.Tensor] = []  # each bank entry's bytes, one host buffer (pinned on a GPU machine)
@@ -97,14 +97,8 @@ class AdapterLoader:
     @property
     def ops(self) -> int:
         """Device operations of one load: a zeroing and a copy for A and for B of every slice
-        (and ``slot_ops`` and ``tail_ops``)."""
-        return 4 * len(self.parts) + self.slot_ops + self.tail_ops
-
-    @property
-    def tail_ops(self) -> int:
-        """Device copies of a load into the extended linears' tails, one per slice (the ``gemm``
-        backend's model: ``LlamaLoRA.refresh_tails``)."""
-        return sum(len(m.slice_starts) - 1 for m in self.model.extended)
+        (and ``slot_ops``)."""
+        return 4 * len(self.parts) + self.slot_ops
 
     def begin(self, slot: int, k: int) -> None:
         """Before bank entry ``k``'s copies into ``slot`` (any load path): the slot is unknown
@@ -130,7 +124,6 @@ class AdapterLoader:
             b[slot, br].zero_()
             a[slot, ar].copy_(ha, non_blocking=True)
             b[slot, br].copy_(hb, non_blocking=True)
-        self.model.refresh_tails(slot)
         self.done(slot, k)
 
     def place(self, adapters: list[int]) -> None:

@@ -53,8 +53,8 @@ class OneCopy:
 
     @property
     def ops(self) -> int:
-        """Host calls of one load (and the loader's ``slot_ops`` and ``tail_ops``)."""
-        return ONE_COPY_CALLS + self.loader.slot_ops + self.loader.tail_ops
+        """Host calls of one load (and the loader's ``slot_ops``)."""
+        return ONE_COPY_CALLS + self.loader.slot_ops
 
     def place(self, adapters: list[int]) -> None:
         """As ``AdapterLoader.place`` (untimed: by its per-slice loads)."""
@@ -68,7 +68,6 @@ class OneCopy:
         self.staging.copy_(self.flat[k], non_blocking=True)
         dests = [t for a, ar, b, br in lo.parts for t in (a[slot, ar], b[slot, br])]
         torch._foreach_copy_(dests, self.views)
-        lo.model.refresh_tails(slot)
         lo.done(slot, k)
 
 

@@ -65,11 +65,11 @@ class LoRALinear(nn.Module):
         a_shape = (max_loras, len(slice_sizes) * rank // a_div, in_features)
         self.lora_a = nn.Parameter(_randn(a_shape, in_features**-0.5, dtype, device, gen), False)
         self.lora_b = nn.Parameter(_randn((max_loras, self.lora_n, rank), rank**-0.5, dtype, device, gen), False)
-        self.weight_ext: torch.Tensor | None = None  # [N, K + E]: the weight, then B's tail (``extend``)
+        self.weight_ext: torch.Tensor | None = None  # [N, K + E]: the weight, then the launched slots' B (``extend``)
 
     def extend(self) -> bool:
-        """Hold the weight as the first K columns of ``weight_ext`` = [W | B's tail], the extended
-        GEMM's operand (``extended_gemm``), where the tail fits its bound; whether it does."""
+        """Hold the weight as the first K columns of ``weight_ext`` = [W | tail], the extended GEMM's
+        operand (``extended_gemm``), where the tail (room for every slot's B) fits its bound; whether it does."""
         k, slices = self.weight.shape[1], len(self.slice_starts) - 1
         slots, _, rank = self.lora_b.shape
         if self.weight_ext is None and extends(k, slices, slots, rank):
@@ -77,14 +77,8 @@ class LoRALinear(nn.Module):
             ext = torch.zeros(self.weight.shape[0], width, dtype=self.weight.dtype, device=self.weight.device)
             ext[:, :k] = self.weight
             self.weight = nn.Parameter(ext[:, :k], False)  # a view: the base GEMM reads it in place
-            self.weight_ext = ext
-            self.refresh_tail()
+            self.weight_ext = ext  # its tail: the launched slots' B, written by each step that reads it
         return self.weight_ext is not None
-
-    def refresh_tail(self, slot: int | None = None) -> None:
-        """Copy B (every slot's, or one's) into ``weight_ext``'s tail: after anything writes B."""
-        if self.weight_ext is not None:
-            extended_gemm.build_tail(self.weight_ext[:, self.weight.shape[1]:], self.lora_b, self.slice_starts, slot)
 
     def takes_extended(self, lora: LoRAStep | None, tokens: int) -> bool:
         """Whether a step of ``tokens`` runs this linear as the extended GEMM: a backend that asks
@@ -127,9 +121,9 @@ class LoRALinear(nn.Module):
                 raise ValueError(f"{x.shape[0]} tokens: above GEMM_MAX_TOKENS the producer must not shrink")
             x_ext = extended_gemm.extended_of(x, self.weight_ext.shape[1]) if self.takes_extended(lora, x.shape[0]) else None
             if x_ext is not None:  # prefill sizes, x written into an extended input: one cuBLAS GEMM holds the expand
-                slices, rank = len(self.slice_starts) - 1, self.lora_b.shape[2]
                 return extended_gemm.extended_linear(x_ext, self.weight.shape[1], self.weight_ext, self.bias, self.lora_a,
-                                                     lora.meta, lora.launch_count, lora.scale, slices, rank, scratch)
+                                                     self.lora_b, self.slice_starts, lora.meta, lora.launch_count,
+                                                     lora.scale, scratch)
             linear_apply = None  # prefill sizes otherwise: cuBLAS and the backend's lora_apply
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
@@ -259,7 +253,7 @@ class LlamaLoRA(nn.Module):
         cache_rows: the KV cache's requests (default ``max_tokens``: a decode step's token t reads
         row t); fewer where steps hold prefill chunks of many tokens from few requests.
         extended: hold each LoRA linear whose tail fits as [W | B's tail] (``LoRALinear.extend``),
-        for a backend that runs the extended GEMM (``EXTENDS_K``); B's tail is a copy of B."""
+        for a backend that runs the extended GEMM (``EXTENDS_K``); each step copies its launched slots' B there."""
         super().__init__()
         gen = torch.Generator(device=device).manual_seed(seed)
         self.cfg, self.max_tokens, self.context_len = cfg, max_tokens, context_len
@@ -355,11 +349,6 @@ class LlamaLoRA(nn.Module):
         width = o.weight.shape[1] if o.weight_ext is None else o.weight_ext.shape[1]
         buf = torch.zeros(tokens, width, dtype=self.embed.dtype, device=self.embed.device)
         return buf[:, :o.weight.shape[1]]
-
-    def refresh_tails(self, slot: int | None = None) -> None:
-        """Every extended linear's tail from its B (``LoRALinear.refresh_tail``)."""
-        for m in self.extended:
-            m.refresh_tail(slot)
 
     def logits(self, h):
         """The logits of final hidden states [T, hidden]: [T, vocab]."""

@@ -62,7 +62,6 @@ def fill_slot(model: LlamaLoRA, slot: int, adapter: PeftAdapter, tensors: dict[s
             _lead(lin.lora_b[slot, start:end], b)
         if model.expert_lora_enabled is not None:
             model.expert_lora_enabled[:, slot] = expert_flags(adapter, model.expert_lora_enabled.shape[0])
-        model.refresh_tails(slot)
 
 
 def expert_flags(adapter: PeftAdapter, layers: int) -> torch.Tensor:
