@@ -51,7 +51,7 @@ def step_width(slices: int, launch_count: int, rank: int) -> int:
 def _pack_step_kernel(
     x_ptr,  # [T, K + E] the extended input: hm written at columns K .. K + EW
     h_ptr,  # [T, >= S·R] float32 shrink output (scale applied)
-    b_ptr,  # [L, NB, R] stacked B
+    b_ptr,  # [L, >= NB, R] stacked B
     tail_ptr,  # [N, >= EW] the weight's tail (W_ext's columns K ..): block (j, s) gets B[active[j]]'s slice s
     token_slot_ptr,  # [T] slot of every token, -1 for base-model tokens
     active_ptr,  # [>= launch count] active slot ids, -1 past the active count
@@ -60,8 +60,8 @@ def _pack_step_kernel(
     EW,  # the step's tail columns: S·R·launch rounded up to TAIL_ALIGN
     S,  # slices
     R,  # rank: B's columns
-    NB,  # B's rows (may end before N: a fully sharded rank's share)
-    n1, n2, n3,  # the slices' ends (past the last slice: the last end)
+    NB,  # B's rows copied: the last slice's end (may be before N: a fully sharded rank's share)
+    n1, n2,  # the first two slices' ends (past the last slice: the last end)
     LAUNCH,  # launch count: the active slots served
     stride_x, stride_h, stride_bl, stride_bn, stride_br, stride_t,
     LAUNCH_PAD: tl.constexpr,  # next power of two >= the launch count
@@ -107,25 +107,30 @@ def pack_step(x_ext: torch.Tensor, k: int, tail: torch.Tensor, h: torch.Tensor, 
               meta: LoRAMeta, launch_count: int) -> int:
     """One launch: hm into x_ext's columns k .. k + E_n (each served token's h row in the block of
     its slot's launch place, zeros elsewhere) and the launched slots' B into ``tail`` (W_ext's
-    columns k ..), in launch order; E_n (``step_width``), the columns the GEMM then reads."""
+    columns k ..), in launch order: each slice's rows of each block, B's rows up to the last
+    slice's end. The blocks' other rows are never written: the caller keeps them zero (``extend``
+    allocates zeros). Returns E_n (``step_width``), the columns the GEMM then reads."""
     tokens = x_ext.shape[0]
     slices, rank = len(slice_starts) - 1, lora_b.shape[2]
     width = step_width(slices, launch_count, rank)
     if h.shape[1] < slices * rank or h.stride(-1) != 1 or x_ext.stride(-1) != 1 or tail.stride(-1) != 1:
         raise ValueError(f"h of {h.shape[1]} columns for {slices} x rank {rank}, or a last axis not contiguous")
-    if width > min(x_ext.shape[1] - k, tail.shape[1]) or lora_b.shape[1] > tail.shape[0]:
-        raise ValueError(f"{launch_count} launched slots need {width} tail columns over B's {lora_b.shape[1]} rows; "
+    if width > min(x_ext.shape[1] - k, tail.shape[1]) or slice_starts[-1] > tail.shape[0]:
+        raise ValueError(f"{launch_count} launched slots need {width} tail columns over {slice_starts[-1]} rows; "
                          f"the input has {x_ext.shape[1] - k}, the weight {tuple(tail.shape)}")
     ends, _ = slice_ends(slice_starts, "extended")
+    if launch_count > meta.active_slots.shape[0] or lora_b.shape[1] < slice_starts[-1]:
+        raise ValueError(f"{launch_count} launched of {meta.active_slots.shape[0]} active ids, or B of "
+                         f"{lora_b.shape[1]} rows for slices ending at {slice_starts[-1]}")
     rank_block = min(COPY_RANK, next_pow2(rank))
     columns = min(PACK_COLUMNS, next_pow2(max(1, width)))
     packing = cdiv(tokens, PACK_TOKENS) * cdiv(width, columns)
-    copying = max(0, launch_count) * cdiv(lora_b.shape[1], COPY_ROWS) * cdiv(rank, rank_block)
+    copying = max(0, launch_count) * cdiv(slice_starts[-1], COPY_ROWS) * cdiv(rank, rank_block)
     if packing + copying == 0:
         return width
     _pack_step_kernel[(packing + copying,)](
-        x_ext, h, lora_b, tail, meta.token_slot, meta.active_slots, tokens, k, width, slices, rank, lora_b.shape[1],
-        *ends, max(0, launch_count),
+        x_ext, h, lora_b, tail, meta.token_slot, meta.active_slots, tokens, k, width, slices, rank, slice_starts[-1],
+        ends[0], ends[1], max(0, launch_count),
         x_ext.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), tail.stride(0),
         LAUNCH_PAD=next_pow2(max(1, launch_count)), TOKENS=PACK_TOKENS, COLUMNS=columns, ROWS=COPY_ROWS,
         RANK_BLOCK=rank_block, num_warps=4,

@@ -75,9 +75,10 @@ def close(y, ref, dtype):
 @pytest.mark.parametrize("widths", [(48,), (40, 24), (24, 8, 8)])
 @pytest.mark.parametrize("rank, max_loras", [(1, 3), (8, 4), (16, 1)])
 def test_extended_linear_matches_torch_at_every_launch_count(dtype, widths, rank, max_loras):
-    """Base tokens, served tokens and tokens past the launch count (no LoRA) in one step."""
+    """Base tokens, served tokens and tokens past the launch count (no LoRA) in one step; launch
+    counts up, then down (the tail's padding then holds B a wider launch left there)."""
     case = extended_case(37, 64, widths, rank, max_loras, dtype, seed=rank + len(widths))
-    for launch in range(1, max_loras + 1):
+    for launch in [*range(1, max_loras + 1), *range(max_loras - 1, 0, -1)]:
         y, ref = run(case, max_loras, launch, rank)
         close(y, ref, dtype)
 
@@ -109,12 +110,14 @@ def packed_layout(h, b, starts, slots, active, launch, width):
     return hm, tail
 
 
-@pytest.mark.parametrize("widths, rank, max_loras", [((6,), 1, 3), ((2, 1, 3), 2, 2), ((40, 24), 8, 4), ((64,), 16, 5)])
+@pytest.mark.parametrize("widths, rank, max_loras", [((6,), 1, 3), ((2, 1, 3), 2, 2), ((40, 24), 8, 4), ((64,), 16, 5),
+                                                     ((3, 2, 4), 64, 2), ((9,), 320, 2)])
 def test_pack_step_writes_hm_and_the_launched_slots_b_in_launch_order(widths, rank, max_loras):
     """Base tokens, tokens past the launch count, a launch place whose active id is -1 (graphs
     launch more slots than a batch holds: zeros there), slices of odd sizes, a step width rounded
-    up to ``TAIL_ALIGN``; every column the GEMM reads is written, a stale tail and input
-    overwritten, nothing past the step's width touched."""
+    up to ``TAIL_ALIGN``, widths of several packing blocks and ranks of several copying blocks
+    (320); every column the GEMM reads is written, a stale tail and input overwritten, nothing
+    past the step's width touched."""
     dtype = torch.float16 if HAS_CUDA else torch.float32
     g = torch.Generator().manual_seed(rank)
     starts = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
@@ -147,12 +150,27 @@ def test_pack_step_writes_hm_and_the_launched_slots_b_in_launch_order(widths, ra
             assert (tail[starts[-1]:] == 5).all()
 
 
-def test_pack_step_refuses_a_tail_too_narrow_for_its_launch():
+def test_pack_step_refuses_what_it_cannot_pack():
+    """A tail too narrow for the launch, more launched than active ids, B shorter than its slices."""
     b = torch.zeros(3, 8, 4)
     buf = MetaBuffer(2, 3, "cpu")
     buf.load(buf.pack([0, 1])[0])
     with pytest.raises(ValueError, match="need 16 tail columns"):
         extended_gemm.pack_step(torch.zeros(2, 8 + 8), 8, torch.zeros(8, 8), torch.zeros(2, 4), b, (0, 8), buf.meta, 3)
+    with pytest.raises(ValueError, match="launched of 3 active ids"):
+        extended_gemm.pack_step(torch.zeros(2, 8 + 32), 8, torch.zeros(8, 32), torch.zeros(2, 4), b, (0, 8), buf.meta, 4)
+    with pytest.raises(ValueError, match="B of 8 rows for slices ending at 9"):
+        extended_gemm.pack_step(torch.zeros(2, 8 + 16), 8, torch.zeros(9, 16), torch.zeros(2, 4), b, (0, 9), buf.meta, 1)
+
+
+def test_pack_step_copies_only_b_rows_inside_the_slices():
+    """B with rows past the last slice's end: they are not the linear's, and go nowhere."""
+    b = torch.arange(2 * 24 * 4, dtype=torch.float32).view(2, 24, 4) + 1
+    buf = MetaBuffer(3, 2, "cpu")
+    buf.load(buf.pack([1, 1, -1])[0])
+    tail = torch.zeros(24, 8)
+    extended_gemm.pack_step(torch.zeros(3, 8 + 8), 8, tail, torch.ones(3, 4), b, (0, 16), buf.meta, 1)
+    assert torch.equal(tail[:16, :4], b[1, :16]) and not tail[16:].any() and not tail[:, 4:].any()
 
 
 def test_tail_widths_round_up_to_whole_alignments():

@@ -58,7 +58,6 @@ class AdapterLoader:
                 for a, b in ((m.w13_a, m.w13_b), (m.w2_a, m.w2_b)):
                     self.parts.extend((a[s], every, b[s], every) for s in range(a.shape[0]))
         self.slot_rank, self.enabled = model.slot_rank, model.expert_lora_enabled
-        self.model = model
         self.ranks = self.expert_lora = None  # per bank entry, where a load must write them
         self.held: list[int] | None = None  # the user's adapters: which one each slot holds (fill_slots' order first)
         self.flat: list[torch.Tensor] = []  # each bank entry's bytes, one host buffer (pinned on a GPU machine)
