@@ -165,11 +165,12 @@ def test_pack_step_refuses_what_it_cannot_pack():
 
 def test_pack_step_copies_only_b_rows_inside_the_slices():
     """B with rows past the last slice's end: they are not the linear's, and go nowhere."""
-    b = torch.arange(2 * 24 * 4, dtype=torch.float32).view(2, 24, 4) + 1
-    buf = MetaBuffer(3, 2, "cpu")
+    b = (torch.arange(2 * 24 * 4, dtype=torch.float32).view(2, 24, 4) + 1).to(DEVICE)
+    buf = MetaBuffer(3, 2, DEVICE)
     buf.load(buf.pack([1, 1, -1])[0])
-    tail = torch.zeros(24, 8)
-    extended_gemm.pack_step(torch.zeros(3, 8 + 8), 8, tail, torch.ones(3, 4), b, (0, 16), buf.meta, 1)
+    tail = torch.zeros(24, 8, device=DEVICE)
+    extended_gemm.pack_step(torch.zeros(3, 8 + 8, device=DEVICE), 8, tail, torch.ones(3, 4, device=DEVICE), b, (0, 16),
+                            buf.meta, 1)
     assert torch.equal(tail[:16, :4], b[1, :16]) and not tail[16:].any() and not tail[:, 4:].any()
 
 
