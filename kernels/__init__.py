@@ -73,10 +73,11 @@ EXTEND_MAX_FRACTION = 1 / 8
 TAIL_ALIGN = 8  # the extended GEMM's tail columns come in multiples of this (16-byte rows in 16-bit dtypes)
 
 
-def tail_width(slices: int, max_loras: int, rank: int) -> int:
-    """E: the extended weight's extra K columns, room for one block of S·R per slot (the tail a
-    step of every slot launched reads), rounded up to ``TAIL_ALIGN``."""
-    return -(-max_loras * slices * rank // TAIL_ALIGN) * TAIL_ALIGN
+def tail_width(slices: int, slots: int, rank: int) -> int:
+    """Tail columns for ``slots`` blocks of S·R, rounded up to ``TAIL_ALIGN`` (cuBLAS's fast kernels
+    want 16-byte rows): with every slot, E, the extended weight's extra K columns; with a step's
+    launch count, E_n, the columns its GEMM reads."""
+    return -(-slots * slices * rank // TAIL_ALIGN) * TAIL_ALIGN
 
 
 def extends(k: int, slices: int, max_loras: int, rank: int) -> bool:

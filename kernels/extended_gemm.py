@@ -12,7 +12,7 @@ cannot give slice s's rows only h_s). The input ``x_ext [T, K + E]`` holds x, th
 (its S·R scaled shrink outputs, rounded to the model's dtype as an expand reads them) in the block
 of its slot's place among the launched, zeros elsewhere, and zeros for a token that is not served
 (a base-model token, or a slot past the launch count). The GEMM then reads the first K + E_n
-columns of both (E_n = n·S·R rounded up to ``TAIL_ALIGN``, ``step_width``), so it adds ``B[slot]·h``
+columns of both (E_n = n·S·R rounded up to ``TAIL_ALIGN``, ``tail_width``), so it adds ``B[slot]·h``
 to each token's row: the expand, with y written once, by cuBLAS, whose base GEMM this is too.
 
 What it costs: the GEMM's K grows by E_n / K, with the launch count and not the slots held (one
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import TAIL_ALIGN
+from . import tail_width
 from .launch import cdiv, next_pow2
 from .meta import LoRAMeta
 from .shrink import shrink_into
@@ -39,12 +39,6 @@ PACK_TOKENS = 16  # tokens per packing program
 PACK_COLUMNS = 256  # at most this many tail columns per packing program
 COPY_ROWS = 64  # B's rows per copying program
 COPY_RANK = 64  # at most this many of B's columns per copying program
-
-
-def step_width(slices: int, launch_count: int, rank: int) -> int:
-    """E_n: the tail columns a step of ``launch_count`` launched slots reads, a whole number of
-    ``TAIL_ALIGN`` (16-byte rows in 16-bit dtypes: cuBLAS's fast kernels want aligned K)."""
-    return cdiv(launch_count * slices * rank, TAIL_ALIGN) * TAIL_ALIGN
 
 
 @triton.jit
@@ -109,19 +103,19 @@ def pack_step(x_ext: torch.Tensor, k: int, tail: torch.Tensor, h: torch.Tensor, 
     its slot's launch place, zeros elsewhere) and the launched slots' B into ``tail`` (W_ext's
     columns k ..), in launch order: each slice's rows of each block, B's rows up to the last
     slice's end. The blocks' other rows are never written: the caller keeps them zero (``extend``
-    allocates zeros). Returns E_n (``step_width``), the columns the GEMM then reads."""
+    allocates zeros). Returns E_n (``tail_width`` of the launch count), the columns the GEMM then reads."""
     tokens = x_ext.shape[0]
     slices, rank = len(slice_starts) - 1, lora_b.shape[2]
-    width = step_width(slices, launch_count, rank)
+    width = tail_width(slices, max(0, launch_count), rank)
     if h.shape[1] < slices * rank or h.stride(-1) != 1 or x_ext.stride(-1) != 1 or tail.stride(-1) != 1:
         raise ValueError(f"h of {h.shape[1]} columns for {slices} x rank {rank}, or a last axis not contiguous")
     if width > min(x_ext.shape[1] - k, tail.shape[1]) or slice_starts[-1] > tail.shape[0]:
         raise ValueError(f"{launch_count} launched slots need {width} tail columns over {slice_starts[-1]} rows; "
                          f"the input has {x_ext.shape[1] - k}, the weight {tuple(tail.shape)}")
-    ends, _ = slice_ends(slice_starts, "extended")
     if launch_count > meta.active_slots.shape[0] or lora_b.shape[1] < slice_starts[-1]:
         raise ValueError(f"{launch_count} launched of {meta.active_slots.shape[0]} active ids, or B of "
                          f"{lora_b.shape[1]} rows for slices ending at {slice_starts[-1]}")
+    ends, _ = slice_ends(slice_starts, "extended")
     rank_block = min(COPY_RANK, next_pow2(rank))
     columns = min(PACK_COLUMNS, next_pow2(max(1, width)))
     packing = cdiv(tokens, PACK_TOKENS) * cdiv(width, columns)

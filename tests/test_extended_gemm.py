@@ -136,7 +136,7 @@ def test_pack_step_writes_hm_and_the_launched_slots_b_in_launch_order(widths, ra
             x_ext = torch.full((tokens, k + e), 7.0, dtype=dtype, device=DEVICE)
             tail = torch.full((starts[-1] + 3, e), 5.0, dtype=dtype, device=DEVICE)  # 3 rows past B's: a share's
             width = extended_gemm.pack_step(x_ext, k, tail, h, b, starts, buf.meta, launch)
-            assert width == extended_gemm.step_width(slices, launch, rank) and width % kernels.TAIL_ALIGN == 0
+            assert width == kernels.tail_width(slices, launch, rank) and width % kernels.TAIL_ALIGN == 0
             hm, want = packed_layout(h.cpu(), b.cpu(), starts, slots, active, launch, width)
             torch.testing.assert_close(x_ext[:, k:k + width].float().cpu(), hm.to(dtype).float())
             got = tail[:starts[-1], :width].float().cpu()
@@ -176,8 +176,8 @@ def test_pack_step_copies_only_b_rows_inside_the_slices():
 
 def test_tail_widths_round_up_to_whole_alignments():
     assert kernels.tail_width(3, 3, 1) == 16 and kernels.tail_width(3, 4, 16) == 192
-    assert extended_gemm.step_width(1, 1, 1) == 8 and extended_gemm.step_width(3, 2, 16) == 96
-    assert extended_gemm.step_width(2, 0, 8) == 0
+    assert kernels.tail_width(1, 1, 1) == 8 and kernels.tail_width(3, 2, 16) == 96
+    assert kernels.tail_width(2, 0, 8) == 0
 
 
 def test_extended_of_finds_only_an_extended_input():
