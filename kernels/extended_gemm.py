@@ -150,12 +150,16 @@ def extended_of(x: torch.Tensor, width: int) -> torch.Tensor | None:
 
 
 def extended_linear(x_ext, k, weight_ext, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale,
-                    scratch, pdl=None) -> torch.Tensor:
+                    scratch, pdl=None, shrunk=False) -> torch.Tensor:
     """``x·Wᵀ + bias`` plus the LoRA of the first ``launch_count`` active slots, as a new [T, N]:
-    the shrink of x (x_ext's first K columns) into scratch (float32, zero on entry), then
-    ``pack_step`` (hm into x_ext's tail, the launched slots' B into weight_ext's), then
-    ``F.linear`` over the first K + E_n columns of both (strided views: no copies)."""
+    the shrink of x (x_ext's first K columns) into scratch (float32, zero on entry; ``shrunk``:
+    scratch holds h already, from the op that produced x, ``prompt_shrink``), then ``pack_step``
+    (hm into x_ext's tail, the launched slots' B into weight_ext's), then ``F.linear`` over the
+    first K + E_n columns of both (strided views: no copies)."""
     slices, rank = len(slice_starts) - 1, lora_b.shape[2]
-    h = shrink_into(x_ext[:, :k], lora_a, meta, launch_count, scale, slices, rank, scratch, pdl)
+    if shrunk:
+        h = scratch[:x_ext.shape[0], :slices * rank]
+    else:
+        h = shrink_into(x_ext[:, :k], lora_a, meta, launch_count, scale, slices, rank, scratch, pdl)
     width = pack_step(x_ext, k, weight_ext[:, k:], h, lora_b, slice_starts, meta, launch_count)
     return F.linear(x_ext[:, :k + width], weight_ext[:, :k + width], bias)

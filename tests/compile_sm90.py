@@ -22,7 +22,7 @@ import torch
 import triton
 from lorabench.kernels import (base_ops, expand, expert_call, extended_gemm, fused_lora, gemm_configs, gemm_lora, launch, moe_align, moe_gemm,
                                moe_gemm_lora,
-                               moe_lora, moe_lora_per_entry, producer_shrink, shrink,
+                               moe_lora, moe_lora_per_entry, producer_shrink, prompt_shrink, shrink,
                                triton_lora, varlen_attention)
 
 from lorabench.runtime.lora_meta import MetaBuffer
@@ -126,7 +126,8 @@ def record_launches():
                          (moe_lora_per_entry, "_per_entry_kernel"), (moe_lora, "_sorted_shrink_kernel"),
                          (moe_lora, "_sorted_expand_kernel"), (moe_gemm_lora, "_expert_gemm_lora_kernel"),
                          (gemm_lora, "_gemm_lora_kernel"), (extended_gemm, "_pack_step_kernel"),
-                         (producer_shrink, "_producer_shrink_kernel"), (varlen_attention, "_varlen_attention_kernel")]:
+                         (producer_shrink, "_producer_shrink_kernel"), (prompt_shrink, "_silu_mul_shrink_kernel"),
+                         (varlen_attention, "_varlen_attention_kernel")]:
         kernel = getattr(module, name)
         recs[name] = Recorder(kernel.fn if isinstance(kernel, Recorder) else kernel)
         setattr(module, name, recs[name])
@@ -168,6 +169,14 @@ def launch_everything(dtype, tokens):
     base_ops.silu_mul(torch.empty(tokens, 2 * inter, dtype=dtype), out=torch.empty(tokens, inter + 64, dtype=dtype)[:, :inter])
     extended_gemm.pack_step(wide, hidden, torch.empty(6144, 192, dtype=dtype), torch.empty(tokens, 48, dtype=torch.float32),
                             torch.empty(4, 6144, 16, dtype=dtype), (0, 4096, 5120, 6144), meta, loras)
+    if tokens > 64:  # down's prompt-size shrink in SiLU·mul, into an extended input; K split, and not; +unpadded
+        for m in (meta, meta._replace(slot_rank=torch.empty(loras, dtype=torch.int32))):
+            for parts in (1, 4):
+                prompt_shrink.silu_mul_shrink(torch.empty(tokens, 2 * inter, dtype=dtype),
+                                              torch.empty(loras, rank, inter, dtype=dtype),
+                                              torch.empty(tokens, rank, dtype=torch.float32), m, loras, 1.0, rank,
+                                              out=torch.empty(tokens, inter + 64, dtype=dtype)[:, :inter],
+                                              config=prompt_shrink.PromptShrinkConfig(parts=parts))
     # a mixed step's attention: rotary and cache writes at each token's row, then the varlen kernel
     # (Llama-3.1-8B's 32 heads over 8 KV heads, and llama-2-7b's 32 over 32)
     rows = torch.empty(tokens, dtype=torch.int64)

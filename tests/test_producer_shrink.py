@@ -118,7 +118,8 @@ def test_a_model_whose_norms_shrink_matches_its_reference(monkeypatch):
     calls = []
     for name in ("add_rmsnorm_shrink", "silu_mul_shrink"):
         real = getattr(producer_shrink, name)
-        monkeypatch.setattr(model_mod, name, lambda *a, real=real, **k: calls.append(real.__name__) or real(*a, **k))
+        monkeypatch.setattr(model_mod.producer_shrink, name,
+                            lambda *a, real=real, **k: calls.append(real.__name__) or real(*a, **k))
     ids, pos = torch.arange(len(SLOTS), device=DEVICE), torch.full((len(SLOTS),), 7, device=DEVICE)
     outs = {}
     for name in ("reference", "gemm"):

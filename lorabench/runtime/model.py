@@ -24,9 +24,8 @@ from lorabench.config.models import (
     lora_shares,
     moe_layer,
 )
-from lorabench.kernels import MAX_SLICES, extended_gemm, extends, producer_shrink, tail_width
+from lorabench.kernels import MAX_SLICES, extended_gemm, extends, producer_shrink, prompt_shrink, tail_width
 from lorabench.kernels.base_ops import add_rmsnorm, qk_rmsnorm, qk_rmsnorm_full, rope_and_cache, rotate, silu_mul
-from lorabench.kernels.producer_shrink import add_rmsnorm_shrink, silu_mul_shrink
 from lorabench.kernels.meta import LoRAMeta
 from lorabench.kernels.varlen_attention import varlen_attention
 from lorabench.runtime.mixed_attention import MixedLayout, attend, blocks_of, check_layout, index_of
@@ -104,10 +103,15 @@ class LoRALinear(nn.Module):
                     self.lora_a.data[slot, s * rows + min(r, rows):(s + 1) * rows] = 0
                 self.lora_b.data[slot, :, r:] = 0
 
-    def shrinks_in_producer(self, lora: LoRAStep | None, tokens: int) -> bool:
-        """Whether the op producing this linear's input also computes its shrink (``gemm`` at decode sizes)."""
-        return (lora is not None and lora.launch_count > 0 and getattr(lora.backend, "SHRINK_IN_PRODUCER", False)
-                and tokens <= min(producer_shrink.MAX_TOKENS, lora.backend.GEMM_MAX_TOKENS))
+    def shrinks_in_producer(self, lora: LoRAStep | None, tokens: int, prompt: bool = False) -> bool:
+        """Whether the op producing this linear's input also computes its shrink (``gemm``): at decode
+        sizes (``producer_shrink``); at prompt sizes where the producer has a kernel for them
+        (``prompt``: SiLU·mul's, ``prompt_shrink``), the linear runs as the extended GEMM and its A fits."""
+        if lora is None or lora.launch_count <= 0 or not getattr(lora.backend, "SHRINK_IN_PRODUCER", False):
+            return False
+        if tokens <= min(producer_shrink.MAX_TOKENS, lora.backend.GEMM_MAX_TOKENS):
+            return True
+        return prompt and self.takes_extended(lora, tokens) and self.lora_a.shape[1] <= prompt_shrink.MAX_ROWS
 
     def shrink_args(self, lora: LoRAStep, scratch: torch.Tensor) -> tuple:
         """What ``producer_shrink`` takes after its input: A, h (zero), the batch, the launch count, scale, rank."""
@@ -117,13 +121,13 @@ class LoRALinear(nn.Module):
         """``shrunk``: scratch holds h already (``shrinks_in_producer``)."""
         linear_apply = getattr(lora.backend, "linear_apply", None) if lora is not None else None
         if linear_apply is not None and x.shape[0] > lora.backend.GEMM_MAX_TOKENS:
-            if shrunk:  # the pair would shrink again into an h that holds the producer's
-                raise ValueError(f"{x.shape[0]} tokens: above GEMM_MAX_TOKENS the producer must not shrink")
             x_ext = extended_gemm.extended_of(x, self.weight_ext.shape[1]) if self.takes_extended(lora, x.shape[0]) else None
             if x_ext is not None:  # prefill sizes, x written into an extended input: one cuBLAS GEMM holds the expand
                 return extended_gemm.extended_linear(x_ext, self.weight.shape[1], self.weight_ext, self.bias, self.lora_a,
                                                      self.lora_b, self.slice_starts, lora.meta, lora.launch_count,
-                                                     lora.scale, scratch)
+                                                     lora.scale, scratch, shrunk=shrunk)
+            if shrunk:  # the pair would shrink again into an h that holds the producer's
+                raise ValueError(f"{x.shape[0]} tokens: the producer shrank for a linear that does not run extended")
             linear_apply = None  # prefill sizes otherwise: cuBLAS and the backend's lora_apply
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
@@ -203,8 +207,12 @@ class Block(nn.Module):
             h, x = add_rmsnorm(x, attn_out, self.mlp_norm, self.cfg.norm_eps, fused, pdl)
             return x, self.moe(h, lora, scratch, *moe_state, fused, pdl)
         gate_up, x = self._norm_then(self.gate_up, x, attn_out, self.mlp_norm, lora, scratch[2], fused, pdl)
-        if fused and self.down.shrinks_in_producer(lora, x.shape[0]):
-            act = silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
+        if fused and self.down.shrinks_in_producer(lora, x.shape[0], prompt=True):
+            if x.shape[0] <= producer_shrink.MAX_TOKENS:
+                act = producer_shrink.silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
+            else:
+                act = prompt_shrink.silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]),
+                                                    out=self.down.input_view(lora, x.shape[0]))
             return x, self.down(act, lora, scratch[3], shrunk=True)
         act = silu_mul(gate_up, fused, pdl, out=self.down.input_view(lora, x.shape[0]))
         return x, self.down(act, lora, scratch[3])
@@ -233,7 +241,8 @@ class Block(nn.Module):
         if fused and linear.shrinks_in_producer(lora, x.shape[0]):
             slices = len(linear.slice_starts) - 1
             a, h, meta, launch, scale, rank = linear.shrink_args(lora, scratch)
-            normed, x = add_rmsnorm_shrink(x, delta, norm, self.cfg.norm_eps, a, h, meta, launch, scale, rank, slices, pdl)
+            normed, x = producer_shrink.add_rmsnorm_shrink(x, delta, norm, self.cfg.norm_eps, a, h, meta, launch, scale,
+                                                           rank, slices, pdl)
             return linear(normed, lora, scratch, shrunk=True), x
         normed, x = add_rmsnorm(x, delta, norm, self.cfg.norm_eps, fused, pdl, out=linear.input_view(lora, x.shape[0]))
         return linear(normed, lora, scratch), x
