@@ -6,16 +6,17 @@ layer).
 prompt step has thousands of tokens: here a program owns a tile of ``block_t`` consecutive tokens
 (a prompt's tokens share a slot) and one of ``parts`` parts of K, walked in ``chunk``-wide steps.
 Each step computes act's chunk as ``silu_mul`` does, stores it, and adds ``tl.dot(act chunk, A[slot]
-chunkᵀ)`` for each launch place present in the tile (rows of other places masked to zero: a tile of
-one prompt makes one dot). A is read once per tile and part, from L2. With more than one part the
+chunkᵀ)`` for each launch place from the tile's lowest to its highest (rows of other places masked
+to zero): a tile of one prompt makes one dot, a tile of decode tokens from many slots up to the
+launch count. A is read once per tile and part, from L2. With more than one part the
 programs add into h with fp32 atomics (h zero on entry, as the step's scratch is); the parts fill
 the GPU at shorter steps. act is rounded to the model's dtype before the dot, as the separate
 shrink reads it.
 
 The norms keep the separate shrink: a norm needs its rows' sum of squares before it writes, so a
 fused norm's program must own whole rows, and with 16-token tiles over 4096 features it measured
-slower than the norm and the separate shrink together (BENCHMARKS.md, "The shrink in the producers
-at prompt sizes"). Used by the ``gemm`` backend for down where it runs as the extended GEMM.
+slower than the norm and the separate shrink together (BENCHMARKS.md, "Down's shrink inside
+SiLU·mul at prompt sizes"). Used by the ``gemm`` backend for down where it runs as the extended GEMM.
 """
 
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ from .launch import cdiv, dot_width, next_pow2, upcast
 from .meta import LoRAMeta
 from .tiles import launch_positions, own_rank
 
-MAX_ROWS = 128  # A's rows (slices · rank) up to which SiLU·mul takes the shrink: h's tile stays in registers
+# A's rows up to which SiLU·mul takes the shrink (rank 32; above, the separate shrink): at 64 rows, even in
+# 128-wide chunks, the kernel spills registers on sm_90 (tests/compile_sm90.py)
+MAX_ROWS = 32
 PROGRAMS = 528  # about 4 resident programs per SM of a 132-SM H100: one wave
 
 
@@ -45,7 +48,8 @@ class PromptShrinkConfig:
 
 def default_config(tokens: int, k: int) -> PromptShrinkConfig:
     """16-token tiles, 256-wide chunks, and as many parts as keep the grid within one wave of
-    ``PROGRAMS`` (at most one per 1024 features): a second, partial wave measured up to 1.8x slower."""
+    ``PROGRAMS``, at most one per 1024 features. Measured at rank 16 on an H100: at 2048 tokens 4
+    parts took 18.8 µs over SiLU·mul alone, 5 (a second, partial wave) 33.4 (BENCHMARKS.md)."""
     return PromptShrinkConfig(16, 256, max(1, min(PROGRAMS // cdiv(tokens, 16), k // 1024)))
 
 

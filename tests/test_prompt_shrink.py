@@ -24,7 +24,7 @@ def prompts(lengths, slots) -> list[int]:
 
 BATCHES = {
     "one prompt": prompts([40], [2]),
-    "prompts": prompts([13, 20, 5, 9], [0, -1, 2, 1]),  # tiles holding two or three places, and base tokens
+    "prompts": prompts([13, 20, 5, 9], [0, -1, 2, 1]),  # tiles holding two or three slots, and base tokens
     "shuffled": random.Random(3).sample(prompts([12, 10, 9, 8], [0, 1, 2, -1]), 39),
 }
 
@@ -36,23 +36,32 @@ def served(meta, launch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("inter,parts", [(256, 1), (1100, 1), (1100, 3)])  # K split over 3 programs a tile
-def test_silu_mul_shrink_is_silu_mul_then_the_shrink(dtype, batch, inter, parts):
+@pytest.mark.parametrize("launch", [0, 2])
+def test_silu_mul_shrink_is_silu_mul_then_the_shrink(dtype, batch, inter, parts, launch):
     slots = BATCHES[batch]
     g = torch.Generator().manual_seed(inter)
     gu = torch.randn(len(slots), 2 * inter, generator=g).to(DEVICE, dtype)
     a = (torch.randn(3, 16, inter, generator=g) / inter**0.5).to(DEVICE, dtype)
     meta = meta_of(slots, 3)
-    h = torch.zeros(len(slots), 16, dtype=torch.float32, device=DEVICE)
-    out = prompt_shrink.silu_mul_shrink(gu, a, h, meta, 2, 0.5, 16, config=PromptShrinkConfig(16, 128, parts))
+    h = torch.zeros(len(slots), 20, dtype=torch.float32, device=DEVICE)  # wider, as the model's scratch
+    wide = torch.zeros(len(slots), inter + 24, dtype=dtype, device=DEVICE)  # the extended GEMM's input
+    out = prompt_shrink.silu_mul_shrink(gu, a, h, meta, launch, 0.5, 16, out=wide[:, :inter],
+                                        config=PromptShrinkConfig(16, 128, parts))
     ref = silu_mul(gu, fused=False)
-    assert rel(out, ref) < TOL[dtype]
-    assert rel(h, shrink_ref(ref, a, slots, served(meta, 2), 1, 16, 0.5)) < TOL[dtype] * 3
+    assert out.data_ptr() == wide.data_ptr() and rel(out, ref) < TOL[dtype]
+    assert wide[:, inter:].abs().sum() == 0 and h[:, 16:].abs().sum() == 0
+    want = shrink_ref(ref, a, slots, served(meta, launch), 1, 16, 0.5)
+    if launch == 0:  # nothing served: h untouched
+        assert h.abs().sum() == 0
+    else:
+        assert want.abs().sum() > 0 and rel(h[:, :16], want) < TOL[dtype] * 3
+        assert all(h[t].abs().sum() == 0 for t, slot in enumerate(slots) if slot not in served(meta, launch))
 
 
 def test_unpadded_never_reads_as_padding():
     """With each slot's own rank the rows of A past it (rounded up to 16) are never read: NaN there changes nothing."""
     slots = BATCHES["prompts"]
-    inter, rank, own = 256, 64, (8, 64, 20)
+    inter, rank, own = 256, 32, (8, 32, 20)
     g = torch.Generator().manual_seed(4)
     gu = torch.randn(len(slots), 2 * inter, generator=g).to(DEVICE)
     a = torch.randn(3, rank, inter, generator=g).to(DEVICE) / inter**0.5
@@ -86,9 +95,10 @@ def test_refuses_what_it_cannot_hold():
     slots = BATCHES["one prompt"]
     meta = meta_of(slots, 3)
     gu = torch.randn(len(slots), 128, device=DEVICE)
-    with pytest.raises(ValueError, match="at most"):  # 144 rows of A: past MAX_ROWS
-        prompt_shrink.silu_mul_shrink(gu, torch.randn(3, 144, 64, device=DEVICE),
-                                      torch.zeros(len(slots), 144, device=DEVICE), meta, 1, 0.5, 144)
+    rows = prompt_shrink.MAX_ROWS + 16
+    with pytest.raises(ValueError, match="at most"):
+        prompt_shrink.silu_mul_shrink(gu, torch.randn(3, rows, 64, device=DEVICE),
+                                      torch.zeros(len(slots), rows, device=DEVICE), meta, 1, 0.5, rows)
     with pytest.raises(ValueError, match="smaller"):
         prompt_shrink.silu_mul_shrink(gu, torch.randn(3, 16, 64, device=DEVICE),
                                       torch.zeros(len(slots) - 1, 16, device=DEVICE), meta, 1, 0.5, 16)
@@ -96,14 +106,16 @@ def test_refuses_what_it_cannot_hold():
 
 def test_a_prompt_step_shrinks_down_in_silu_mul(monkeypatch):
     """A gemm step above decode sizes on extended weights: SiLU·mul computes down's shrink (once a
-    layer), and the logits match the reference backend's on prompts mixing adapters and the base model."""
+    layer, its K in 2 parts that add into h: the step zeroes its scratch itself), and the logits
+    match the reference backend's on prompts mixing adapters and the base model, step after step."""
     import lorabench.runtime.model as model_mod
     from lorabench.config.models import ModelConfig
     from lorabench.kernels import get_backend
     from lorabench.runtime.model import LlamaLoRA, LoRAStep
 
     tokens = 80
-    cfg = ModelConfig("m", 2, 256, 4, 2, 384, 96)
+    cfg = ModelConfig("m", 2, 256, 4, 2, 2048, 96)
+    assert prompt_shrink.default_config(tokens, cfg.intermediate).parts == 2
     model = LlamaLoRA(cfg, max_loras=3, rank=16, max_tokens=tokens, context_len=tokens + 8, dtype=torch.float32,
                       device=DEVICE, extended=True)
     model.fused = True
@@ -112,11 +124,10 @@ def test_a_prompt_step_shrinks_down_in_silu_mul(monkeypatch):
     monkeypatch.setattr(model_mod.prompt_shrink, "silu_mul_shrink", lambda *a, **k: calls.append(1) or real(*a, **k))
     meta = meta_of(prompts([30, 20, 20, 10], [1, -1, 2, 0]), 3)
     ids, pos = torch.arange(tokens, device=DEVICE) % 96, torch.arange(tokens, device=DEVICE)
-    outs = {}
-    for name in ("reference", "gemm"):
-        model.scratch.zero_()
-        outs[name] = model(ids, pos, LoRAStep(get_backend(name), meta, 3, 0.5)).float()
-    assert len(calls) == cfg.layers
-    assert (outs["reference"] - model(ids, pos, None).float()).abs().max() > 1e-3  # LoRA changed the logits
+    want = model(ids, pos, LoRAStep(get_backend("reference"), meta, 3, 0.5)).float()
+    assert (want - model(ids, pos, None).float()).abs().max() > 1e-3  # LoRA changed the logits
     tol = 1e-2 if DEVICE == "cuda" else 1e-3
-    assert torch.allclose(outs["gemm"], outs["reference"], rtol=tol, atol=tol)
+    for _ in range(2):  # a second step on the scratch the first left
+        got = model(ids, pos, LoRAStep(get_backend("gemm"), meta, 3, 0.5)).float()
+        assert torch.allclose(got, want, rtol=tol, atol=tol)
+    assert len(calls) == 2 * cfg.layers

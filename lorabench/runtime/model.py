@@ -208,11 +208,11 @@ class Block(nn.Module):
             return x, self.moe(h, lora, scratch, *moe_state, fused, pdl)
         gate_up, x = self._norm_then(self.gate_up, x, attn_out, self.mlp_norm, lora, scratch[2], fused, pdl)
         if fused and self.down.shrinks_in_producer(lora, x.shape[0], prompt=True):
-            if x.shape[0] <= producer_shrink.MAX_TOKENS:
-                act = producer_shrink.silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
-            else:
+            if self.down.takes_extended(lora, x.shape[0]):  # prompt sizes: into down's extended input
                 act = prompt_shrink.silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]),
                                                     out=self.down.input_view(lora, x.shape[0]))
+            else:
+                act = producer_shrink.silu_mul_shrink(gate_up, *self.down.shrink_args(lora, scratch[3]), pdl)
             return x, self.down(act, lora, scratch[3], shrunk=True)
         act = silu_mul(gate_up, fused, pdl, out=self.down.input_view(lora, x.shape[0]))
         return x, self.down(act, lora, scratch[3])
