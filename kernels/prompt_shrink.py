@@ -96,7 +96,7 @@ def _silu_mul_shrink_kernel(
         u = tl.load(gu_ptr + rows[:, None] * (2 * K) + K + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * stride_out + offs_k[None, :], act, mask=m)
-        for j in range(first, last + 1):  # the launch places present in the tile (usually one)
+        for j in range(first, last + 1):  # the tile's lowest launch place to its highest (a prompt's tile: one)
             slot = tl.load(active_ptr + j)
             n_mask = offs_n < N
             if RANKED:

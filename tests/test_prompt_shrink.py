@@ -29,10 +29,6 @@ BATCHES = {
 }
 
 
-def served(meta, launch):
-    return launched_slots(meta, launch) if launch else set()
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("inter,parts", [(256, 1), (1100, 1), (1100, 3)])  # K split over 3 programs a tile
@@ -50,12 +46,12 @@ def test_silu_mul_shrink_is_silu_mul_then_the_shrink(dtype, batch, inter, parts,
     ref = silu_mul(gu, fused=False)
     assert out.data_ptr() == wide.data_ptr() and rel(out, ref) < TOL[dtype]
     assert wide[:, inter:].abs().sum() == 0 and h[:, 16:].abs().sum() == 0
-    want = shrink_ref(ref, a, slots, served(meta, launch), 1, 16, 0.5)
+    want = shrink_ref(ref, a, slots, launched_slots(meta, launch), 1, 16, 0.5)
     if launch == 0:  # nothing served: h untouched
         assert h.abs().sum() == 0
     else:
         assert want.abs().sum() > 0 and rel(h[:, :16], want) < TOL[dtype] * 3
-        assert all(h[t].abs().sum() == 0 for t, slot in enumerate(slots) if slot not in served(meta, launch))
+        assert all(h[t].abs().sum() == 0 for t, slot in enumerate(slots) if slot not in launched_slots(meta, launch))
 
 
 def test_unpadded_never_reads_as_padding():
