@@ -8,7 +8,8 @@ its read-modify-write of y (y is written once, rounded once), at the price of ru
 GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
 measures both side by side). Above ``GEMM_MAX_TOKENS`` (prefill sizes, where it does not) the model
 runs cuBLAS with the expand inside its K (``extended_gemm``: ``EXTENDS_K``) where a linear's tail
-fits, else cuBLAS and this backend's ``lora_apply``, which is then the shrink + expand pair.
+fits, else cuBLAS and this backend's ``lora_apply``, which is then the shrink + expand pair; so
+does a decode-sized step over more than ``EPILOGUE_MAX_LAUNCH`` launched slots (``runs_gemm``).
 
 A program owns one output tile ``y[BLOCK_M rows, BLOCK_N columns]``. It adds the LoRA of every
 launched slot and slice at once, as one dot over a slot-rank axis (column ``j`` is rank ``j % R`` of
@@ -76,6 +77,12 @@ PDL_MAX_TOKENS = 32
 # At decode sizes the model fuses the shrink into the op that produces the linear's input (the
 # norms, SiLU·mul: ``producer_shrink``) and calls ``linear_apply(..., shrunk=True)``.
 SHRINK_IN_PRODUCER = True
+# Up to this many launched slots a decode-sized step runs the backend's own GEMM; more take cuBLAS and
+# the pair, as ``triton`` runs them: the epilogue walks every launched slot's rank columns, and over
+# 8 and 32 launched slots at 32 tokens (llama-2-7b, rank 16, H100) its steps' LoRA cost +1.50 and
+# +3.75 ms against the pair's +0.99 and +1.84 (each linear alone 1.7-2.3x the pair's); over 4 the
+# two were within 0.2 ms of each other on two cards, over one the epilogue cost half the pair.
+EPILOGUE_MAX_LAUNCH = 4
 
 
 @triton.jit
@@ -270,16 +277,23 @@ def _launch(y, x, weight, bias, h, lora_b, slice_starts, meta, launch_count, con
         return
 
 
-def pdl_at(tokens: int) -> bool:
-    """Whether a step of ``tokens`` PDL-launches the backend's kernels and the base ops around
-    them: not from ``PDL_MAX_TOKENS`` to ``GEMM_MAX_TOKENS``; above, where the pair runs, as
-    ``triton``'s do."""
-    return tokens < PDL_MAX_TOKENS or tokens > GEMM_MAX_TOKENS
+def runs_gemm(tokens: int, launch_count: int) -> bool:
+    """Whether a step of ``tokens`` that launches ``launch_count`` slots runs the backend's own GEMM
+    (the expand in its epilogue): at decode sizes (up to ``GEMM_MAX_TOKENS``) over at most
+    ``EPILOGUE_MAX_LAUNCH`` slots. Otherwise cuBLAS runs the base GEMM, with the expand inside its K
+    (``extended_gemm``, prefill sizes) or followed by the pair (``lora_apply``)."""
+    return tokens <= GEMM_MAX_TOKENS and launch_count <= EPILOGUE_MAX_LAUNCH
 
 
-def uses_pdl(x: torch.Tensor) -> bool:
+def pdl_at(tokens: int, launch_count: int) -> bool:
+    """Whether a step PDL-launches the backend's kernels and the base ops around them: not where
+    its own GEMM runs from ``PDL_MAX_TOKENS`` tokens on; where the pair runs, as ``triton``'s do."""
+    return tokens < PDL_MAX_TOKENS or not runs_gemm(tokens, launch_count)
+
+
+def uses_pdl(x: torch.Tensor, launch_count: int) -> bool:
     """Whether the backend's own kernels (the shrink and the GEMM) PDL-launch for x's tokens."""
-    return pdl_enabled(x.device) and pdl_at(x.shape[0])
+    return pdl_enabled(x.device) and pdl_at(x.shape[0], launch_count)
 
 
 def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,
@@ -291,7 +305,7 @@ def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, 
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     h = None
-    pdl = uses_pdl(x)
+    pdl = uses_pdl(x, launch_count)
     if launch_count > 0 and shrunk:
         h = scratch[:x.shape[0], :(len(slice_starts) - 1) * lora_b.shape[2]]
     elif launch_count > 0:
@@ -310,14 +324,14 @@ def base_linear(x, weight, bias=None, config=None):
 
 def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None):
     """y += LoRA in place (the backend interface for a y that exists already): the shrink, then the
-    kernel's epilogue alone over y (no base GEMM); above ``GEMM_MAX_TOKENS``, the pair's. The model
-    calls ``linear_apply`` up to ``GEMM_MAX_TOKENS`` tokens and this above."""
+    kernel's epilogue alone over y (no base GEMM); where the backend does not run its own GEMM
+    (``runs_gemm``), the pair's. The model calls ``linear_apply`` where it does and this elsewhere."""
     if launch_count <= 0:
         return
-    if x.shape[0] > GEMM_MAX_TOKENS:
+    if not runs_gemm(x.shape[0], launch_count):
         triton_lora.lora_apply(y, x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
         return
-    pdl = uses_pdl(x)
+    pdl = uses_pdl(x, launch_count)
     h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch, pdl)
     _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None, pdl)
 

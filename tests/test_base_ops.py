@@ -87,13 +87,16 @@ def test_model_pdl_launches_base_ops_only_after_lorabench_kernels(monkeypatch, b
 def test_the_gemm_backend_launches_without_pdl_from_32_tokens(monkeypatch):
     """``gemm_lora.PDL_MAX_TOKENS``: below it the gemm backend's shrink and GEMM and the base ops
     around them PDL-launch (where the GPU allows), from it up to ``GEMM_MAX_TOKENS`` none of them
-    do, above (the pair's sizes) the base ops do again; other backends keep PDL at any size."""
+    do, above (the pair's sizes) the base ops do again, and so they do over more launched slots
+    than ``EPILOGUE_MAX_LAUNCH`` (the pair's too); other backends keep PDL at any size."""
     from lorabench.kernels import get_backend, gemm_lora
     from lorabench.runtime.model import LlamaLoRA, LoRAStep
 
     monkeypatch.setattr(gemm_lora, "pdl_enabled", lambda device: True)
     below, at = torch.zeros(gemm_lora.PDL_MAX_TOKENS - 1, 8), torch.zeros(gemm_lora.PDL_MAX_TOKENS, 8)
-    assert gemm_lora.uses_pdl(below) and not gemm_lora.uses_pdl(at)
+    assert gemm_lora.uses_pdl(below, 1) and not gemm_lora.uses_pdl(at, 1)
+    many = LoRAStep(get_backend("gemm"), None, gemm_lora.EPILOGUE_MAX_LAUNCH + 1, 0.5)
+    assert LlamaLoRA._pdl(many, gemm_lora.PDL_MAX_TOKENS) and gemm_lora.uses_pdl(at, many.launch_count)
     gemm = LoRAStep(get_backend("gemm"), None, 1, 0.5)
     assert LlamaLoRA._pdl(gemm, gemm_lora.PDL_MAX_TOKENS - 1) and not LlamaLoRA._pdl(gemm, gemm_lora.PDL_MAX_TOKENS)
     assert not LlamaLoRA._pdl(gemm, gemm_lora.GEMM_MAX_TOKENS) and LlamaLoRA._pdl(gemm, gemm_lora.GEMM_MAX_TOKENS + 1)

@@ -258,11 +258,17 @@ def test_unpadded_epilogue_never_reads_bs_padding(epilogue):
     close(y, ref, torch.float32)
 
 
-@pytest.mark.parametrize("tokens, in_gemm", [(gemm_lora.GEMM_MAX_TOKENS, True), (gemm_lora.GEMM_MAX_TOKENS + 1, False)])
-def test_the_model_takes_lora_in_the_gemm_at_decode_sizes_and_the_pair_above(monkeypatch, tokens, in_gemm):
-    """``GEMM_MAX_TOKENS``: up to it a gemm-backend linear is one ``linear_apply``; above it (prefill
-    sizes, where its GEMM is slower than cuBLAS) cuBLAS and the shrink + expand pair, whose result
-    is the triton backend's to the bit."""
+@pytest.mark.parametrize("tokens, launch, in_gemm", [
+    (gemm_lora.GEMM_MAX_TOKENS, gemm_lora.EPILOGUE_MAX_LAUNCH, True),
+    (gemm_lora.GEMM_MAX_TOKENS + 1, 2, False),
+    (3, gemm_lora.EPILOGUE_MAX_LAUNCH + 1, False),
+])
+def test_the_model_takes_lora_in_the_gemm_at_decode_sizes_over_few_slots_else_the_pair(monkeypatch, tokens, launch,
+                                                                                        in_gemm):
+    """``runs_gemm``: up to ``GEMM_MAX_TOKENS`` and ``EPILOGUE_MAX_LAUNCH`` launched slots a
+    gemm-backend linear is one ``linear_apply``; above either (prefill sizes, where its GEMM is
+    slower than cuBLAS; many slots, where its epilogue's walk is slower than the pair) cuBLAS and
+    the shrink + expand pair, whose result is the triton backend's to the bit."""
     from lorabench.kernels import get_backend, triton_lora
     from lorabench.runtime.model import LoRALinear, LoRAStep
 
@@ -271,14 +277,17 @@ def test_the_model_takes_lora_in_the_gemm_at_decode_sizes_and_the_pair_above(mon
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    linear = LoRALinear(32, (24, 8), 2, 8, torch.float16, DEVICE, gen)
-    buf = MetaBuffer(tokens, 2, DEVICE)
-    buf.load(buf.pack([i % 3 - 1 for i in range(tokens)])[0])
+    slots = gemm_lora.EPILOGUE_MAX_LAUNCH + 1
+    linear = LoRALinear(32, (24, 8), slots, 8, torch.float16, DEVICE, gen)
+    buf = MetaBuffer(tokens, slots, DEVICE)
+    buf.load(buf.pack([i % (launch + 1) - 1 for i in range(tokens)])[0])  # base tokens and every launched slot
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
     outs = {}
     for backend in ("gemm", "triton"):
         scratch = torch.zeros(tokens, 2 * 8, dtype=torch.float32, device=DEVICE)
-        outs[backend] = linear(x, LoRAStep(get_backend(backend), buf.meta, 2, 0.5), scratch)
+        outs[backend] = linear(x, LoRAStep(get_backend(backend), buf.meta, launch, 0.5), scratch)
     assert calls[0] == ("linear_apply" if in_gemm else "lora_apply")
-    if not in_gemm:
+    if in_gemm:
+        close(outs["gemm"], outs["triton"].float(), torch.float16)
+    else:
         assert torch.equal(outs["gemm"], outs["triton"])

@@ -105,11 +105,11 @@ class LoRALinear(nn.Module):
 
     def shrinks_in_producer(self, lora: LoRAStep | None, tokens: int, prompt: bool = False) -> bool:
         """Whether the op producing this linear's input also computes its shrink (``gemm``): at decode
-        sizes (``producer_shrink``); at prompt sizes where the producer has a kernel for them
+        sizes where the backend runs its own GEMM (``producer_shrink``, ``runs_gemm``); at prompt sizes where the producer has a kernel for them
         (``prompt``: SiLU·mul's, ``prompt_shrink``), the linear runs as the extended GEMM and its A fits."""
         if lora is None or lora.launch_count <= 0 or not getattr(lora.backend, "SHRINK_IN_PRODUCER", False):
             return False
-        if tokens <= min(producer_shrink.MAX_TOKENS, lora.backend.GEMM_MAX_TOKENS):
+        if tokens <= producer_shrink.MAX_TOKENS and lora.backend.runs_gemm(tokens, lora.launch_count):
             return True
         return prompt and self.takes_extended(lora, tokens) and self.lora_a.shape[1] <= prompt_shrink.MAX_ROWS
 
@@ -120,7 +120,7 @@ class LoRALinear(nn.Module):
     def forward(self, x, lora: LoRAStep | None, scratch: torch.Tensor, shrunk: bool = False):
         """``shrunk``: scratch holds h already (``shrinks_in_producer``)."""
         linear_apply = getattr(lora.backend, "linear_apply", None) if lora is not None else None
-        if linear_apply is not None and x.shape[0] > lora.backend.GEMM_MAX_TOKENS:
+        if linear_apply is not None and not lora.backend.runs_gemm(x.shape[0], lora.launch_count):
             x_ext = extended_gemm.extended_of(x, self.weight_ext.shape[1]) if self.takes_extended(lora, x.shape[0]) else None
             if x_ext is not None:  # prefill sizes, x written into an extended input: one cuBLAS GEMM holds the expand
                 return extended_gemm.extended_linear(x_ext, self.weight.shape[1], self.weight_ext, self.bias, self.lora_a,
@@ -128,7 +128,7 @@ class LoRALinear(nn.Module):
                                                      lora.scale, scratch, shrunk=shrunk)
             if shrunk:  # the pair would shrink again into an h that holds the producer's
                 raise ValueError(f"{x.shape[0]} tokens: the producer shrank for a linear that does not run extended")
-            linear_apply = None  # prefill sizes otherwise: cuBLAS and the backend's lora_apply
+            linear_apply = None  # otherwise cuBLAS and the backend's lora_apply (the pair)
         if linear_apply is not None:  # the backend runs the base GEMM too, its LoRA inside (``gemm``)
             return linear_apply(x, self.weight, self.bias, self.lora_a, self.lora_b, self.slice_starts, lora.meta,
                                 lora.launch_count, lora.scale, scratch, shrunk=shrunk)
@@ -370,7 +370,7 @@ class LlamaLoRA(nn.Module):
         if lora is None or not getattr(lora.backend, "LETS_CONSUMER_LAUNCH", False):
             return False
         pdl_at = getattr(lora.backend, "pdl_at", None)
-        return pdl_at is None or pdl_at(tokens)
+        return pdl_at is None or pdl_at(tokens, lora.launch_count)
 
     def lora_bytes_per_slot(self) -> int:
         """One adapter's A and B over every LoRA linear and, in MoE layers, every expert."""
