@@ -291,9 +291,11 @@ def pdl_at(tokens: int, launch_count: int) -> bool:
     return tokens < PDL_MAX_TOKENS or not runs_gemm(tokens, launch_count)
 
 
-def uses_pdl(x: torch.Tensor, launch_count: int) -> bool:
-    """Whether the backend's own kernels (the shrink and the GEMM) PDL-launch for x's tokens."""
-    return pdl_enabled(x.device) and pdl_at(x.shape[0], launch_count)
+def uses_pdl(x: torch.Tensor) -> bool:
+    """Whether the backend's own kernels (the shrink and the GEMM) PDL-launch for x's tokens: the
+    model calls them only where they run (``runs_gemm``), so only the tokens count here."""
+    tokens = x.shape[0]
+    return pdl_enabled(x.device) and (tokens < PDL_MAX_TOKENS or tokens > GEMM_MAX_TOKENS)
 
 
 def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count, scale, scratch=None,
@@ -305,7 +307,7 @@ def linear_apply(x, weight, bias, lora_a, lora_b, slice_starts, meta: LoRAMeta, 
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     h = None
-    pdl = uses_pdl(x, launch_count)
+    pdl = uses_pdl(x)
     if launch_count > 0 and shrunk:
         h = scratch[:x.shape[0], :(len(slice_starts) - 1) * lora_b.shape[2]]
     elif launch_count > 0:
@@ -331,7 +333,7 @@ def lora_apply(y, x, lora_a, lora_b, slice_starts, meta: LoRAMeta, launch_count,
     if not runs_gemm(x.shape[0], launch_count):
         triton_lora.lora_apply(y, x, lora_a, lora_b, slice_starts, meta, launch_count, scale, scratch)
         return
-    pdl = uses_pdl(x, launch_count)
+    pdl = uses_pdl(x)
     h = shrink_into(x, lora_a, meta, launch_count, scale, len(slice_starts) - 1, lora_b.shape[2], scratch, pdl)
     _launch(y, x, None, None, h, lora_b, slice_starts, meta, launch_count, None, pdl)
 

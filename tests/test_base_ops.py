@@ -94,9 +94,9 @@ def test_the_gemm_backend_launches_without_pdl_from_32_tokens(monkeypatch):
 
     monkeypatch.setattr(gemm_lora, "pdl_enabled", lambda device: True)
     below, at = torch.zeros(gemm_lora.PDL_MAX_TOKENS - 1, 8), torch.zeros(gemm_lora.PDL_MAX_TOKENS, 8)
-    assert gemm_lora.uses_pdl(below, 1) and not gemm_lora.uses_pdl(at, 1)
+    assert gemm_lora.uses_pdl(below) and not gemm_lora.uses_pdl(at)
     many = LoRAStep(get_backend("gemm"), None, gemm_lora.EPILOGUE_MAX_LAUNCH + 1, 0.5)
-    assert LlamaLoRA._pdl(many, gemm_lora.PDL_MAX_TOKENS) and gemm_lora.uses_pdl(at, many.launch_count)
+    assert LlamaLoRA._pdl(many, gemm_lora.PDL_MAX_TOKENS)  # the pair's step
     gemm = LoRAStep(get_backend("gemm"), None, 1, 0.5)
     assert LlamaLoRA._pdl(gemm, gemm_lora.PDL_MAX_TOKENS - 1) and not LlamaLoRA._pdl(gemm, gemm_lora.PDL_MAX_TOKENS)
     assert not LlamaLoRA._pdl(gemm, gemm_lora.GEMM_MAX_TOKENS) and LlamaLoRA._pdl(gemm, gemm_lora.GEMM_MAX_TOKENS + 1)
