@@ -130,3 +130,38 @@ def test_a_model_whose_norms_shrink_matches_its_reference(monkeypatch):
     assert (outs["reference"] - base).abs().max() > 1e-3  # LoRA changed the logits
     tol = 1e-2 if DEVICE == "cuda" else 1e-3
     assert torch.allclose(outs["gemm"], outs["reference"], rtol=tol, atol=tol)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("over", [False, True], ids=["at-the-cap", "over-the-cap"])
+def test_the_model_shrinks_in_its_producers_only_where_its_gemm_runs(monkeypatch, over):
+    """``gemm_lora.runs_gemm``: over at most ``EPILOGUE_MAX_LAUNCH`` launched slots a decode step's
+    norms and SiLU·mul shrink and each linear is one ``linear_apply``; over more, no producer
+    shrinks and each linear is cuBLAS and the pair. Every slot holds tokens; the logits match the
+    reference backend's either way."""
+    import lorabench.runtime.model as model_mod
+    from lorabench.kernels import gemm_lora, triton_lora
+
+    launch = gemm_lora.EPILOGUE_MAX_LAUNCH + (2 if over else 0)
+    slots = [i % (launch + 1) - 1 for i in range(2 * (launch + 1))]  # base tokens and every slot's
+    cfg = ModelConfig("m", 1, 256, 4, 2, 384, 96)
+    model = LlamaLoRA(cfg, max_loras=launch, rank=8, max_tokens=len(slots), context_len=8, dtype=torch.float32,
+                      device=DEVICE)
+    model.fused = True
+    calls = []
+    for mod, name in ((model_mod.producer_shrink, "add_rmsnorm_shrink"), (model_mod.producer_shrink, "silu_mul_shrink"),
+                      (gemm_lora, "linear_apply"), (triton_lora, "lora_apply")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    ids, pos = torch.arange(len(slots), device=DEVICE), torch.full((len(slots),), 7, device=DEVICE)
+    outs = {}
+    for name in ("reference", "gemm"):
+        model.scratch.zero_()
+        calls.clear()
+        outs[name] = model(ids, pos, LoRAStep(get_backend(name), meta_of(slots, launch), launch, 0.5)).float()
+    if over:
+        assert calls.count("lora_apply") == 4 and not {"add_rmsnorm_shrink", "silu_mul_shrink", "linear_apply"} & set(calls)
+    else:
+        assert calls.count("linear_apply") == 4 and calls.count("add_rmsnorm_shrink") == 2 and "lora_apply" not in calls
+    tol = 1e-2 if DEVICE == "cuda" else 1e-3
+    assert torch.allclose(outs["gemm"], outs["reference"], rtol=tol, atol=tol)
