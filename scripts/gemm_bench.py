@@ -19,7 +19,7 @@ steps twice as wide (``gemm_wide``), without PDL (``gemm_nopdl``) and with the g
 each graph against the cuBLAS-only graph in the same loop, and the step estimate (the four linears
 × the model's layers). Results are checked against the reference. ``gemm`` here is
 ``linear_apply`` itself, at any token count: in whole steps the backend runs it up to
-``GEMM_MAX_TOKENS`` only (the pair above), and without PDL from ``PDL_MAX_TOKENS`` on (where
+``GEMM_MAX_TOKENS`` over at most ``EPILOGUE_MAX_LAUNCH`` launched slots only (the pair elsewhere), and without PDL from ``PDL_MAX_TOKENS`` on (where
 ``gemm_nopdl`` is ``gemm``).
 """
 

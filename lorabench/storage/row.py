@@ -106,7 +106,7 @@ class Row:
     tuned: str | None = column("`+tuned` rows: the `lorabench tune` folder whose configs they ran with")
     pdl: bool | None = column(
         "lorabench's Triton kernels launched with programmatic dependent launch (sm90+, not with `LORABENCH_PDL=0`; "
-        "the `gemm` backend's not at 32 to 64 tokens); null for other backends")
+        "the `gemm` backend's not at 32 to 64 tokens where its own GEMM runs); null for other backends")
     timed_steps: int | None = column("steps timed at the point: `iters`, or fewer when `--ci-target` stopped it")
     step_ms_ci_low: float | None = column(
         "95 % percentile-bootstrap interval of the median step, from the point's samples")
