@@ -1,9 +1,9 @@
 """LoRA inside the base GEMM: ``y = x·Wᵀ (+ bias) + B[slot]·h`` in one launch per LoRA linear.
 
 The ``gemm`` backend. Its shrink (h = scale · x·A[slot]ᵀ into the step's fp32 scratch) runs
-inside the op that produces x where the model has one at decode sizes where its GEMM runs (the norms for qkv and
-gate_up, SiLU·mul for down: ``producer_shrink``), else as lorabench's ``shrink.lora_shrink``; the
-base GEMM and the expand are one Triton kernel, the expand in the GEMM's epilogue. Against cuBLAS + the shrink/expand pair this saves the expand's launch and
+inside the op that produces x where the model has one, at decode sizes where its GEMM runs (the
+norms for qkv and gate_up, SiLU·mul for down: ``producer_shrink``), else as lorabench's
+``shrink.lora_shrink``; the base GEMM and the expand are one Triton kernel, the expand in the GEMM's epilogue. Against cuBLAS + the shrink/expand pair this saves the expand's launch and
 its read-modify-write of y (y is written once, rounded once), at the price of running the base
 GEMM in Triton: it only pays where that GEMM keeps up with cuBLAS (``scripts/gemm_bench.py``
 measures both side by side). Above ``GEMM_MAX_TOKENS`` (prefill sizes, where it does not) the model
@@ -74,8 +74,9 @@ EXTENDS_K = True  # above GEMM_MAX_TOKENS, each linear whose tail fits runs as `
 # at 32 tokens on llama-2-7b (H100, 4 slots) its step's LoRA cost +1.74 ms with PDL and +0.86
 # without (one adapter; +1.69 and +1.44 with four), while at one token PDL saved 0.07 ms.
 PDL_MAX_TOKENS = 32
-# At decode sizes where its GEMM runs (``runs_gemm``) the model fuses the shrink into the op that produces the linear's input (the
-# norms, SiLU·mul: ``producer_shrink``) and calls ``linear_apply(..., shrunk=True)``.
+# At decode sizes where its GEMM runs (``runs_gemm``) the model fuses the shrink into the op that
+# produces the linear's input (the norms, SiLU·mul: ``producer_shrink``) and calls
+# ``linear_apply(..., shrunk=True)``.
 SHRINK_IN_PRODUCER = True
 # Up to this many launched slots a decode-sized step runs the backend's own GEMM; more take cuBLAS and
 # the pair, as ``triton`` runs them: the epilogue walks every launched slot's rank columns, and over

@@ -105,8 +105,9 @@ class LoRALinear(nn.Module):
 
     def shrinks_in_producer(self, lora: LoRAStep | None, tokens: int, prompt: bool = False) -> bool:
         """Whether the op producing this linear's input also computes its shrink (``gemm``): at decode
-        sizes where the backend runs its own GEMM (``producer_shrink``, ``runs_gemm``); at prompt sizes where the producer has a kernel for them
-        (``prompt``: SiLU·mul's, ``prompt_shrink``), the linear runs as the extended GEMM and its A fits."""
+        sizes where the backend runs its own GEMM (``producer_shrink``, ``runs_gemm``); at prompt
+        sizes where the producer has a kernel for them (``prompt``: SiLU·mul's, ``prompt_shrink``),
+        the linear runs as the extended GEMM and its A fits."""
         if lora is None or lora.launch_count <= 0 or not getattr(lora.backend, "SHRINK_IN_PRODUCER", False):
             return False
         if tokens <= producer_shrink.MAX_TOKENS and lora.backend.runs_gemm(tokens, lora.launch_count):
