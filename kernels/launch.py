@@ -16,6 +16,10 @@ import triton.language as tl
 # Triton's CPU interpreter returns garbage from tl.dot on bf16 operands (exact on fp16 and fp32),
 # so under the interpreter bf16 tiles are upcast to fp32 before the dot. GPU code is unaffected.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Programs a split kernel aims its grid at: about 4 resident per SM of a 132-SM H100 or H200, one wave. Fewer
+# leave A's stream short of reads in flight; past it a second, partial wave costs (the prompt shrink at
+# 2048 tokens: 4 parts 18.8 µs, 5 parts 33.4, BENCHMARKS.md).
+WAVE_PROGRAMS = 528
 
 
 def upcast(dtype: torch.dtype) -> bool:

@@ -3,7 +3,7 @@ the tuned table (``load_tuned``, ``config_for``) and the default tilings."""
 
 from dataclasses import dataclass
 
-from .launch import cdiv, next_pow2, pow2_floor
+from .launch import WAVE_PROGRAMS, cdiv, next_pow2, pow2_floor
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,13 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32 if tokens <= 64 else 64
 
 
-SHRINK_PROGRAMS = 512  # ~4 per SM on a 132-SM H200: enough programs in flight to stream the A tiles
-FEW_TILES = 8  # launched slots x token tiles x output tiles up to which a shrink is split to SHRINK_PROGRAMS
+FEW_TILES = 8  # launched slots x token tiles x output tiles up to which a shrink is split to WAVE_PROGRAMS
 
 
 def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     """Default shrink tiling. A decode-sized shrink is a GEMV over A: with few launched slots it
     is as fast as the A reads in flight, so K is split (64-wide blocks, 3 stages) until the launch
-    has about ``SHRINK_PROGRAMS`` programs, at most 64 splits. With many launched slots a graph
+    has about ``WAVE_PROGRAMS`` programs, at most 64 splits. With many launched slots a graph
     usually serves fewer active ones, whose programs then carry the step: there the tiling stays
     the earlier default (block_k 128, K in ~256-wide parts up to 32, 4 warps, 2 stages), which
     measured faster in the step at 32 slots than the tiling the isolated grid favoured (64 / 16 /
@@ -86,19 +85,19 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     tiles = launch * cdiv(tokens, block_m) * cdiv(n, block_n)
     if tiles > FEW_TILES:
         return ShrinkConfig(block_m, block_n, 128, min(32, next_pow2(max(1, k // 256))))
-    split_k = min(64, pow2_floor(SHRINK_PROGRAMS // tiles), pow2_floor(k // 64))
+    split_k = min(64, pow2_floor(WAVE_PROGRAMS // tiles), pow2_floor(k // 64))
     return ShrinkConfig(block_m, block_n, 64, split_k, num_stages=3)
 
 
 def prefill_split(tokens: int, k: int, n: int, block_m: int, block_n: int) -> int:
     """K splits of a shrink above decode sizes (128-wide K blocks): enough that the batch's token
-    tiles alone make about ``SHRINK_PROGRAMS`` programs, at least 4, at most 64 and one K block
+    tiles alone make about ``WAVE_PROGRAMS`` programs, at least 4, at most 64 and one K block
     each. The token tiles, not the launch: the launched slots' tiles are packed end to end
     (``tiles.packed_tile``), so one adapter holding all 128 tokens works in 2 tiles x the split; at a fixed split of 4 that was
     8 programs on 132 SMs, each walking a quarter of K (LoRA at 128 prompt tokens measured 5.9x its
     byte floor on an H100, against 1.1x at 2048 tokens, where the tiles alone fill the GPU)."""
     tiles = cdiv(tokens, block_m) * cdiv(n, block_n)
-    return min(64, pow2_floor(k // 128), max(4, pow2_floor(SHRINK_PROGRAMS // tiles)))
+    return min(64, pow2_floor(k // 128), max(4, pow2_floor(WAVE_PROGRAMS // tiles)))
 
 
 def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:

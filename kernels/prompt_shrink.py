@@ -25,14 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, dot_width, next_pow2, upcast
+from .launch import WAVE_PROGRAMS, cdiv, dot_width, next_pow2, upcast
 from .meta import LoRAMeta
 from .tiles import launch_positions, own_rank
 
 # A's rows up to which SiLU·mul takes the shrink (rank 32; above, the separate shrink): at 64 rows, even in
 # 128-wide chunks, the kernel spills registers on sm_90 (tests/compile_sm90.py)
 MAX_ROWS = 32
-PROGRAMS = 528  # about 4 resident programs per SM of a 132-SM H100: one wave
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,9 @@ class PromptShrinkConfig:
 
 def default_config(tokens: int, k: int) -> PromptShrinkConfig:
     """16-token tiles, 256-wide chunks, and as many parts as keep the grid within one wave of
-    ``PROGRAMS``, at most one per 1024 features. Measured at rank 16 on an H100: at 2048 tokens 4
+    ``WAVE_PROGRAMS``, at most one per 1024 features. Measured at rank 16 on an H100: at 2048 tokens 4
     parts took 18.8 µs over SiLU·mul alone, 5 (a second, partial wave) 33.4 (BENCHMARKS.md)."""
-    return PromptShrinkConfig(16, 256, max(1, min(PROGRAMS // cdiv(tokens, 16), k // 1024)))
+    return PromptShrinkConfig(16, 256, max(1, min(WAVE_PROGRAMS // cdiv(tokens, 16), k // 1024)))
 
 
 @triton.jit

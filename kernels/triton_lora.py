@@ -34,7 +34,6 @@ from .lora_configs import (  # noqa: F401
     CONFIGS,
     FEW_TILES,
     SEARCH_SPACE,
-    SHRINK_PROGRAMS,
     TUNED_CONFIGS,
     ExpandConfig,
     ShrinkConfig,

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from conftest import DEVICE, HAS_CUDA
 from lorabench.kernels import RANKS, expand, fused_lora, get_backend, shrink, tiles, triton_lora
+from lorabench.kernels.launch import WAVE_PROGRAMS
 from lorabench.kernels.reference import lora_delta
 
 from lorabench.config.tolerance import TOLERANCE
@@ -300,8 +301,8 @@ def test_default_shrink_split_fits_the_shape(tokens, launch):
         assert cfg.block_k * (cfg.split_k - 1) < k
         tiles = launch * triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         if tokens <= 64 and tiles <= triton_lora.FEW_TILES:
-            assert cfg.split_k * tiles <= max(triton_lora.SHRINK_PROGRAMS, tiles)
-            assert cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k or 2 * cfg.split_k * tiles > triton_lora.SHRINK_PROGRAMS
+            assert cfg.split_k * tiles <= max(WAVE_PROGRAMS, tiles)
+            assert cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k or 2 * cfg.split_k * tiles > WAVE_PROGRAMS
 
 
 @pytest.mark.parametrize("tokens", [65, 128, 512, 1616, 2048, 8192])
@@ -314,9 +315,9 @@ def test_a_prefill_shrink_is_split_until_its_token_tiles_fill_the_gpu(tokens):
         assert cfg == triton_lora.shrink_config(tokens, k, n, 1)
         assert cfg.block_k * (cfg.split_k - 1) < k
         tiles = triton.cdiv(tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        assert cfg.split_k * tiles <= max(triton_lora.SHRINK_PROGRAMS, 4 * tiles)
+        assert cfg.split_k * tiles <= max(WAVE_PROGRAMS, 4 * tiles)
         assert (cfg.split_k == 64 or cfg.block_k * cfg.split_k * 2 > k
-                or 2 * cfg.split_k * tiles > triton_lora.SHRINK_PROGRAMS or cfg.split_k == 4)
+                or 2 * cfg.split_k * tiles > WAVE_PROGRAMS or cfg.split_k == 4)
 
 
 @pytest.mark.parametrize("base_frac,max_loras", [(0.0, 1), (0.1, 3)], ids=["one-adapter", "mixed"])
