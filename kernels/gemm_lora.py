@@ -82,8 +82,9 @@ SHRINK_IN_PRODUCER = True
 # the pair, as ``triton`` runs them: the epilogue walks every launched slot's rank columns, and over
 # 8 and 32 launched slots at 32 tokens (llama-2-7b, rank 16, H100) its steps' LoRA cost +1.50 and
 # +3.75 ms against the pair's +0.99 and +1.84 (each linear alone 1.7-2.3x the pair's); over 4 the
-# two were within 0.2 ms of each other on two cards, over one the epilogue cost half the pair. Under the rule
-# its 32-slot steps are the pair's to 0.1 % (+1.00 and +1.84 ms at n = 8, 32; BENCHMARKS.md).
+# two were within 0.2 ms of each other on two cards, over one the epilogue cost half the pair.
+# Under the rule its 32-slot steps are the pair's to 0.1 % (+1.00 and +1.84 ms at n = 8, 32;
+# BENCHMARKS.md).
 EPILOGUE_MAX_LAUNCH = 4
 
 
