@@ -105,27 +105,35 @@ def test_unpadded_never_reads_as_padding():
     assert rel(h, shrink_ref(out, clean, SLOTS, launched_slots(meta, 3), 2, rank, 0.5)) < 1e-5
 
 
+def gemm_and_reference_logits(monkeypatch, slots, launch, layers, rank, spied):
+    """A model whose base ops are the fused kernels (as on a GPU) run on ``slots`` under the
+    reference backend, then under ``gemm``; the model, each backend's logits, and the names of
+    the ``spied`` (module, function) pairs the gemm step called."""
+    cfg = ModelConfig("m", layers, 256, 4, 2, 384, 96)
+    model = LlamaLoRA(cfg, max_loras=launch, rank=rank, max_tokens=len(slots), context_len=8, dtype=torch.float32,
+                      device=DEVICE)
+    model.fused = True
+    calls = []
+    for mod, name in spied:
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    ids, pos = torch.arange(len(slots), device=DEVICE), torch.full((len(slots),), 7, device=DEVICE)
+    outs = {}
+    for name in ("reference", "gemm"):
+        model.scratch.zero_()
+        calls.clear()
+        outs[name] = model(ids, pos, LoRAStep(get_backend(name), meta_of(slots, launch), launch, 0.5)).float()
+    return model, outs, calls
+
+
 @pytest.mark.e2e
 def test_a_model_whose_norms_shrink_matches_its_reference(monkeypatch):
     """The gemm backend in a model whose base ops are the fused kernels (as on a GPU): its norms and
     SiLU·mul compute qkv's, gate_up's and down's shrinks; the logits match the reference's."""
-    import lorabench.runtime.model as model_mod
-
-    cfg = ModelConfig("m", 2, 256, 4, 2, 384, 96)
-    model = LlamaLoRA(cfg, max_loras=3, rank=16, max_tokens=len(SLOTS), context_len=8, dtype=torch.float32,
-                      device=DEVICE)
-    model.fused = True
-    calls = []
-    for name in ("add_rmsnorm_shrink", "silu_mul_shrink"):
-        real = getattr(producer_shrink, name)
-        monkeypatch.setattr(model_mod.producer_shrink, name,
-                            lambda *a, real=real, **k: calls.append(real.__name__) or real(*a, **k))
-    ids, pos = torch.arange(len(SLOTS), device=DEVICE), torch.full((len(SLOTS),), 7, device=DEVICE)
-    outs = {}
-    for name in ("reference", "gemm"):
-        model.scratch.zero_()
-        outs[name] = model(ids, pos, LoRAStep(get_backend(name), meta_of(SLOTS, 3), 3, 0.5)).float()
+    spied = [(producer_shrink, "add_rmsnorm_shrink"), (producer_shrink, "silu_mul_shrink")]
+    model, outs, calls = gemm_and_reference_logits(monkeypatch, SLOTS, 3, 2, 16, spied)
     assert calls.count("add_rmsnorm_shrink") == 2 * 2 and calls.count("silu_mul_shrink") == 2
+    ids, pos = torch.arange(len(SLOTS), device=DEVICE), torch.full((len(SLOTS),), 7, device=DEVICE)
     base = model(ids, pos, None).float()
     assert (outs["reference"] - base).abs().max() > 1e-3  # LoRA changed the logits
     tol = 1e-2 if DEVICE == "cuda" else 1e-3
@@ -139,26 +147,13 @@ def test_the_model_shrinks_in_its_producers_only_where_its_gemm_runs(monkeypatch
     norms and SiLU·mul shrink and each linear is one ``linear_apply``; over more, no producer
     shrinks and each linear is cuBLAS and the pair. Every slot holds tokens; the logits match the
     reference backend's either way."""
-    import lorabench.runtime.model as model_mod
     from lorabench.kernels import gemm_lora, triton_lora
 
     launch = gemm_lora.EPILOGUE_MAX_LAUNCH + (2 if over else 0)
     slots = [i % (launch + 1) - 1 for i in range(2 * (launch + 1))]  # base tokens and every slot's
-    cfg = ModelConfig("m", 1, 256, 4, 2, 384, 96)
-    model = LlamaLoRA(cfg, max_loras=launch, rank=8, max_tokens=len(slots), context_len=8, dtype=torch.float32,
-                      device=DEVICE)
-    model.fused = True
-    calls = []
-    for mod, name in ((model_mod.producer_shrink, "add_rmsnorm_shrink"), (model_mod.producer_shrink, "silu_mul_shrink"),
-                      (gemm_lora, "linear_apply"), (triton_lora, "lora_apply")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    ids, pos = torch.arange(len(slots), device=DEVICE), torch.full((len(slots),), 7, device=DEVICE)
-    outs = {}
-    for name in ("reference", "gemm"):
-        model.scratch.zero_()
-        calls.clear()
-        outs[name] = model(ids, pos, LoRAStep(get_backend(name), meta_of(slots, launch), launch, 0.5)).float()
+    spied = [(producer_shrink, "add_rmsnorm_shrink"), (producer_shrink, "silu_mul_shrink"),
+             (gemm_lora, "linear_apply"), (triton_lora, "lora_apply")]
+    _, outs, calls = gemm_and_reference_logits(monkeypatch, slots, launch, 1, 8, spied)
     if over:
         assert calls.count("lora_apply") == 4 and not {"add_rmsnorm_shrink", "silu_mul_shrink", "linear_apply"} & set(calls)
     else:
