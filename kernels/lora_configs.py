@@ -67,7 +67,6 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32 if tokens <= 64 else 64
 
 
-PREFILL_BLOCK_M = 32  # a shrink's token tile above decode sizes
 FEW_TILES = 8  # launched slots x token tiles x output tiles up to which a shrink is split to WAVE_PROGRAMS
 
 
@@ -79,14 +78,10 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
     the earlier default (block_k 128, K in ~256-wide parts up to 32, 4 warps, 2 stages), which
     measured faster in the step at 32 slots than the tiling the isolated grid favoured (64 / 16 /
     2 warps / 3 stages). Both from an H200 (BENCHMARKS.md, "How the kernels got there";
-    scripts/shrink_grid.py). Above decode sizes: 32-token tiles, 3 stages, K split until the
-    tiles fill a wave (``prefill_split``), which measured faster per linear than 64-token tiles
-    in 2 stages at 2048 and 8192 tokens (H100, Llama-3.1-8B, scripts/prompt_shrink_bench.py --grid)."""
-    block_n = min(64, max(16, next_pow2(n)))
+    scripts/shrink_grid.py)."""
+    block_m, block_n = _block_m(tokens), min(64, max(16, next_pow2(n)))
     if tokens > 64:
-        return ShrinkConfig(PREFILL_BLOCK_M, block_n, 128, prefill_split(tokens, k, n, PREFILL_BLOCK_M, block_n),
-                            num_stages=3)
-    block_m = _block_m(tokens)
+        return ShrinkConfig(block_m, block_n, 128, prefill_split(tokens, k, n, block_m, block_n))
     tiles = launch * cdiv(tokens, block_m) * cdiv(n, block_n)
     if tiles > FEW_TILES:
         return ShrinkConfig(block_m, block_n, 128, min(32, next_pow2(max(1, k // 256))))
@@ -96,14 +91,13 @@ def shrink_config(tokens: int, k: int, n: int, launch: int = 1) -> ShrinkConfig:
 
 def prefill_split(tokens: int, k: int, n: int, block_m: int, block_n: int) -> int:
     """K splits of a shrink above decode sizes (128-wide K blocks): enough that the batch's token
-    tiles alone make about ``WAVE_PROGRAMS`` programs, at most 64 and one K block each; none past
-    a wave (8192 tokens: 2 splits of 256 tiles measured faster than 4). The token tiles, not the
-    launch: the launched slots' tiles are packed end to end (``tiles.packed_tile``), so one
-    adapter holding all 128 tokens works in 4 tiles x the split; at a fixed split of 4 that was
-    16 programs on 132 SMs, each walking a quarter of K (LoRA at 128 prompt tokens measured 5.9x its
+    tiles alone make about ``WAVE_PROGRAMS`` programs, at least 4, at most 64 and one K block
+    each. The token tiles, not the launch: the launched slots' tiles are packed end to end
+    (``tiles.packed_tile``), so one adapter holding all 128 tokens works in 2 tiles x the split; at a fixed split of 4 that was
+    8 programs on 132 SMs, each walking a quarter of K (LoRA at 128 prompt tokens measured 5.9x its
     byte floor on an H100, against 1.1x at 2048 tokens, where the tiles alone fill the GPU)."""
     tiles = cdiv(tokens, block_m) * cdiv(n, block_n)
-    return min(64, pow2_floor(k // 128), max(1, pow2_floor(WAVE_PROGRAMS // tiles)))
+    return min(64, pow2_floor(k // 128), max(4, pow2_floor(WAVE_PROGRAMS // tiles)))
 
 
 def expand_config(tokens: int, n_max_slice: int) -> ExpandConfig:
