@@ -27,11 +27,11 @@ python3 -m pip download -q --only-binary=:all: --python-version "$python_tag" --
   -d "$dest" "${requirements[@]}"
 # peft (the test extra's) pulls torch, its CUDA wheels and transformers (~3 GB): the GPU image has
 # them (and numpy, sympy, networkx, the Hugging Face hub), so they stay behind and carry stays small.
-# So do the packages that its torch, transformers, pandas, rich, typer and pytest need (the carry limit is 64 MiB).
+# So do the packages that its torch, transformers, pandas, rich, typer and pytest need, and setuptools (the carry limit is 64 MiB).
 for name in torch triton 'nvidia_*' numpy transformers tokenizers huggingface_hub hf_xet kernels \
   safetensors sympy mpmath networkx jinja2 markupsafe filelock fsspec packaging pyyaml regex requests certifi \
   charset_normalizer idna urllib3 tqdm pygments markdown_it_py mdurl rich click shellingham typer typing_extensions \
-  python_dateutil tzdata pytest iniconfig pluggy; do
+  python_dateutil tzdata pytest iniconfig pluggy setuptools; do
   rm -f "$dest"/$name-*.whl
 done
 echo "$(ls "$dest" | wc -l) wheels, $(du -sh "$dest" | cut -f1) in $dest"
