@@ -70,13 +70,18 @@ def reference_side_by_side_floats(tokens: int, k: int, n: int, rows: int, rank: 
 # of it: with all 4 slots of rank 16 launched on qkv, E/K = 4.7 % more FLOPs, while the pair's expand
 # costs 10-25 % of the GEMM there (``scripts/catk_probe.py``, H100, llama-2-7b, 2048 tokens, one adapter).
 EXTEND_MAX_FRACTION = 1 / 8
-TAIL_ALIGN = 8  # the extended GEMM's tail columns come in multiples of this (16-byte rows in 16-bit dtypes)
+# The extended GEMM's tail columns come in multiples of this: rows of K + E elements stay a multiple
+# of 16 where K is. cuBLAS's fast kernels want 16-byte rows (8 elements); Triton vectorises a load
+# only where it can prove the row stride divisible by 16 (it specialises integer arguments so): at
+# rows of 8 modulo 16 (3 slots x 3 slices x rank 8) the shrink's x tile, read from such rows,
+# compiles to 2-byte loads instead of 16-byte cp.async (tests/compile_sm90.py checks it).
+TAIL_ALIGN = 16
 
 
 def tail_width(slices: int, slots: int, rank: int) -> int:
-    """Tail columns for ``slots`` blocks of S·R, rounded up to ``TAIL_ALIGN`` (cuBLAS's fast kernels
-    want 16-byte rows): with every slot, E, the extended weight's extra K columns; with a step's
-    launch count, E_n, the columns its GEMM reads."""
+    """Tail columns for ``slots`` blocks of S·R, rounded up to ``TAIL_ALIGN``: with every slot, E,
+    the extended weight's extra K columns; with a step's launch count, E_n, the columns its GEMM
+    reads."""
     return -(-slots * slices * rank // TAIL_ALIGN) * TAIL_ALIGN
 
 

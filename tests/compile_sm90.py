@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import triton
+from lorabench import kernels
 from lorabench.kernels import (base_ops, expand, expert_call, extended_gemm, fused_lora, gemm_configs, gemm_lora, launch, moe_align, moe_gemm,
                                moe_gemm_lora,
                                moe_lora, moe_lora_per_entry, producer_shrink, prompt_shrink, shrink,
@@ -113,6 +114,29 @@ def ranked_loads_stay_vectorised() -> str | None:
             if is_ranked and count < loads[(False, block_m)]:
                 return (f"{name}: {count} 128-bit loads with each slot's own rank, {loads[(False, block_m)]} padded "
                         f"(BLOCK_M {block_m})")
+    return None
+
+
+def extended_rows_stay_vectorised() -> str | None:
+    """The shrink reads its x from the model's extended rows (K + ``tail_width`` wide) 16 bytes at a
+    time, at every slot count, slice count and rank: at a width of 8 modulo 16 Triton cannot prove
+    the rows aligned and the x tile compiles to 2-byte loads (3 slots x 3 slices x rank 8 did, when
+    tails rounded up to 8)."""
+    recorders = record_launches()
+    k, tokens = 4096, 128
+    for slices, slots, rank in [(3, 3, 8), (1, 1, 8), (2, 4, 16), (3, 4, 16), (1, 5, 1)]:
+        width = k + kernels.tail_width(slices, slots, rank)
+        x_ext = torch.empty(tokens, width, dtype=torch.bfloat16)
+        a = torch.empty(slots, slices * rank, k, dtype=torch.bfloat16)
+        h = torch.zeros(tokens, slices * rank, dtype=torch.float32)
+        recorders["_shrink_kernel"].calls.clear()
+        shrink.lora_shrink(x_ext[:, :k], a, h, MetaBuffer(tokens, slots, "cpu").meta, slots, 0.5, rank=rank,
+                           slices=slices, pdl=False)
+        args, kwargs = recorders["_shrink_kernel"].calls[-1]
+        ptx = compile_call(recorders["_shrink_kernel"].fn, args, kwargs, True).asm["ptx"]
+        narrow = len(re.findall(r"ld\.global[\w.:]*\.b16\b", ptx))
+        if narrow:
+            return f"_shrink_kernel: {narrow} 2-byte loads of x from rows of {width} (slices {slices}, slots {slots}, rank {rank})"
     return None
 
 
@@ -389,7 +413,7 @@ def main(part: str) -> int:
         return 2
     pdl = part == "pdl-on"
     if not pdl:
-        for check in (ranked_loads_stay_vectorised, gemm_fits_by_stepping_down):
+        for check in (ranked_loads_stay_vectorised, extended_rows_stay_vectorised, gemm_fits_by_stepping_down):
             problem = check()
             if problem:
                 print(problem)

@@ -168,15 +168,16 @@ def test_pack_step_copies_only_b_rows_inside_the_slices():
     b = (torch.arange(2 * 24 * 4, dtype=torch.float32).view(2, 24, 4) + 1).to(DEVICE)
     buf = MetaBuffer(3, 2, DEVICE)
     buf.load(buf.pack([1, 1, -1])[0])
-    tail = torch.zeros(24, 8, device=DEVICE)
-    extended_gemm.pack_step(torch.zeros(3, 8 + 8, device=DEVICE), 8, tail, torch.ones(3, 4, device=DEVICE), b, (0, 16),
+    e = kernels.tail_width(1, 1, 4)
+    tail = torch.zeros(24, e, device=DEVICE)
+    extended_gemm.pack_step(torch.zeros(3, 8 + e, device=DEVICE), 8, tail, torch.ones(3, 4, device=DEVICE), b, (0, 16),
                             buf.meta, 1)
     assert torch.equal(tail[:16, :4], b[1, :16]) and not tail[16:].any() and not tail[:, 4:].any()
 
 
 def test_tail_widths_round_up_to_whole_alignments():
     assert kernels.tail_width(3, 3, 1) == 16 and kernels.tail_width(3, 4, 16) == 192
-    assert kernels.tail_width(1, 1, 1) == 8 and kernels.tail_width(3, 2, 16) == 96
+    assert kernels.tail_width(1, 1, 1) == 16 and kernels.tail_width(3, 3, 8) == 80 and kernels.tail_width(3, 2, 16) == 96
     assert kernels.tail_width(2, 0, 8) == 0
 
 
