@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--active", default="1,4")
     ap.add_argument("--linears", default="qkv,o,gate_up,down")
     ap.add_argument("--grid", action="store_true", help="every config of the small grid, not only the default")
-    ap.add_argument("--row-pad", type=int, default=0, help="columns added to the model's extended row (8: the earlier logs' rows)")
+    ap.add_argument("--row-pad", type=int, default=0, help="columns added to the model's extended row (8: the earlier logs' rows of qkv, gate_up, down)")
     args = ap.parse_args()
     cfg = resolve(args.model, None)
     print(torch.cuda.get_device_name(), args.model, "bf16 rank", RANK, "slots", SLOTS, "row pad", args.row_pad, flush=True)

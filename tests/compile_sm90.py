@@ -401,7 +401,7 @@ def check_variant(i: int) -> tuple[bool, str]:
                   f"{f', {stack} bytes stack' if stack else ''}{', PDL' if waits else ''}")
 
 
-PARTS = ("pdl-off", "pdl-on")  # launched as with LORABENCH_PDL=0 (and the RANKED loads' check), and as on sm90 with PDL
+PARTS = ("pdl-off", "pdl-on")  # launched as with LORABENCH_PDL=0 (and the vectorised loads' checks), and as on sm90 with PDL
 
 
 def main(part: str) -> int:

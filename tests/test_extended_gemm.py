@@ -324,8 +324,9 @@ def test_the_check_sees_a_wrong_extended_gemm_in_its_graphs(roomy, monkeypatch):
 @pytest.mark.parametrize("tp, fully_sharded", [(1, False), (2, True)])
 def test_the_memory_estimate_counts_the_tails(tp, fully_sharded):
     """``config.limits`` counts every extended linear's tail as ``LoRALinear.extend`` allocates it,
-    with the real bound: at rank 1 over 6 slots qkv's tail (18 columns) is past 128/8, the others
-    extend (a row-parallel share's one slice under fully sharded TP)."""
+    with the real bound: at rank 1 over 6 slots qkv's tail (18 columns, 32 rounded) is past 128/8,
+    the others extend (a row-parallel share's one slice under fully sharded TP; at TP 2 o's tail of
+    16 is past 64/8 too)."""
     from dataclasses import replace
 
     from lorabench.config.limits import Shape, model_bytes

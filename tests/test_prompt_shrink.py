@@ -16,7 +16,8 @@ from test_producer_shrink import launched_slots, meta_of, rel, shrink_ref
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5 if not HAS_CUDA else 1e-4}
 # h's tolerance: on a GPU the kernel's float32 dots are TF32 (about 1e-3 relative), as every kernel's here
-DOT_TOL = {**{d: 3 * t for d, t in TOL.items()}, torch.float32: 5e-3 if HAS_CUDA else 1e-5}
+DOT_TOL = {**{d: 3 * t for d, t in TOL.items()}, torch.float32: 5e-3 if HAS_CUDA else 3e-5}
+FP32_DOT_TOL = 5e-3 if HAS_CUDA else 1e-5  # the same for float32 cases held to 1e-5 on the CPU
 
 
 def prompts(lengths, slots) -> list[int]:
@@ -73,7 +74,7 @@ def test_unpadded_never_reads_as_padding():
     h = torch.zeros(len(slots), rank, dtype=torch.float32, device=DEVICE)
     out = prompt_shrink.silu_mul_shrink(gu, a, h, meta, 3, 0.5, rank, config=PromptShrinkConfig(16, 128, 2))
     assert torch.isfinite(h).all()
-    assert rel(h, shrink_ref(out, clean, slots, launched_slots(meta, 3), 1, rank, 0.5)) < DOT_TOL[torch.float32]
+    assert rel(h, shrink_ref(out, clean, slots, launched_slots(meta, 3), 1, rank, 0.5)) < FP32_DOT_TOL
 
 
 def test_fully_sharded_rows_fill_the_first_columns():
@@ -86,7 +87,7 @@ def test_fully_sharded_rows_fill_the_first_columns():
     h = torch.full((len(slots), 16), 7.0, device=DEVICE)
     h[:, :8] = 0
     out = prompt_shrink.silu_mul_shrink(gu, a, h, meta, 1, 0.5, 16)
-    assert rel(h[:, :8], shrink_ref(out, a, slots, {2}, 1, 8, 0.5)) < DOT_TOL[torch.float32] and (h[:, 8:] == 7).all()
+    assert rel(h[:, :8], shrink_ref(out, a, slots, {2}, 1, 8, 0.5)) < FP32_DOT_TOL and (h[:, 8:] == 7).all()
 
 
 def test_refuses_what_it_cannot_hold():
