@@ -8,7 +8,7 @@ Each variant is a CUDA graph of REPEAT calls over COPIES input copies (more than
 the median of alternating replays (``alternating_replays``). Rows: the base op alone (its floor),
 the base op then ``lora_shrink`` in its default tiling (as the ``gemm`` backend runs it) and, with
 ``--grid``, in every tiling of a small grid; for down, the fused kernel in its default config and
-the grid's. The batch is the step's prompts in a row, n adapters over 4 slots (one prompt each),
+the grid's. Every variant is printed, fastest first, then the defaults again. The batch is the step's prompts in a row, n adapters over 4 slots (one prompt each),
 bf16, rank 16. The producers write into the first K columns of rows as wide as the model's extended
 input (K + ``tail_width``), which the separate shrink then reads. ``--row-pad P`` widens those
 rows by P columns: the logs in results/gemm/prompt-shrink-h100 ran with 8 more (and o's input in
@@ -109,7 +109,7 @@ def main() -> None:
             res = bench(name, k, len(slices), tokens, active, args.grid, args.row_pad)
             floor = res[0][1]
             print(f"== {name} K={k} tokens={tokens} n={active}: base op {floor:.1f} us", flush=True)
-            for key, us in sorted(res[1:], key=lambda kv: kv[1])[:10] + [kv for kv in res[1:] if "default" in kv[0]]:
+            for key, us in sorted(res[1:], key=lambda kv: kv[1]) + [kv for kv in res[1:] if "default" in kv[0]]:
                 print(f"   {us:8.1f} us  (+{us - floor:.1f} over the op)  {key}", flush=True)
 
 
