@@ -111,7 +111,7 @@ class Backend:
 BACKENDS = {b.name: b for b in (
     Backend("triton", "triton_lora", triton=True, tunable=True, doc="lorabench's shrink + expand", unpadded=True),
     Backend("fused", "fused_lora", triton=True, tunable=True, doc="lorabench's one launch per LoRA linear", unpadded=True),
-    Backend("gemm", "gemm_lora", triton=True, tunable=True, doc="lorabench's shrink, then the base GEMM with the expand in its epilogue (up to 64 tokens over at most 4 launched slots; above 64 tokens, cuBLAS with the expand in its K; over more slots, cuBLAS and the pair)",
+    Backend("gemm", "gemm_lora", triton=True, tunable=True, doc="lorabench's shrink, then the base GEMM with the expand in its epilogue (up to 64 tokens over at most 2 launched slots; above 64 tokens, cuBLAS with the expand in its K; over more slots, cuBLAS and the pair)",
             unpadded=True, extends_k=True),
     Backend("torch", "torch_lora", triton=False, tunable=False, doc="the grid semantics in torch ops"),
     Backend("vllm", "vllm_lora", triton=True, tunable=True, doc="vLLM's own shrink + expand"),

@@ -8,10 +8,10 @@ Each variant is a CUDA graph of REPEAT calls over COPIES input copies (more than
 the median of alternating replays (``alternating_replays``). Rows: the base op alone (its floor),
 the base op then ``lora_shrink`` in its default tiling (as the ``gemm`` backend runs it) and, with
 ``--grid``, in every tiling of a small grid; for down, the fused kernel in its default config and
-the grid's. Every variant is printed, fastest first, then the defaults again. The batch is the step's prompts in a row, n adapters over 4 slots (one prompt each),
-bf16, rank 16. The producers write into the first K columns of rows as wide as the model's extended
-input (K + ``tail_width``), which the separate shrink then reads. ``--row-pad P`` widens those
-rows by P columns: the logs in results/gemm/prompt-shrink-h100 ran with 8 more (and o's input in
+the grid's. Every variant is printed, fastest first, then the defaults again. The batch is the
+step's prompts in a row, n adapters over 4 slots (one prompt each), bf16, rank 16. The producers
+write into the first K columns of rows as wide as the model's extended input (K + ``tail_width``),
+which the separate shrink then reads. ``--row-pad P`` widens those rows by P columns: the logs in results/gemm/prompt-shrink-h100 ran with 8 more (and o's input in
 rows of K), a stride of 8 modulo 16 elements, which Triton cannot prove aligned: the shrink then
 loads x two bytes at a time (it vectorises loads only on strides it specialises as divisible by 16).
 """

@@ -14,7 +14,7 @@ from lorabench.kernels.reference import lora_delta
 from lorabench.config.tolerance import TOLERANCE
 from lorabench.runtime.lora_meta import MetaBuffer
 
-KERNELS = ["triton", "fused", "gemm", "torch"]  # every backend in this repository (gemm: its epilogue over y, the pair over more than 4 launched slots; tests/test_gemm_lora.py: its whole linear; vllm: tests/test_vllm.py)
+KERNELS = ["triton", "fused", "gemm", "torch"]  # every backend in this repository (gemm: its epilogue over y, the pair over more than 2 launched slots; tests/test_gemm_lora.py: its whole linear; vllm: tests/test_vllm.py)
 # Triton's CPU interpreter returns garbage from bf16 dots (the kernels upcast there): bf16 is tested on the GPU.
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 # float32 dots run as tf32 on the GPU

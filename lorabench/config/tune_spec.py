@@ -17,7 +17,7 @@ TUNABLE = tuple(name for name, b in BACKENDS.items() if b.tunable)
 # The tune's own options; it shares --model, --tp, --rank, --max-loras, --device and --seed with the sweep (OPTIONS).
 TUNE_OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("kernels", Kind.NAMES, f"Kernels to tune, {LIST}: triton (lorabench's shrink and expand), fused "
-           "(lorabench's), gemm (its base GEMM with the expand inside, up to 64 tokens over at most 4 launched slots; its shrink, and the pair elsewhere, are triton's), vllm (vLLM's shrink and expand)", shown="triton,fused, plus vllm on a GPU when vLLM is installed"),
+           "(lorabench's), gemm (its base GEMM with the expand inside, up to 64 tokens over at most 2 launched slots; its shrink, and the pair elsewhere, are triton's), vllm (vLLM's shrink and expand)", shown="triton,fused, plus vllm on a GPU when vLLM is installed"),
     Option("dtype", Kind.TEXT, "float16, bfloat16, float32 (lorabench's kernels only)",
            shown="the sweep's: float16 on a GPU, float32 on the CPU; float16 when tuning vllm"),
     Option("tokens", Kind.INTS, f"Tokens per step to tune, {LIST}: decode buckets, and prefill sizes (e.g. 512,2048,8192: "
