@@ -79,13 +79,14 @@ PDL_MAX_TOKENS = 32
 # ``linear_apply(..., shrunk=True)``.
 SHRINK_IN_PRODUCER = True
 # Up to this many launched slots a decode-sized step runs the backend's own GEMM; more take cuBLAS and
-# the pair, as ``triton`` runs them: the epilogue walks every launched slot's rank columns, and over
+# the pair, as ``triton`` runs them: the epilogue walks the active slots' rank columns, and over
 # 8 and 32 launched slots at 32 tokens (llama-2-7b, rank 16, H100) its steps' LoRA cost +1.50 and
-# +3.75 ms against the pair's +0.99 and +1.84 (each linear alone 1.7-2.3x the pair's). Over 4 it
-# trailed the pair in every run, at (4, 8, 4): +0.735 / +0.611 against +0.540 / +0.559 ms
-# (llama-2-7b, two H100s), +0.791 against +0.678 (Llama-3.1-8B); over one it led in every run
-# (+0.08 to +0.38 ms against +0.35 to +0.51 at c = 1). Over 2 it has not been timed: it keeps the
-# epilogue. Past the cap the steps are the pair's (at 32 slots to 0.1 %: BENCHMARKS.md).
+# +3.75 ms against the pair's +0.99 and +1.84 (each linear alone 1.7-2.3x the pair's). Over 4 its
+# overhead trailed the pair's in every whole-step run, at (4, 8, 4): +0.735 / +0.611 against
+# +0.540 / +0.559 ms (llama-2-7b, two H100s; the steps +1.2 % and equal), +0.791 against +0.678
+# (Llama-3.1-8B); over one, today's kernels led in every run (+0.08 to +0.38 ms against +0.35 to
+# +0.51 at c = 1). Over 2 it has not been timed: it keeps the epilogue. Past the cap the steps are
+# the pair's (at 32 slots to 0.1 %: BENCHMARKS.md).
 EPILOGUE_MAX_LAUNCH = 2
 
 

@@ -62,6 +62,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def epilogue_at_any_launch(monkeypatch):
+    """The gemm backend's own GEMM (the expand in its epilogue) at every launch count: its cap
+    (``gemm_lora.EPILOGUE_MAX_LAUNCH``) is a speed rule, past which the pair runs; tests of its
+    results over more launched slots use this to reach its kernel."""
+    from lorabench.kernels import gemm_lora
+
+    monkeypatch.setattr(gemm_lora, "EPILOGUE_MAX_LAUNCH", 1 << 20)
+
+
+@pytest.fixture
 def device():
     return DEVICE
 

@@ -272,6 +272,7 @@ def test_steps_after_loads_read_the_loaded_b(roomy):
     torch.testing.assert_close(outs["gemm"], outs["triton"], rtol=tol, atol=tol)
 
 
+@pytest.mark.usefixtures("epilogue_at_any_launch")  # its own GEMM at 3 launched slots
 def test_steps_at_decode_sizes_are_those_of_an_unextended_model(roomy):
     """Up to ``GEMM_MAX_TOKENS`` the gemm backend's own GEMM reads the weight in place: the same
     step, to the bit."""

@@ -260,7 +260,7 @@ def test_unpadded_epilogue_never_reads_bs_padding(epilogue):
 
 @pytest.mark.parametrize("tokens, launch, in_gemm", [
     (gemm_lora.GEMM_MAX_TOKENS, gemm_lora.EPILOGUE_MAX_LAUNCH, True),
-    (gemm_lora.GEMM_MAX_TOKENS + 1, 2, False),
+    (gemm_lora.GEMM_MAX_TOKENS + 1, gemm_lora.EPILOGUE_MAX_LAUNCH, False),
     (8, gemm_lora.EPILOGUE_MAX_LAUNCH + 1, False),
 ])
 def test_the_model_takes_lora_in_the_gemm_at_decode_sizes_over_few_slots_else_the_pair(monkeypatch, tokens, launch,

@@ -89,6 +89,7 @@ def test_the_reference_side_by_side_equals_slot_by_slot(monkeypatch):
                                reference.lora_delta(x, a, b, (0, 16, 36), slots, 0.5))
 
 
+@pytest.mark.usefixtures("epilogue_at_any_launch")
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rank", RANKS + (5, 100))  # every rank vLLM allows, and two it does not (the kernels take any)
@@ -439,6 +440,7 @@ def computed_rank(own: int, rank: int) -> int:
     return min(rank, -(-own // 16) * 16)
 
 
+@pytest.mark.usefixtures("epilogue_at_any_launch")
 @pytest.mark.parametrize("backend", ["triton", "fused", "gemm"])
 @pytest.mark.parametrize("rank,slot_ranks", [(64, (8, 64, 16, 1)), (128, (8, 128, 64, 100)), (16, (16, 16, 8, 8))])
 @pytest.mark.parametrize("tokens", [6, 40])  # one token tile, and slot-sorted tiles

@@ -205,6 +205,7 @@ def test_narrowed_widths_keep_the_default_tilings(k, widths):
 
 
 @REAL_SIZES
+@pytest.mark.usefixtures("epilogue_at_any_launch")  # gemm's own GEMM at 3 launched slots
 @pytest.mark.parametrize("backend", ["triton", "fused", "gemm", "torch"])
 def test_kernels_at_real_hidden_sizes(backend, k, widths):
     """Every real input width K (the split over K, parts of unequal length); the real output widths
@@ -228,6 +229,7 @@ def _column_shard(b, widths, tp, r, replicas=(1, 1, 1)):
     return torch.cat(parts, dim=1)
 
 
+@pytest.mark.usefixtures("epilogue_at_any_launch")
 @pytest.mark.parametrize("backend", ["triton", "fused", "gemm", "torch"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_shards_recombine_to_the_unsharded_reference(backend, tp):
@@ -262,6 +264,7 @@ def test_tp_shards_recombine_to_the_unsharded_reference(backend, tp):
             _close(total, ref)
 
 
+@pytest.mark.usefixtures("epilogue_at_any_launch")
 @pytest.mark.parametrize("backend", ["triton", "gemm", "torch"])
 def test_fully_sharded_shards_recombine_to_the_unsharded_reference(backend):
     """--fully-sharded-loras at TP 2: a column-parallel rank holds R / TP rows of each slice's A
