@@ -87,7 +87,9 @@ class StepTimes:
 
     def at(self, c: int, n: int) -> dict:
         """{g: t} at (c, n): the median over the points measuring each g (strategies sharing a
-        launch count), a larger grid never faster (noise that says so is flattened)."""
+        launch count), a larger grid never faster (noise that says so is flattened). Not so for
+        the gemm backend across its cap (``gemm_lora.EPILOGUE_MAX_LAUNCH``): past it the pair runs,
+        which can be faster than its epilogue at fewer slots; that speed-up is flattened too."""
         if (c, n) not in self._at:
             by_g, top = {}, -np.inf
             for g, keys in self._cells.get((c, n), {}).items():
