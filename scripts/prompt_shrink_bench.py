@@ -11,9 +11,10 @@ the base op then ``lora_shrink`` in its default tiling (as the ``gemm`` backend 
 the grid's. Every variant is printed, fastest first, then the defaults again. The batch is the
 step's prompts in a row, n adapters over 4 slots (one prompt each), bf16, rank 16. The producers
 write into the first K columns of rows as wide as the model's extended input (K + ``tail_width``),
-which the separate shrink then reads. ``--row-pad P`` widens those rows by P columns: the logs in results/gemm/prompt-shrink-h100 ran with 8 more (and o's input in
-rows of K), a stride of 8 modulo 16 elements, which Triton cannot prove aligned: the shrink then
-loads x two bytes at a time (it vectorises loads only on strides it specialises as divisible by 16).
+which the separate shrink then reads. ``--row-pad P`` widens those rows by P columns: the logs in
+results/gemm/prompt-shrink-h100 ran with 8 more (and o's input in rows of K), a stride of 8 modulo
+16 elements, which Triton cannot prove aligned: the shrink then loads x two bytes at a time (it
+vectorises loads only on strides it specialises as divisible by 16).
 """
 
 import argparse
@@ -52,9 +53,11 @@ def bench(name: str, k: int, slices: int, tokens: int, active: int, search: bool
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = slices * RANK
     width = k + tail_width(slices, SLOTS, RANK) + row_pad  # the extended input's row, as the model's (row_pad 0)
+    # the producers' inputs: down's gate_up output, the norms' residual and delta (o's input is ext itself)
     src = [torch.randn(tokens, 2 * k if name == "down" else k, device=dev, dtype=DTYPE, generator=gen)
-           for _ in range(COPIES)]
-    delta = [torch.randn(tokens, k, device=dev, dtype=DTYPE, generator=gen) for _ in range(COPIES)]
+           for _ in range(COPIES if name != "o" else 0)]
+    delta = [torch.randn(tokens, k, device=dev, dtype=DTYPE, generator=gen)
+             for _ in range(COPIES if name in ("qkv", "gate_up") else 0)]
     w = torch.ones(k, device=dev, dtype=DTYPE)
     ext = [torch.randn(tokens, width, device=dev, dtype=DTYPE, generator=gen) for _ in range(COPIES)]
     a = torch.randn(SLOTS, rows, k, device=dev, dtype=DTYPE, generator=gen) * k**-0.5

@@ -88,6 +88,10 @@ def vector_loads(ptx: str) -> int:
     return len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
 
 
+def two_byte_loads(ptx: str) -> int:
+    return len(re.findall(r"ld\.global[\w.:]*\.b16\b", ptx))
+
+
 def ranked_loads_stay_vectorised() -> str | None:
     """The ``+unpadded`` (RANKED) kernels load B and h 128 bits at a time, as the padded ones do:
     a rank mask ending at an arbitrary runtime bound would make those loads one element each."""
@@ -134,7 +138,7 @@ def extended_rows_stay_vectorised() -> str | None:
                            slices=slices, pdl=False)
         args, kwargs = recorders["_shrink_kernel"].calls[-1]
         ptx = compile_call(recorders["_shrink_kernel"].fn, args, kwargs, True).asm["ptx"]
-        narrow = len(re.findall(r"ld\.global[\w.:]*\.b16\b", ptx))
+        narrow = two_byte_loads(ptx)
         if narrow:
             return f"_shrink_kernel: {narrow} 2-byte loads of x from rows of {width} (slices {slices}, slots {slots}, rank {rank})"
     return None
